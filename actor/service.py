@@ -1,0 +1,145 @@
+"""The actor process: sample groups with the newest adapter weights, stream them out.
+
+It connects a DEALER socket to the learner, says hello, and samples nothing until it
+holds the learner's current weights: a restarted actor never samples with stale initial
+LoRA weights. Between batches it applies the newest weights that arrived. With
+`max_staleness = k`, batch b is sampled only once the actor holds version >= b - k.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import zmq
+
+import protocol
+from actor.data import PromptStream, load_prompts
+from actor.sampler import SamplingParams, sample_group
+from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint
+from protocol.config import read_run_config
+
+log = logging.getLogger("actor")
+
+
+class LearnerGone(RuntimeError):
+    pass
+
+
+class Actor:
+    def __init__(self, run_dir: Path) -> None:
+        self.cfg = read_run_config(run_dir)
+        s = self.cfg["sampling"]
+        self.params = SamplingParams(s["temperature"], s["top_p"], s["top_k"], s["min_p"], s["max_tokens"])
+        mx.random.seed(s["seed"])
+        log.info("loading %s", self.cfg["model"]["path"])
+        self.model, self.tokenizer, _ = load_policy(self.cfg["model"]["path"], self.cfg["lora"])
+        self.eos_ids = set(self.tokenizer.eos_token_ids)
+        data = self.cfg["data"]
+        prompts = load_prompts(data["prompts"], self.tokenizer, s["max_prompt_tokens"])
+        self.stream = PromptStream(prompts, data["shuffle"], data["seed"])
+        self.version: int | None = None
+        self.pending: protocol.Message | None = None  # newest weights not yet applied
+        self.stopping = False
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(protocol.read_endpoints(run_dir)["learner"])
+
+    def send(self, kind: str, header: dict, arrays: dict | None = None) -> None:
+        self.sock.send_multipart(protocol.encode(kind, header, arrays), copy=False)
+
+    def receive(self, timeout_ms: int) -> None:
+        """Keep the newest weights message; never raise on a bad message."""
+        while self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            frames = self.sock.recv_multipart()
+            try:
+                msg = protocol.decode(frames)
+            except protocol.ProtocolError as e:
+                log.error("dropped a malformed message: %s", e)
+                continue
+            if msg.kind == protocol.WEIGHTS:
+                if self.pending is None or msg["version"] >= self.pending["version"]:
+                    self.pending = msg
+            elif msg.kind == protocol.STOP:
+                log.info("learner says stop: %s", msg["reason"])
+                self.stopping = True
+            elif msg.kind == protocol.HELLO:
+                log.info("learner pid %s accepted the handshake", msg["pid"])
+
+    def apply_pending(self) -> None:
+        if self.pending is None:
+            return
+        msg, self.pending = self.pending, None
+        try:
+            set_adapter_weights(self.model, msg.arrays)
+        except ValueError as e:
+            log.error("ignored weights of version %d: %s", msg["version"], e)
+            return
+        self.version = msg["version"]
+
+    def sample_batch(self, batch: int) -> None:
+        s = self.cfg["sampling"]
+        for i in range(self.cfg["train"]["batch_size"]):
+            prompt = next(self.stream)
+            t0 = time.perf_counter()
+            completions = sample_group(self.model, prompt.prompt_ids, s["group_size"],
+                                       self.params, self.eos_ids)
+            gen_s = time.perf_counter() - t0
+            ids = [c.token_ids for c in completions]
+            header = {
+                "group_id": f"{batch}-{i}",
+                "policy_version": self.version,
+                "prompt": prompt.prompt,
+                "columns": prompt.columns,
+                "texts": [self.tokenizer.decode(t, skip_special_tokens=True) for t in ids],
+                "finish_reasons": [c.finish_reason for c in completions],
+                "gen_s": gen_s,
+                "peak_memory_mb": mx.get_peak_memory() / 1e6,
+            }
+            arrays = {
+                "prompt_ids": np.array(prompt.prompt_ids, dtype=np.int32),
+                "completion_ids": np.array(sum(ids, []), dtype=np.int32),
+                "completion_lens": np.array([len(t) for t in ids], dtype=np.int32),
+                "logprobs": np.array(sum((c.logprobs for c in completions), []), dtype=np.float32),
+            }
+            self.send(protocol.ROLLOUT, header, arrays)
+
+    def run(self) -> None:
+        self.send(protocol.HELLO, {"role": "actor", "model": self.cfg["model"]["path"],
+                                   "tokenizer": tokenizer_fingerprint(self.tokenizer),
+                                   "lora": self.cfg["lora"], "pid": os.getpid()})
+        max_staleness = self.cfg["train"]["max_staleness"]
+        batch = 0
+        while not self.stopping:
+            self.receive(0)
+            self.apply_pending()
+            if self.version is None or batch - self.version > max_staleness:
+                self.receive(200)  # wait for weights
+                continue
+            self.sample_batch(batch)
+            batch += 1
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def main(run_dir: str) -> None:
+    actor = Actor(Path(run_dir))
+
+    def stop(signum, frame):
+        actor.stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        actor.run()
+    finally:
+        actor.close()

@@ -1,0 +1,56 @@
+"""Rollout groups as the learner holds them, checked beyond what the wire format checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from protocol import Message
+
+
+@dataclass
+class Group:
+    group_id: str
+    policy_version: int
+    prompt: Any
+    columns: dict[str, Any]
+    prompt_ids: np.ndarray
+    completion_ids: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    texts: list[str]
+    finish_reasons: list[str]
+    gen_s: float
+    actor_peak_mb: float | None
+
+
+def group_from_message(msg: Message, vocab_size: int, group_size: int) -> Group:
+    """Build a Group; raise ValueError (the drop reason) if it cannot be trained on."""
+    a = msg.arrays
+    ids = np.concatenate([a["prompt_ids"], a["completion_ids"]])
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token id outside the vocabulary of {vocab_size}")
+    lens = a["completion_lens"]
+    if len(lens) != group_size:
+        raise ValueError(f"group of {len(lens)} completions, config says {group_size}")
+    if (lens == 0).any():
+        # An empty completion has no token to carry its advantage; training on it would
+        # silently shrink the batch's loss.
+        raise ValueError("empty completion")
+    cuts = np.cumsum(lens)[:-1]
+    gen_s = msg.header.get("gen_s", 0.0)
+    peak = msg.header.get("peak_memory_mb")
+    return Group(
+        group_id=msg["group_id"],
+        policy_version=msg["policy_version"],
+        prompt=msg["prompt"],
+        columns=msg["columns"],
+        prompt_ids=a["prompt_ids"],
+        completion_ids=np.split(a["completion_ids"], cuts),
+        logprobs=np.split(a["logprobs"], cuts),
+        texts=msg["texts"],
+        finish_reasons=msg["finish_reasons"],
+        gen_s=float(gen_s) if isinstance(gen_s, (int, float)) else 0.0,
+        actor_peak_mb=float(peak) if isinstance(peak, (int, float)) else None,
+    )

@@ -1,0 +1,257 @@
+"""The learner process: intake -> rewards -> advantages -> step -> publish weights.
+
+It binds the socket that actors connect to (a ZeroMQ ROUTER, so several actors can
+attach), trains on every `batch_size` groups it receives, and sends the new adapter
+weights to every actor after each optimizer step. Every group that arrives is trained on,
+dropped with a counted reason, or still queued when the run ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import zmq
+
+import protocol
+from learner.algorithms import make_algorithm
+from learner.groups import Group, group_from_message
+from learner.rewards import RewardError, load_reward_function, score
+from learner.step import Sample, make_batch, train_step
+from policy.model import adapter_weights_numpy, load_policy, save_adapters, tokenizer_fingerprint
+from protocol.config import read_run_config
+
+log = logging.getLogger("learner")
+
+# A reward function that fails this many batches in a row is broken, not flaky.
+MAX_REWARD_FAILURES = 3
+
+
+class Learner:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.cfg = read_run_config(run_dir)
+        train = self.cfg["train"]
+        self.reward_fn = load_reward_function(self.cfg["reward"]["function"],
+                                              self.cfg["reward"]["search_path"])
+        self.algorithm = make_algorithm(self.cfg["algorithm"]["name"], train["epsilon"], train["beta"])
+        mx.random.seed(train["seed"])
+        log.info("loading %s", self.cfg["model"]["path"])
+        self.model, self.tokenizer, self.adapter_config = load_policy(
+            self.cfg["model"]["path"], self.cfg["lora"])
+        self.model.train()
+        self.optimizer = optim.Adam(learning_rate=train["learning_rate"])
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else len(
+            self.tokenizer.get_vocab())
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self.step = 0
+        self.version = 0
+        self.actors: dict[bytes, dict] = {}
+        self.queue: collections.deque[Group] = collections.deque()
+        self.counts = collections.Counter()
+        self.dropped = collections.Counter()
+        self.reward_failures = 0
+        self.stopping = False
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.bind(protocol.read_endpoints(run_dir)["learner"])
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+
+    # -- messages ---------------------------------------------------------------------
+
+    def hello(self) -> dict:
+        return {"role": "learner", "model": self.cfg["model"]["path"],
+                "tokenizer": self.fingerprint, "lora": self.cfg["lora"], "pid": os.getpid()}
+
+    def send(self, identity: bytes, kind: str, header: dict | None = None,
+             arrays: dict | None = None) -> None:
+        self.sock.send_multipart([identity, *protocol.encode(kind, header, arrays)], copy=False)
+
+    def publish_weights(self, identities: list[bytes]) -> None:
+        weights = adapter_weights_numpy(self.model)
+        frames = protocol.encode(protocol.WEIGHTS, {"version": self.version}, weights)
+        for identity in identities:
+            self.sock.send_multipart([identity, *frames], copy=False)
+
+    def receive(self, timeout_ms: int) -> None:
+        """Handle every message that arrives within `timeout_ms`; never raise on bad input."""
+        while self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            identity, *frames = self.sock.recv_multipart()
+            try:
+                msg = protocol.decode(frames)
+            except protocol.ProtocolError as e:
+                self.counts["messages_rejected"] += 1
+                log.error("dropped a malformed message from %s: %s", identity.hex(), e)
+                continue
+            self.handle(identity, msg)
+
+    def handle(self, identity: bytes, msg: protocol.Message) -> None:
+        if msg.kind == protocol.HELLO:
+            problem = self.incompatibility(msg)
+            if problem:
+                log.error("refused %s (pid %s): %s", msg["role"], msg["pid"], problem)
+                self.send(identity, protocol.STOP, {"reason": f"incompatible: {problem}"})
+                return
+            self.actors[identity] = msg.header
+            log.info("actor pid %s attached; sending weights of version %d", msg["pid"], self.version)
+            self.send(identity, protocol.HELLO, self.hello())
+            self.publish_weights([identity])
+        elif msg.kind == protocol.ROLLOUT:
+            self.counts["groups_received"] += 1
+            if identity not in self.actors:
+                self.drop("no handshake", msg["group_id"])
+                return
+            try:
+                group = group_from_message(msg, self.vocab_size, self.cfg["sampling"]["group_size"])
+            except ValueError as e:
+                self.drop(str(e), msg["group_id"])
+                return
+            self.queue.append(group)
+        elif msg.kind == protocol.STOP:
+            log.info("peer asked to stop: %s", msg["reason"])
+        # Heartbeats need no answer; other kinds have no meaning for the learner.
+
+    def incompatibility(self, msg: protocol.Message) -> str | None:
+        if msg["role"] != "actor":
+            return f"role {msg['role']!r} cannot attach to the rollout socket"
+        if msg["tokenizer"] != self.fingerprint:
+            return "tokenizer fingerprint differs"
+        if msg["lora"] != self.cfg["lora"]:
+            return f"LoRA config {msg['lora']} differs from {self.cfg['lora']}"
+        if msg["model"] != self.cfg["model"]["path"]:
+            return f"model {msg['model']!r} differs from {self.cfg['model']['path']!r}"
+        return None
+
+    def drop(self, reason: str, group_id: str, n: int = 1) -> None:
+        self.dropped[reason] += n
+        log.warning("dropped group %s: %s", group_id, reason)
+
+    # -- training ---------------------------------------------------------------------
+
+    def next_batch(self) -> list[Group] | None:
+        """Take `batch_size` groups, dropping those too stale to train on."""
+        train = self.cfg["train"]
+        while self.queue and self.version - self.queue[0].policy_version > train["max_staleness"]:
+            g = self.queue.popleft()
+            self.drop("stale", g.group_id)
+        if len(self.queue) < train["batch_size"]:
+            return None
+        return [self.queue.popleft() for _ in range(train["batch_size"])]
+
+    def learn(self, groups: list[Group]) -> dict | None:
+        t0 = time.perf_counter()
+        try:
+            rewards = score(self.reward_fn, groups)
+            self.reward_failures = 0
+        except RewardError as e:
+            self.reward_failures += 1
+            for g in groups:
+                self.drop("reward error", g.group_id)
+            log.error("%s", e)
+            if self.reward_failures >= MAX_REWARD_FAILURES:
+                raise
+            return None
+        advantages = self.algorithm.advantages(rewards)
+        samples = [Sample(g.prompt_ids, ids, lp, fr) for g in groups
+                   for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)]
+        train, sampling = self.cfg["train"], self.cfg["sampling"]
+        stats = train_step(self.model, self.optimizer, self.algorithm, make_batch(samples, self.pad_id),
+                           advantages, sampling["temperature"], train["beta"], train["max_grad_norm"])
+        self.step += 1
+        self.version += 1
+        self.counts["groups_trained"] += len(groups)
+        self.publish_weights(list(self.actors))
+        lens = [len(s.completion_ids) for s in samples]
+        gen_s = sum(g.gen_s for g in groups)
+        actor_peaks = [g.actor_peak_mb for g in groups if g.actor_peak_mb is not None]
+        return {
+            "step": self.step,
+            "policy_version": self.version,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            **stats,
+            "completion_len_mean": float(np.mean(lens)),
+            "truncated_frac": float(np.mean([s.finish_reason == "length" for s in samples])),
+            "version_lag_mean": float(np.mean([self.version - 1 - g.policy_version for g in groups])),
+            "rollout_tokens_per_s": sum(lens) / gen_s if gen_s > 0 else None,
+            "step_s": time.perf_counter() - t0,
+            "learner_peak_mb": mx.get_peak_memory() / 1e6,
+            "actor_peak_mb": max(actor_peaks) if actor_peaks else None,
+            **self.group_counts(),
+        }
+
+    def group_counts(self) -> dict:
+        return {
+            "groups_received": self.counts["groups_received"],
+            "groups_trained": self.counts["groups_trained"],
+            "groups_queued": len(self.queue),
+            "groups_dropped": sum(self.dropped.values()),
+            "dropped_reasons": dict(self.dropped),
+            "messages_rejected": self.counts["messages_rejected"],
+        }
+
+    def write_status(self, phase: str) -> None:
+        status = {"phase": phase, "step": self.step, "steps": self.cfg["train"]["steps"],
+                  "actors": len(self.actors), "time": time.time(), **self.group_counts()}
+        tmp = self.run_dir / "status.json.tmp"
+        tmp.write_text(json.dumps(status) + "\n")
+        os.replace(tmp, self.run_dir / "status.json")
+
+    def checkpoint(self) -> None:
+        save_adapters(self.model, self.run_dir / "adapters", self.adapter_config)
+
+    def run(self) -> None:
+        steps = self.cfg["train"]["steps"]
+        every = self.cfg["train"]["checkpoint_every"]
+        self.write_status("waiting_for_actor")
+        last_status = 0.0
+        while self.step < steps and not self.stopping:
+            self.receive(100)
+            batch = self.next_batch()
+            if batch is not None:
+                metrics = self.learn(batch)
+                if metrics is not None:
+                    self.metrics_file.write(json.dumps(metrics) + "\n")
+                    self.metrics_file.flush()
+                    if every and self.step % every == 0:
+                        self.checkpoint()
+            if time.time() - last_status > 0.5 or batch is not None:
+                self.write_status("training" if self.actors else "waiting_for_actor")
+                last_status = time.time()
+        self.checkpoint()
+        self.write_status("done" if self.step >= steps else "stopped")
+
+    def close(self) -> None:
+        for identity in self.actors:
+            self.send(identity, protocol.STOP, {"reason": "training finished"})
+        self.metrics_file.close()
+        self.sock.close()
+        self.ctx.term()
+
+
+def main(run_dir: str) -> None:
+    learner = Learner(Path(run_dir))
+
+    def stop(signum, frame):
+        log.info("signal %d: checkpointing and stopping", signum)
+        learner.stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        learner.run()
+    finally:
+        learner.close()
+    log.info("finished at step %d; adapters in %s", learner.step, learner.run_dir / "adapters")

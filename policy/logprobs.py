@@ -1,0 +1,26 @@
+"""Per-token logprobs of given token IDs: the one definition both processes share.
+
+Both sides take logprobs from the temperature-scaled, *untruncated* distribution
+`log_softmax(logits / temperature)`. Top-k / top-p / min-p only shape what the actor
+samples; they are applied to neither side's logprobs, so at equal weights the learner's
+recomputed logprobs equal the actor's behavior logprobs (see README, "Logprobs").
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> mx.array:
+    """logprob of each `tokens[..., i]` under `logits[..., i, :]` at `temperature`."""
+    logits = logits.astype(mx.float32) / temperature
+    lse = mx.logsumexp(logits, axis=-1)
+    picked = mx.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    return picked - lse
+
+
+def sequence_logprobs(model: nn.Module, tokens: mx.array, temperature: float) -> mx.array:
+    """Full forward over `tokens` [B, L]; returns [B, L-1], the logprob of tokens[:, 1:]."""
+    logits = model(tokens[:, :-1])
+    return token_logprobs(logits, tokens[:, 1:], temperature)

@@ -1,0 +1,133 @@
+"""The one place that loads a model with LoRA attached and moves adapter weights in and out.
+
+Both the actor and the learner call these functions, so the two processes build exactly
+the same module tree, parameter names and LoRA layers from the same config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+ADAPTER_LEAVES = ("lora_a", "lora_b")
+
+
+def lora_settings(lora: Mapping[str, Any], num_model_layers: int) -> dict[str, Any]:
+    """mlx-lm's adapter_config fields for a [lora] config section."""
+    num_layers = lora.get("num_layers", -1)
+    if num_layers <= 0 or num_layers > num_model_layers:
+        num_layers = num_model_layers
+    params = {"rank": lora["rank"], "scale": lora["scale"], "dropout": lora.get("dropout", 0.0)}
+    if lora.get("keys"):
+        params["keys"] = list(lora["keys"])
+    return {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}
+
+
+def load_policy(model_path: str, lora: Mapping[str, Any], adapter_path: str | None = None):
+    """Load a model through mlx-lm, freeze it and attach LoRA layers.
+
+    Returns (model, tokenizer, adapter_config). With `adapter_path`, the saved adapter
+    weights are loaded into the fresh LoRA layers (its LoRA settings must match).
+    """
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, tokenizer = load(model_path)
+    model.freeze()
+    settings = lora_settings(lora, len(model.layers))
+    linear_to_lora_layers(model, settings["num_layers"], settings["lora_parameters"])
+    if adapter_path is not None:
+        weights = mx.load(str(Path(adapter_path) / "adapters.safetensors"))
+        set_adapter_weights(model, weights)
+    model.eval()
+    mx.eval(model.parameters())
+    return model, tokenizer, dict(settings, model=model_path)
+
+
+def adapter_weights(model: nn.Module) -> dict[str, mx.array]:
+    """The LoRA parameters by their mlx-lm names (what adapters.safetensors holds)."""
+    return {k: v for k, v in tree_flatten(model.trainable_parameters())
+            if k.rsplit(".", 1)[-1] in ADAPTER_LEAVES}
+
+
+def set_adapter_weights(model: nn.Module, weights: Mapping[str, Any]) -> None:
+    """Load adapter weights, refusing any name or shape the model does not have."""
+    current = adapter_weights(model)
+    missing = sorted(set(current) - set(weights))
+    extra = sorted(set(weights) - set(current))
+    if missing or extra:
+        raise ValueError(f"adapter weights do not match the model: missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}")
+    update = []
+    for name, value in weights.items():
+        if tuple(value.shape) != tuple(current[name].shape):
+            raise ValueError(f"adapter weight {name} has shape {tuple(value.shape)}, "
+                             f"model expects {tuple(current[name].shape)}")
+        update.append((name, mx.array(value).astype(current[name].dtype)))
+    model.load_weights(update, strict=False)
+    mx.eval(model.parameters())
+
+
+def adapter_weights_numpy(model: nn.Module) -> dict[str, np.ndarray]:
+    """Adapter weights as float32 numpy arrays, ready for raw frames."""
+    return {k: np.array(v.astype(mx.float32)) for k, v in adapter_weights(model).items()}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the base model: every LoRA layer's scale is set to 0, then restored.
+
+    This gives reference logprobs from the same model object, without a second copy of
+    the base weights.
+    """
+    layers = [m for _, m in model.named_modules() if hasattr(m, "lora_a")]
+    scales = [m.scale for m in layers]
+    for m in layers:
+        m.scale = 0.0
+    try:
+        yield
+    finally:
+        for m, s in zip(layers, scales):
+            m.scale = s
+
+
+def save_adapters(model: nn.Module, out_dir: str | Path, adapter_config: Mapping) -> Path:
+    """Write adapters.safetensors + adapter_config.json in mlx-lm's format, atomically.
+
+    Both files go to a temporary sibling directory that then replaces `out_dir`, so a
+    crash mid-write leaves the previous adapters whole.
+    """
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    mx.save_safetensors(str(tmp / "adapters.safetensors"), adapter_weights(model))
+    (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    return out
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash of the vocabulary and EOS ids: both sides must tokenize alike."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    blob = json.dumps([vocab, eos], ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

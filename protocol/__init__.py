@@ -1,0 +1,20 @@
+"""The wire format shared by the actor, the learner and reward processes (no MLX here)."""
+
+from protocol.endpoints import make_endpoints, read_endpoints, write_endpoints
+from protocol.wire import (
+    HEARTBEAT,
+    HELLO,
+    PROTOCOL_VERSION,
+    ROLLOUT,
+    STOP,
+    WEIGHTS,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+)
+
+__all__ = [
+    "HEARTBEAT", "HELLO", "PROTOCOL_VERSION", "ROLLOUT", "STOP", "WEIGHTS", "Message",
+    "ProtocolError", "decode", "encode", "make_endpoints", "read_endpoints", "write_endpoints",
+]

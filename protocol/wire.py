@@ -1,0 +1,205 @@
+"""Protocol v1: message kinds, the msgpack codec, raw array frames and validation.
+
+A message is a ZeroMQ multipart: frame 0 is a msgpack map (the header), frames 1..n carry
+the raw bytes of the arrays the header lists under "arrays", in that order. PROTOCOL.md is
+the specification; this module is its reference implementation. It imports no MLX and
+nothing else of this project, so a peer in plain Python needs only this file (or nothing:
+the format is documented).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+# Adapter weights of a 7B model at rank 64 are a few hundred MB; beyond this a message is
+# far more likely to be garbage or an attack than a real peer.
+MAX_MESSAGE_BYTES = 1 << 30
+MAX_HEADER_BYTES = 16 << 20
+
+DTYPES = {"uint8", "int32", "int64", "float16", "float32"}
+ROLES = {"actor", "learner", "reward_worker", "orchestrator"}
+FINISH_REASONS = {"stop", "length"}
+
+HELLO = "hello"
+ROLLOUT = "rollout"
+WEIGHTS = "weights"
+HEARTBEAT = "heartbeat"
+STOP = "stop"
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be used. The text says what is wrong with it."""
+
+
+@dataclass
+class Message:
+    kind: str
+    header: dict[str, Any]
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.header[key]
+
+
+_ANY = object()
+_NUMBER = (int, float)
+
+# Required fields of each kind, beyond "protocol", "kind" and "arrays".
+_SCHEMA: dict[str, dict[str, Any]] = {
+    HELLO: {"role": str, "model": str, "tokenizer": str, "lora": dict, "pid": int},
+    ROLLOUT: {
+        "group_id": str,
+        "policy_version": int,
+        "prompt": _ANY,
+        "columns": dict,
+        "finish_reasons": list,
+        "texts": list,
+    },
+    WEIGHTS: {"version": int},
+    HEARTBEAT: {"role": str, "time": _NUMBER},
+    STOP: {"reason": str},
+}
+
+# Arrays each kind must carry, with their dtype and rank.
+_ARRAYS: dict[str, dict[str, tuple[str, int]]] = {
+    ROLLOUT: {
+        "prompt_ids": ("int32", 1),
+        "completion_ids": ("int32", 1),
+        "completion_lens": ("int32", 1),
+        "logprobs": ("float32", 1),
+    },
+}
+
+
+def encode(kind: str, header: dict[str, Any] | None = None, arrays: dict | None = None) -> list[bytes]:
+    """Build the frames of one message. Arrays are sent C-contiguous, little-endian."""
+    head = dict(header or {}, protocol=PROTOCOL_VERSION, kind=kind)
+    specs, frames = [], []
+    for name, value in (arrays or {}).items():
+        a = np.ascontiguousarray(value)
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        specs.append({"name": name, "dtype": a.dtype.name, "shape": list(a.shape)})
+        frames.append(a.tobytes())
+    head["arrays"] = specs
+    return [msgpack.packb(head, use_bin_type=True), *frames]
+
+
+def decode(frames: list[bytes], max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Parse and validate a multipart message; raise ProtocolError naming the problem."""
+    if not frames:
+        raise ProtocolError("empty message")
+    total = sum(len(f) for f in frames)
+    if total > max_bytes:
+        raise ProtocolError(f"message of {total} bytes exceeds the limit of {max_bytes}")
+    if len(frames[0]) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(frames[0])} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        head = msgpack.unpackb(bytes(frames[0]), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"header is not valid msgpack: {e}") from None
+    if not isinstance(head, dict):
+        raise ProtocolError(f"header must be a map, got {type(head).__name__}")
+    version = head.get("protocol")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
+    kind = head.get("kind")
+    if kind not in _SCHEMA:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    _check_fields(kind, head)
+    arrays = _decode_arrays(kind, head.get("arrays"), frames[1:])
+    msg = Message(kind, head, arrays)
+    if kind == ROLLOUT:
+        _check_rollout(msg)
+    elif kind == HELLO and head["role"] not in ROLES:
+        raise ProtocolError(f"hello: unknown role {head['role']!r}")
+    return msg
+
+
+def _check_fields(kind: str, head: dict) -> None:
+    for name, typ in _SCHEMA[kind].items():
+        if name not in head:
+            raise ProtocolError(f"{kind}: missing field {name!r}")
+        value = head[name]
+        if typ is _ANY:
+            continue
+        # bool is an int in Python; a peer sending true for a version is still wrong.
+        if isinstance(value, bool) and typ is not bool:
+            raise ProtocolError(f"{kind}: field {name!r} must be {_type_name(typ)}, got bool")
+        if not isinstance(value, typ):
+            raise ProtocolError(
+                f"{kind}: field {name!r} must be {_type_name(typ)}, got {type(value).__name__}"
+            )
+        if typ is int and value < 0:
+            raise ProtocolError(f"{kind}: field {name!r} must be >= 0, got {value}")
+
+
+def _type_name(typ: Any) -> str:
+    if isinstance(typ, tuple):
+        return "a number"
+    return {str: "a string", int: "an integer", dict: "a map", list: "a list"}.get(typ, str(typ))
+
+
+def _decode_arrays(kind: str, specs: Any, frames: list[bytes]) -> dict[str, np.ndarray]:
+    if not isinstance(specs, list):
+        raise ProtocolError(f"{kind}: field 'arrays' must be a list")
+    if len(specs) != len(frames):
+        raise ProtocolError(f"{kind}: header lists {len(specs)} arrays but {len(frames)} frames follow")
+    arrays: dict[str, np.ndarray] = {}
+    for spec, frame in zip(specs, frames):
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ProtocolError(f"{kind}: every array needs a string 'name'")
+        name, dtype, shape = spec["name"], spec.get("dtype"), spec.get("shape")
+        if name in arrays:
+            raise ProtocolError(f"{kind}: array {name!r} appears twice")
+        if dtype not in DTYPES:
+            raise ProtocolError(f"{kind}: array {name!r} has unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise ProtocolError(f"{kind}: array {name!r} needs a shape of non-negative integers")
+        expected = math.prod(shape) * np.dtype(dtype).itemsize
+        if len(frame) != expected:
+            raise ProtocolError(
+                f"{kind}: array {name!r} {dtype}{shape} needs {expected} bytes, frame has {len(frame)}"
+            )
+        arrays[name] = np.frombuffer(frame, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+    for name, (dtype, ndim) in _ARRAYS.get(kind, {}).items():
+        a = arrays.get(name)
+        if a is None:
+            raise ProtocolError(f"{kind}: missing array {name!r}")
+        if a.dtype.name != dtype or a.ndim != ndim:
+            raise ProtocolError(f"{kind}: array {name!r} must be {dtype} of rank {ndim}")
+    return arrays
+
+
+def _check_rollout(msg: Message) -> None:
+    a, h = msg.arrays, msg.header
+    lens = a["completion_lens"]
+    g = len(lens)
+    if g == 0:
+        raise ProtocolError("rollout: a group needs at least one completion")
+    if len(h["texts"]) != g or len(h["finish_reasons"]) != g:
+        raise ProtocolError(f"rollout: {g} completions but {len(h['texts'])} texts and "
+                            f"{len(h['finish_reasons'])} finish reasons")
+    if not all(isinstance(t, str) for t in h["texts"]):
+        raise ProtocolError("rollout: every text must be a string")
+    bad = [r for r in h["finish_reasons"] if r not in FINISH_REASONS]
+    if bad:
+        raise ProtocolError(f"rollout: unknown finish reason {bad[0]!r}")
+    if (lens < 0).any() or int(lens.sum()) != len(a["completion_ids"]):
+        raise ProtocolError("rollout: completion_lens must be >= 0 and sum to len(completion_ids)")
+    if len(a["logprobs"]) != len(a["completion_ids"]):
+        raise ProtocolError("rollout: logprobs and completion_ids differ in length")
+    if len(a["prompt_ids"]) == 0:
+        raise ProtocolError("rollout: prompt_ids is empty")
+    lp = a["logprobs"]
+    if not np.isfinite(lp).all() or (lp > 1e-4).any():
+        raise ProtocolError("rollout: logprobs must be finite and <= 0")
