@@ -2,8 +2,12 @@
 
 It connects a DEALER socket to the learner, says hello, and samples nothing until it
 holds the learner's current weights: a restarted actor never samples with stale initial
-LoRA weights. Between batches it applies the newest weights that arrived. With
-`max_staleness = k`, batch b is sampled only once the actor holds version >= b - k.
+LoRA weights. Between batches it applies the newest weights that arrived.
+
+Flow control is by credit: the learner reports how many of this actor's groups it has
+consumed (trained or dropped). With `max_staleness = k` the actor keeps at most k batches
+in flight beyond the one being trained, so with k = 0 every batch is sampled by the
+weights that the previous batch produced.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class Actor:
         self.stream = PromptStream(prompts, data["shuffle"], data["seed"])
         self.version: int | None = None
         self.pending: protocol.Message | None = None  # newest weights not yet applied
+        self.groups_sent = 0
+        self.groups_consumed = 0
         self.stopping = False
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -67,6 +73,8 @@ class Actor:
             if msg.kind == protocol.WEIGHTS:
                 if self.pending is None or msg["version"] >= self.pending["version"]:
                     self.pending = msg
+            elif msg.kind == protocol.CREDIT:
+                self.groups_consumed = max(self.groups_consumed, msg["groups_consumed"])
             elif msg.kind == protocol.STOP:
                 log.info("learner says stop: %s", msg["reason"])
                 self.stopping = True
@@ -110,18 +118,20 @@ class Actor:
                 "logprobs": np.array(sum((c.logprobs for c in completions), []), dtype=np.float32),
             }
             self.send(protocol.ROLLOUT, header, arrays)
+            self.groups_sent += 1
 
     def run(self) -> None:
         self.send(protocol.HELLO, {"role": "actor", "model": self.cfg["model"]["path"],
                                    "tokenizer": tokenizer_fingerprint(self.tokenizer),
                                    "lora": self.cfg["lora"], "pid": os.getpid()})
-        max_staleness = self.cfg["train"]["max_staleness"]
+        train = self.cfg["train"]
+        allowed_in_flight = train["max_staleness"] * train["batch_size"]
         batch = 0
         while not self.stopping:
             self.receive(0)
             self.apply_pending()
-            if self.version is None or batch - self.version > max_staleness:
-                self.receive(200)  # wait for weights
+            if self.version is None or self.groups_sent - self.groups_consumed > allowed_in_flight:
+                self.receive(200)  # wait for weights or credit
                 continue
             self.sample_batch(batch)
             batch += 1

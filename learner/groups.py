@@ -12,6 +12,7 @@ from protocol import Message
 
 @dataclass
 class Group:
+    sender: bytes  # ZeroMQ identity of the actor that sampled it
     group_id: str
     policy_version: int
     prompt: Any
@@ -25,7 +26,7 @@ class Group:
     actor_peak_mb: float | None
 
 
-def group_from_message(msg: Message, vocab_size: int, group_size: int) -> Group:
+def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size: int) -> Group:
     """Build a Group; raise ValueError (the drop reason) if it cannot be trained on."""
     a = msg.arrays
     ids = np.concatenate([a["prompt_ids"], a["completion_ids"]])
@@ -42,6 +43,7 @@ def group_from_message(msg: Message, vocab_size: int, group_size: int) -> Group:
     gen_s = msg.header.get("gen_s", 0.0)
     peak = msg.header.get("peak_memory_mb")
     return Group(
+        sender=sender,
         group_id=msg["group_id"],
         policy_version=msg["policy_version"],
         prompt=msg["prompt"],

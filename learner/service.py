@@ -18,6 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.optimizers as optim
+import msgpack
 import numpy as np
 import zmq
 
@@ -59,6 +60,9 @@ class Learner:
         self.queue: collections.deque[Group] = collections.deque()
         self.counts = collections.Counter()
         self.dropped = collections.Counter()
+        # Groups trained or dropped, per actor: the credit that lets an actor sample more.
+        self.consumed: collections.Counter[bytes] = collections.Counter()
+        self.credited: dict[bytes, int] = {}
         self.reward_failures = 0
         self.stopping = False
 
@@ -94,8 +98,14 @@ class Learner:
             except protocol.ProtocolError as e:
                 self.counts["messages_rejected"] += 1
                 log.error("dropped a malformed message from %s: %s", identity.hex(), e)
+                if identity in self.actors and _looks_like_rollout(frames):
+                    # An attached actor counts this group as in flight; consume it so the
+                    # actor is not left waiting for credit that would never come.
+                    self.counts["groups_received"] += 1
+                    self.drop("malformed", "?", identity)
                 continue
             self.handle(identity, msg)
+        self.send_credits()
 
     def handle(self, identity: bytes, msg: protocol.Message) -> None:
         if msg.kind == protocol.HELLO:
@@ -111,12 +121,13 @@ class Learner:
         elif msg.kind == protocol.ROLLOUT:
             self.counts["groups_received"] += 1
             if identity not in self.actors:
-                self.drop("no handshake", msg["group_id"])
+                self.drop("no handshake", msg["group_id"], identity)
                 return
             try:
-                group = group_from_message(msg, self.vocab_size, self.cfg["sampling"]["group_size"])
+                group = group_from_message(identity, msg, self.vocab_size,
+                                           self.cfg["sampling"]["group_size"])
             except ValueError as e:
-                self.drop(str(e), msg["group_id"])
+                self.drop(str(e), msg["group_id"], identity)
                 return
             self.queue.append(group)
         elif msg.kind == protocol.STOP:
@@ -134,9 +145,18 @@ class Learner:
             return f"model {msg['model']!r} differs from {self.cfg['model']['path']!r}"
         return None
 
-    def drop(self, reason: str, group_id: str, n: int = 1) -> None:
-        self.dropped[reason] += n
+    def drop(self, reason: str, group_id: str, sender: bytes) -> None:
+        self.dropped[reason] += 1
+        self.consumed[sender] += 1
         log.warning("dropped group %s: %s", group_id, reason)
+
+    def send_credits(self) -> None:
+        """Tell each attached actor how many of its groups are consumed, when that changed."""
+        for identity in self.actors:
+            n = self.consumed[identity]
+            if self.credited.get(identity) != n:
+                self.send(identity, protocol.CREDIT, {"groups_consumed": n})
+                self.credited[identity] = n
 
     # -- training ---------------------------------------------------------------------
 
@@ -145,7 +165,7 @@ class Learner:
         train = self.cfg["train"]
         while self.queue and self.version - self.queue[0].policy_version > train["max_staleness"]:
             g = self.queue.popleft()
-            self.drop("stale", g.group_id)
+            self.drop("stale", g.group_id, g.sender)
         if len(self.queue) < train["batch_size"]:
             return None
         return [self.queue.popleft() for _ in range(train["batch_size"])]
@@ -158,7 +178,7 @@ class Learner:
         except RewardError as e:
             self.reward_failures += 1
             for g in groups:
-                self.drop("reward error", g.group_id)
+                self.drop("reward error", g.group_id, g.sender)
             log.error("%s", e)
             if self.reward_failures >= MAX_REWARD_FAILURES:
                 raise
@@ -172,6 +192,7 @@ class Learner:
         self.step += 1
         self.version += 1
         self.counts["groups_trained"] += len(groups)
+        self.consumed.update(g.sender for g in groups)
         self.publish_weights(list(self.actors))
         lens = [len(s.completion_ids) for s in samples]
         gen_s = sum(g.gen_s for g in groups)
@@ -222,6 +243,7 @@ class Learner:
             batch = self.next_batch()
             if batch is not None:
                 metrics = self.learn(batch)
+                self.send_credits()
                 if metrics is not None:
                     self.metrics_file.write(json.dumps(metrics) + "\n")
                     self.metrics_file.flush()
@@ -239,6 +261,14 @@ class Learner:
         self.metrics_file.close()
         self.sock.close()
         self.ctx.term()
+
+
+def _looks_like_rollout(frames: list[bytes]) -> bool:
+    try:
+        head = msgpack.unpackb(bytes(frames[0]), raw=False)
+    except Exception:
+        return False
+    return isinstance(head, dict) and head.get("kind") == protocol.ROLLOUT
 
 
 def main(run_dir: str) -> None:

@@ -93,6 +93,13 @@ class Supervisor:
             self.say(f"started {c.name} (pid {c.proc.pid}), log: {c.log_path}")
 
     def poll_progress(self) -> None:
+        metrics_path = self.run_dir / "metrics.jsonl"
+        if metrics_path.exists():
+            with open(metrics_path) as f:
+                f.seek(self.metrics_pos)
+                while (line := f.readline()).endswith("\n"):
+                    self.metrics_pos = f.tell()
+                    self.say(format_step(json.loads(line), self.cfg["train"]["steps"]))
         status_path = self.run_dir / "status.json"
         try:
             status = json.loads(status_path.read_text())
@@ -101,16 +108,9 @@ class Supervisor:
         if status and status["phase"] != self.phase:
             self.phase = status["phase"]
             label = {"waiting_for_actor": "learner ready; waiting for the actor's handshake",
-                     "training": "actor attached; training"}.get(self.phase, self.phase)
-            self.say(label)
-        metrics_path = self.run_dir / "metrics.jsonl"
-        if not metrics_path.exists():
-            return
-        with open(metrics_path) as f:
-            f.seek(self.metrics_pos)
-            while (line := f.readline()).endswith("\n"):
-                self.metrics_pos = f.tell()
-                self.say(format_step(json.loads(line), self.cfg["train"]["steps"]))
+                     "training": "actor attached; training"}.get(self.phase)
+            if label:  # the end of the run is announced by up(), after the last step
+                self.say(label)
 
     def watch(self, poll_s: float = 0.5) -> None:
         """Return when the learner finishes; raise RunFailed if either process fails."""

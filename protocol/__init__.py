@@ -2,6 +2,7 @@
 
 from protocol.endpoints import make_endpoints, read_endpoints, write_endpoints
 from protocol.wire import (
+    CREDIT,
     HEARTBEAT,
     HELLO,
     PROTOCOL_VERSION,
@@ -15,6 +16,6 @@ from protocol.wire import (
 )
 
 __all__ = [
-    "HEARTBEAT", "HELLO", "PROTOCOL_VERSION", "ROLLOUT", "STOP", "WEIGHTS", "Message",
+    "CREDIT", "HEARTBEAT", "HELLO", "PROTOCOL_VERSION", "ROLLOUT", "STOP", "WEIGHTS", "Message",
     "ProtocolError", "decode", "encode", "make_endpoints", "read_endpoints", "write_endpoints",
 ]

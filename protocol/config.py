@@ -8,6 +8,7 @@ into the run directory, and the actor and learner read that copy. No MLX here.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -102,6 +103,10 @@ def _check_value(section: str, key: str, value: Any) -> Any:
         value, ok = float(value), True
     if not ok:
         raise ConfigError(f"{section}.{key} must be {_TYPE_NAMES[typ]}, got {value!r}")
+    if typ is float and not math.isfinite(value):
+        raise ConfigError(f"{section}.{key} must be a finite number, got {value!r}")
+    if typ is str and not value:
+        raise ConfigError(f"{section}.{key} must not be empty")
     if check is not None and (problem := check(value)):
         raise ConfigError(f"{section}.{key} {problem}, got {value!r}")
     return value
@@ -147,8 +152,9 @@ def parse_override(item: str) -> tuple[str, str, Any]:
 
 def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None = None,
                 steps: int | None = None) -> dict[str, dict[str, Any]]:
-    """Read, override, validate and resolve a TOML config. Paths in the file are relative
-    to the file's directory; the result has absolute paths."""
+    """Read, override, validate and resolve a TOML config. Model and data paths are
+    relative to the file's directory, run.dir to the current directory (like any output
+    directory); the result has absolute paths."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -156,13 +162,16 @@ def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from None
-    for item in overrides:
-        section, key, value = parse_override(item)
-        raw.setdefault(section, {})[key] = value
+    settings = [parse_override(item) for item in overrides]
     if run_dir is not None:
-        raw.setdefault("run", {})["dir"] = run_dir
+        settings.append(("run", "dir", run_dir))
     if steps is not None:
-        raw.setdefault("train", {})["steps"] = steps
+        settings.append(("train", "steps", steps))
+    for section, key, value in settings:
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] must be a table, got {table!r}")
+        table[key] = value
     cfg = validate(raw)
     return resolve_paths(cfg, path.resolve().parent)
 

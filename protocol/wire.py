@@ -22,6 +22,8 @@ PROTOCOL_VERSION = 1
 # far more likely to be garbage or an attack than a real peer.
 MAX_MESSAGE_BYTES = 1 << 30
 MAX_HEADER_BYTES = 16 << 20
+MAX_NDIM = 8
+MAX_DIM = 1 << 32
 
 DTYPES = {"uint8", "int32", "int64", "float16", "float32"}
 ROLES = {"actor", "learner", "reward_worker", "orchestrator"}
@@ -31,6 +33,7 @@ HELLO = "hello"
 ROLLOUT = "rollout"
 WEIGHTS = "weights"
 HEARTBEAT = "heartbeat"
+CREDIT = "credit"
 STOP = "stop"
 
 
@@ -63,6 +66,7 @@ _SCHEMA: dict[str, dict[str, Any]] = {
         "texts": list,
     },
     WEIGHTS: {"version": int},
+    CREDIT: {"groups_consumed": int},
     HEARTBEAT: {"role": str, "time": _NUMBER},
     STOP: {"reason": str},
 }
@@ -83,7 +87,9 @@ def encode(kind: str, header: dict[str, Any] | None = None, arrays: dict | None 
     head = dict(header or {}, protocol=PROTOCOL_VERSION, kind=kind)
     specs, frames = [], []
     for name, value in (arrays or {}).items():
-        a = np.ascontiguousarray(value)
+        a = np.asarray(value)
+        if not a.flags.c_contiguous:  # (ascontiguousarray would turn 0-d into 1-d)
+            a = a.copy(order="C")
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         specs.append({"name": name, "dtype": a.dtype.name, "shape": list(a.shape)})
@@ -108,10 +114,10 @@ def decode(frames: list[bytes], max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     if not isinstance(head, dict):
         raise ProtocolError(f"header must be a map, got {type(head).__name__}")
     version = head.get("protocol")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
     kind = head.get("kind")
-    if kind not in _SCHEMA:
+    if not isinstance(kind, str) or kind not in _SCHEMA:
         raise ProtocolError(f"unknown message kind {kind!r}")
     _check_fields(kind, head)
     arrays = _decode_arrays(kind, head.get("arrays"), frames[1:])
@@ -159,12 +165,13 @@ def _decode_arrays(kind: str, specs: Any, frames: list[bytes]) -> dict[str, np.n
         name, dtype, shape = spec["name"], spec.get("dtype"), spec.get("shape")
         if name in arrays:
             raise ProtocolError(f"{kind}: array {name!r} appears twice")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ProtocolError(f"{kind}: array {name!r} has unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape
         ):
-            raise ProtocolError(f"{kind}: array {name!r} needs a shape of non-negative integers")
+            raise ProtocolError(f"{kind}: array {name!r} needs a shape of at most {MAX_NDIM} "
+                                f"integers in [0, {MAX_DIM}]")
         expected = math.prod(shape) * np.dtype(dtype).itemsize
         if len(frame) != expected:
             raise ProtocolError(
@@ -191,7 +198,7 @@ def _check_rollout(msg: Message) -> None:
                             f"{len(h['finish_reasons'])} finish reasons")
     if not all(isinstance(t, str) for t in h["texts"]):
         raise ProtocolError("rollout: every text must be a string")
-    bad = [r for r in h["finish_reasons"] if r not in FINISH_REASONS]
+    bad = [r for r in h["finish_reasons"] if not isinstance(r, str) or r not in FINISH_REASONS]
     if bad:
         raise ProtocolError(f"rollout: unknown finish reason {bad[0]!r}")
     if (lens < 0).any() or int(lens.sum()) != len(a["completion_ids"]):

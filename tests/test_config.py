@@ -1,0 +1,474 @@
+"""The run configuration: TOML loading, validation, overrides, path resolution, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from protocol.config import (
+    SCHEMA,
+    ConfigError,
+    load_config,
+    parse_override,
+    read_run_config,
+    validate,
+    write_run_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+TINY = EXAMPLES / "tiny.toml"
+TINY_MODEL = EXAMPLES / "tiny-model"
+TINY_PROMPTS = EXAMPLES / "tiny_prompts.jsonl"
+
+
+def base_sections() -> dict[str, dict[str, str]]:
+    """A minimal valid config; values are TOML literals. Absolute paths to the real example."""
+    return {
+        "model": {"path": json.dumps(str(TINY_MODEL))},
+        "data": {"prompts": json.dumps(str(TINY_PROMPTS))},
+        "reward": {"function": '"tiny_task:reward"'},
+    }
+
+
+def toml_text(sections: dict[str, dict[str, str]]) -> str:
+    lines = []
+    for section, keys in sections.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {value}" for key, value in keys.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_config(tmp_path: Path, sections: dict[str, dict[str, str]] | None = None,
+                 name: str = "run.toml", **changes: dict[str, str]) -> Path:
+    """Write base_sections() with `changes` merged in (section=dict of key -> literal)."""
+    sections = sections if sections is not None else base_sections()
+    for section, keys in changes.items():
+        sections.setdefault(section, {}).update(keys)
+    path = tmp_path / name
+    path.write_text(toml_text(sections))
+    return path
+
+
+def error_of(path: Path, **kw) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, **kw)
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- the example
+
+
+def test_example_config_loads_and_resolves():
+    cfg = load_config(str(TINY))
+    assert set(cfg) == set(SCHEMA) == {"model", "lora", "data", "sampling", "train", "algorithm",
+                                        "reward", "run"}
+    # Values from the file.
+    assert cfg["lora"]["rank"] == 8
+    assert cfg["lora"]["scale"] == 20.0
+    assert cfg["sampling"]["group_size"] == 8
+    assert cfg["sampling"]["max_tokens"] == 8
+    assert cfg["train"]["steps"] == 60
+    assert cfg["train"]["learning_rate"] == pytest.approx(3e-4)
+    assert cfg["train"]["checkpoint_every"] == 20
+    assert cfg["algorithm"]["name"] == "grpo"
+    assert cfg["reward"]["function"] == "tiny_task:reward"
+    # Defaults filled in.
+    assert cfg["lora"]["dropout"] == 0.0
+    assert cfg["lora"]["num_layers"] == -1
+    assert cfg["lora"]["keys"] == []
+    assert cfg["data"]["shuffle"] is True
+    assert cfg["sampling"]["top_p"] == 1.0
+    assert cfg["sampling"]["top_k"] == 0
+    assert cfg["sampling"]["max_prompt_tokens"] == 1024
+    assert cfg["train"]["beta"] == 0.0
+    assert cfg["train"]["epsilon"] == pytest.approx(0.2)
+    assert cfg["train"]["max_staleness"] == 0
+    assert cfg["run"]["transport"] == "ipc"
+    assert cfg["run"]["host"] == "127.0.0.1"
+    assert cfg["run"]["port"] == 5555
+    # Every schema key is present, and nothing else.
+    for section, keys in SCHEMA.items():
+        assert set(cfg[section]) - {"search_path"} == set(keys), section
+    # Paths: absolute, existing, relative to the config file.
+    model, prompts = Path(cfg["model"]["path"]), Path(cfg["data"]["prompts"])
+    assert model.is_absolute() and model.is_dir()
+    assert model == TINY_MODEL
+    assert (model / "config.json").is_file()
+    assert prompts.is_absolute() and prompts.is_file()
+    assert prompts == TINY_PROMPTS
+    assert cfg["reward"]["search_path"] == str(EXAMPLES)
+    assert Path(cfg["run"]["dir"]).is_absolute()
+    assert Path(cfg["run"]["dir"]).name == "tiny"
+
+
+def test_example_config_independent_of_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(TINY)
+    assert cfg["model"]["path"] == str(TINY_MODEL)
+    assert cfg["data"]["prompts"] == str(TINY_PROMPTS)
+    assert cfg["reward"]["search_path"] == str(EXAMPLES)
+    # run.dir, unlike the other paths, is relative to the working directory.
+    assert cfg["run"]["dir"] == str(tmp_path.resolve() / "runs" / "tiny")
+
+
+def test_default_lists_are_not_shared(tmp_path):
+    path = write_config(tmp_path)
+    first = load_config(path)
+    first["lora"]["keys"].append("q_proj")
+    assert load_config(path)["lora"]["keys"] == []
+    assert SCHEMA["lora"]["keys"][1] == []
+
+
+def test_relative_paths_resolve_against_config_dir(tmp_path, monkeypatch):
+    cfg_dir = tmp_path / "cfgs"
+    cfg_dir.mkdir()
+    (cfg_dir / "m").symlink_to(TINY_MODEL, target_is_directory=True)
+    (cfg_dir / "p.jsonl").write_text(TINY_PROMPTS.read_text())
+    path = write_config(cfg_dir, model={"path": '"m"'}, data={"prompts": '"p.jsonl"'})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config("../cfgs/run.toml")
+    assert cfg["model"]["path"] == str(cfg_dir.resolve() / "m")
+    assert cfg["data"]["prompts"] == str(cfg_dir.resolve() / "p.jsonl")
+    assert cfg["reward"]["search_path"] == str(cfg_dir.resolve())
+    assert cfg["run"]["dir"] == str(elsewhere.resolve() / "runs" / "default")
+    assert path.is_file()
+
+
+def test_run_config_round_trip(tmp_path):
+    cfg = load_config(TINY)
+    write_run_config(tmp_path, cfg)
+    assert read_run_config(tmp_path) == cfg
+    assert read_run_config(str(tmp_path))["model"]["path"] == str(TINY_MODEL)
+
+
+# --------------------------------------------------------------------------- validation errors
+
+
+def test_minimal_config_is_valid(tmp_path):
+    cfg = load_config(write_config(tmp_path))
+    assert cfg["model"]["path"] == str(TINY_MODEL)
+    assert cfg["train"]["steps"] == 100
+    assert cfg["algorithm"]["name"] == "grpo"
+
+
+def test_unknown_section(tmp_path):
+    msg = error_of(write_config(tmp_path, bogus={"x": "1"}))
+    assert "unknown section [bogus]" in msg
+
+
+def test_section_not_a_table(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("sampling = 3\n" + toml_text(base_sections()))
+    with pytest.raises(ConfigError, match=r"\[sampling\] must be a table"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("section,key", [("train", "stepz"), ("model", "name"), ("sampling", "top-p")])
+def test_unknown_key(tmp_path, section, key):
+    msg = error_of(write_config(tmp_path, **{section: {json.dumps(key): "1"}}))
+    assert f"unknown key {section}.{key}" in msg
+
+
+@pytest.mark.parametrize("section,key,literal,type_name", [
+    ("train", "steps", '"5"', "an integer"),
+    ("train", "steps", "5.0", "an integer"),
+    ("lora", "rank", "[8]", "an integer"),
+    ("sampling", "temperature", '"hot"', "a number"),
+    ("data", "shuffle", "1", "true or false"),
+    ("run", "transport", "1", "a string"),
+    ("lora", "keys", '"q_proj"', "a list"),
+    ("model", "path", "3", "a string"),
+])
+def test_wrong_type(tmp_path, section, key, literal, type_name):
+    msg = error_of(write_config(tmp_path, **{section: {key: literal}}))
+    assert msg.startswith(f"{section}.{key} must be {type_name}, got ")
+
+
+@pytest.mark.parametrize("section,key", [("train", "steps"), ("sampling", "group_size"), ("lora", "rank"),
+                                         ("run", "port")])
+def test_bool_rejected_for_int(tmp_path, section, key):
+    msg = error_of(write_config(tmp_path, **{section: {key: "true"}}))
+    assert msg == f"{section}.{key} must be an integer, got True"
+
+
+def test_bool_rejected_for_float(tmp_path):
+    msg = error_of(write_config(tmp_path, sampling={"temperature": "true"}))
+    assert msg == "sampling.temperature must be a number, got True"
+
+
+def test_int_accepted_for_float(tmp_path):
+    path = write_config(tmp_path, sampling={"temperature": "2", "top_p": "1"}, lora={"scale": "16"})
+    cfg = load_config(path)
+    for value, want in [(cfg["sampling"]["temperature"], 2.0), (cfg["sampling"]["top_p"], 1.0),
+                        (cfg["lora"]["scale"], 16.0)]:
+        assert type(value) is float
+        assert value == want
+
+
+@pytest.mark.parametrize("section,key,literal,problem", [
+    ("sampling", "group_size", "1", "must be >= 2"),
+    ("sampling", "temperature", "0", "must be > 0"),
+    ("sampling", "temperature", "-0.5", "must be > 0"),
+    ("sampling", "top_p", "1.5", "must be <= 1"),
+    ("sampling", "top_p", "0.0", "must be > 0"),
+    ("sampling", "min_p", "1.0", "must be < 1"),
+    ("sampling", "max_tokens", "0", "must be >= 1"),
+    ("lora", "dropout", "1.0", "must be < 1"),
+    ("lora", "dropout", "-0.1", "must be >= 0"),
+    ("lora", "rank", "0", "must be >= 1"),
+    ("lora", "num_layers", "-2", "must be >= -1"),
+    ("train", "steps", "0", "must be >= 1"),
+    ("train", "learning_rate", "0.0", "must be > 0"),
+    ("train", "beta", "-1", "must be >= 0"),
+    ("run", "port", "0", "must be >= 1"),
+    ("run", "port", "70000", "must be <= 65535"),
+    ("run", "transport", '"udp"', "must be one of 'ipc', 'tcp'"),
+    ("algorithm", "name", '"ppo"', "must be one of 'grpo'"),
+])
+def test_out_of_range(tmp_path, section, key, literal, problem):
+    msg = error_of(write_config(tmp_path, **{section: {key: literal}}))
+    assert msg.startswith(f"{section}.{key} {problem}, got ")
+
+
+@pytest.mark.parametrize("section,key,literal", [
+    ("sampling", "group_size", "2"),
+    ("sampling", "top_p", "1.0"),
+    ("lora", "dropout", "0.99"),
+    ("lora", "num_layers", "-1"),
+    ("run", "port", "65535"),
+    ("run", "transport", '"tcp"'),
+    ("train", "checkpoint_every", "0"),
+])
+def test_boundary_values_accepted(tmp_path, section, key, literal):
+    cfg = load_config(write_config(tmp_path, **{section: {key: literal}}))
+    assert cfg[section][key] == json.loads(literal)
+
+
+@pytest.mark.parametrize("section,key", [("reward", "function"), ("model", "path"), ("data", "prompts")])
+def test_missing_required_key(tmp_path, section, key):
+    sections = base_sections()
+    del sections[section][key]
+    msg = error_of(write_config(tmp_path, sections))
+    assert msg == f"missing required key {section}.{key}"
+
+
+@pytest.mark.parametrize("function", ['"tiny_task.reward"', '"tiny_task"', '":reward"', '"tiny_task:"'])
+def test_reward_function_needs_module_and_function(tmp_path, function):
+    msg = error_of(write_config(tmp_path, reward={"function": function}))
+    assert msg.startswith("reward.function must look like 'module:function'")
+
+
+def test_empty_reward_function_is_named(tmp_path):
+    msg = error_of(write_config(tmp_path, reward={"function": '""'}))
+    assert msg == "reward.function must not be empty"
+
+
+def test_missing_prompts_file(tmp_path):
+    msg = error_of(write_config(tmp_path, data={"prompts": '"nope.jsonl"'}))
+    assert re.fullmatch(r"data\.prompts file .*nope\.jsonl does not exist", msg)
+    assert str(tmp_path.resolve() / "nope.jsonl") in msg
+
+
+def test_prompts_is_a_directory(tmp_path):
+    msg = error_of(write_config(tmp_path, data={"prompts": json.dumps(str(EXAMPLES))}))
+    assert msg.startswith("data.prompts file ")
+
+
+@pytest.mark.parametrize("model", ["./nope", "../nope", "/definitely/not/here", "./tiny_prompts.jsonl"])
+def test_model_path_not_a_directory(tmp_path, model):
+    (tmp_path / "tiny_prompts.jsonl").write_text("{}\n")
+    msg = error_of(write_config(tmp_path, model={"path": json.dumps(model)}))
+    assert msg == f"model.path {model!r} is not a directory"
+
+
+@pytest.mark.parametrize("hub_id", ["org/model", "mlx-community/Qwen2.5-0.5B-Instruct-4bit"])
+def test_hub_id_model_path_kept(tmp_path, hub_id):
+    cfg = load_config(write_config(tmp_path, model={"path": json.dumps(hub_id)}))
+    assert cfg["model"]["path"] == hub_id
+
+
+@pytest.mark.parametrize("text", ["[train\nsteps = 1\n", "steps = \n", "[train]\nsteps = 1\nsteps = 2\n",
+                                  "key without value\n"])
+def test_invalid_toml(tmp_path, text):
+    path = tmp_path / "broken.toml"
+    path.write_text(text)
+    msg = error_of(path)
+    assert "broken.toml is not valid TOML" in msg
+
+
+def test_nonexistent_config_file(tmp_path):
+    path = tmp_path / "absent.toml"
+    msg = error_of(path)
+    assert msg == f"config file {path} does not exist"
+
+
+def test_validate_reports_unknown_before_missing():
+    with pytest.raises(ConfigError, match=r"unknown key train\.nope"):
+        validate({"train": {"nope": 1}})
+    with pytest.raises(ConfigError, match=r"missing required key model\.path"):
+        validate({})
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+@pytest.mark.parametrize("item,expected", [
+    ("train.steps=5", ("train", "steps", 5)),
+    ("sampling.temperature=0.7", ("sampling", "temperature", 0.7)),
+    ("algorithm.name=grpo", ("algorithm", "name", "grpo")),
+    ('algorithm.name="grpo"', ("algorithm", "name", "grpo")),
+    ("data.shuffle=false", ("data", "shuffle", False)),
+    ('lora.keys=["q_proj", "v_proj"]', ("lora", "keys", ["q_proj", "v_proj"])),
+    ("run.dir=runs/x", ("run", "dir", "runs/x")),
+    (" train.steps =12", ("train", "steps", 12)),
+    ("reward.function=mod:fn", ("reward", "function", "mod:fn")),
+    ("train.steps=", ("train", "steps", "")),
+    ("train.steps=abc", ("train", "steps", "abc")),
+])
+def test_parse_override(item, expected):
+    got = parse_override(item)
+    assert got == expected
+    assert type(got[2]) is type(expected[2])
+
+
+@pytest.mark.parametrize("item", ["steps5", "train.steps", "train=5", "train.=5", "", "=5"])
+def test_parse_override_malformed(item):
+    with pytest.raises(ConfigError, match="--set expects section.key=value"):
+        parse_override(item)
+
+
+def test_load_config_applies_overrides(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(TINY, overrides=["train.steps=5", "sampling.temperature=0.7", "algorithm.name=grpo",
+                                       "lora.dropout=0", "run.transport=tcp"])
+    assert cfg["train"]["steps"] == 5
+    assert cfg["sampling"]["temperature"] == pytest.approx(0.7)
+    assert cfg["lora"]["dropout"] == 0.0 and type(cfg["lora"]["dropout"]) is float
+    assert cfg["run"]["transport"] == "tcp"
+    assert cfg["train"]["learning_rate"] == pytest.approx(3e-4)  # untouched keys keep file values
+
+
+def test_load_config_override_adds_missing_section(tmp_path):
+    cfg = load_config(write_config(tmp_path), overrides=["train.batch_size=3"])
+    assert cfg["train"]["batch_size"] == 3
+
+
+def test_load_config_steps_and_run_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(TINY, steps=7, run_dir="myrun")
+    assert cfg["train"]["steps"] == 7
+    assert cfg["run"]["dir"] == str(tmp_path.resolve() / "myrun")
+    absolute = tmp_path / "abs" / "run"
+    assert load_config(TINY, run_dir=str(absolute))["run"]["dir"] == str(absolute)
+    # --steps is applied after --set.
+    assert load_config(TINY, overrides=["train.steps=5"], steps=9)["train"]["steps"] == 9
+
+
+def test_load_config_steps_are_validated():
+    with pytest.raises(ConfigError, match=r"train\.steps must be >= 1, got 0"):
+        load_config(TINY, steps=0)
+
+
+@pytest.mark.parametrize("item,message", [
+    ("train.steps=abc", r"train\.steps must be an integer, got 'abc'"),
+    ("train.nope=1", r"unknown key train\.nope"),
+    ("nosuch.key=1", r"unknown section \[nosuch\]"),
+    ("sampling.group_size=1", r"sampling\.group_size must be >= 2"),
+    ("steps5", r"--set expects section\.key=value, got 'steps5'"),
+])
+def test_load_config_bad_override(item, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides=[item])
+
+
+# --------------------------------------------------------------------------- known bugs
+
+
+@pytest.mark.parametrize("section,key,literal", [
+    ("sampling", "temperature", "nan"),
+    ("sampling", "top_p", "nan"),
+    ("train", "learning_rate", "nan"),
+    ("train", "learning_rate", "inf"),
+])
+def test_non_finite_floats_rejected(tmp_path, section, key, literal):
+    path = write_config(tmp_path, **{section: {key: literal}})
+    try:
+        cfg = load_config(path)
+    except ConfigError as e:
+        assert f"{section}.{key}" in str(e)
+        return
+    pytest.fail(f"{section}.{key} = {literal} accepted as {cfg[section][key]!r} "
+                f"(finite: {math.isfinite(cfg[section][key])})")
+
+
+@pytest.mark.parametrize("kw", [{"overrides": ["model.path=x"]}, {"run_dir": "x"}, {"steps": 3}])
+def test_override_on_non_table_section(tmp_path, kw):
+    sections = base_sections()
+    section = {"overrides": "model", "run_dir": "run", "steps": "train"}[next(iter(kw))]
+    sections.pop(section, None)
+    path = tmp_path / "c.toml"
+    path.write_text(f"{section} = 1\n" + toml_text(sections))
+    try:
+        load_config(path, **kw)
+    except ConfigError:
+        return
+    except Exception as e:  # noqa: BLE001
+        pytest.fail(f"{type(e).__name__}: {e}")
+    pytest.fail("accepted")
+
+
+def test_empty_model_path_rejected(tmp_path):
+    path = write_config(tmp_path, model={"path": '""'})
+    try:
+        cfg = load_config(path)
+    except ConfigError:
+        return
+    pytest.fail(f"model.path '' accepted as {cfg['model']['path']!r}")
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator", "up", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("config error: ")
+    return lines[0]
+
+
+def test_cli_unknown_key(tmp_path):
+    path = write_config(tmp_path, train={"stepz": "5"})
+    line = one_error_line(run_cli("--config", str(path)))
+    assert "unknown key train.stepz" in line
+
+
+def test_cli_wrong_type(tmp_path):
+    path = write_config(tmp_path, sampling={"group_size": '"eight"'})
+    line = one_error_line(run_cli("--config", str(path)))
+    assert "sampling.group_size must be an integer" in line
+
+
+def test_cli_bad_set_value():
+    line = one_error_line(run_cli("--config", str(TINY), "--set", "train.steps=abc"))
+    assert "train.steps must be an integer, got 'abc'" in line
+
+
+def test_cli_missing_config_file(tmp_path):
+    line = one_error_line(run_cli("-c", str(tmp_path / "absent.toml")))
+    assert "absent.toml does not exist" in line

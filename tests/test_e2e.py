@@ -1,0 +1,151 @@
+"""End to end: real orchestrator, learner and actor processes over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import protocol
+from tests.conftest import EXAMPLES, ROOT, write_config
+
+REQUIRED_METRICS = {
+    "step", "policy_version", "reward_mean", "reward_std", "loss", "kl", "clip_frac", "mismatch_kl",
+    "completion_len_mean", "rollout_tokens_per_s", "step_s", "learner_peak_mb", "actor_peak_mb",
+}
+
+
+def orchestrator(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+
+
+def run_up(cfg: Path, *args: str, timeout: float = 300) -> tuple[int, str]:
+    proc = orchestrator("up", "--config", str(cfg), *args)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_up_trains_end_to_end(tmp_path):
+    code, out = run_up(write_config(tmp_path, steps=3))
+    run = tmp_path / "run"
+    assert code == 0, out
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["policy_version"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert REQUIRED_METRICS <= m.keys()
+        assert all(np.isfinite(m[k]) for k in REQUIRED_METRICS), m
+        # nothing lost: every group received is trained, dropped with a reason, or queued
+        assert m["groups_received"] == m["groups_trained"] + m["groups_dropped"] + m["groups_queued"]
+    # Step 0: identical weights on both sides, float32. Tolerance: KL 1e-8, |diff| 1e-4.
+    assert metrics[0]["mismatch_kl"] < 1e-8 and metrics[0]["mismatch_abs_max"] < 1e-4
+    assert metrics[-1]["groups_trained"] == 3 * 2
+    assert all(m["version_lag_mean"] == 0 for m in metrics)  # max_staleness = 0: on-policy
+    endpoints = json.loads((run / "endpoints.json").read_text())
+    assert endpoints["learner"].startswith("ipc://")
+    sock_dir = Path(endpoints["learner"][len("ipc://"):]).parent
+    assert oct(sock_dir.stat().st_mode & 0o777) == "0o700"
+    assert (run / "learner.log").stat().st_size > 0 and (run / "actor.log").exists()
+    assert "step    3/3" in out
+
+    from mlx_lm import generate, load
+
+    model, tok = load(json.loads((run / "config.json").read_text())["model"]["path"],
+                      adapter_path=str(run / "adapters"))
+    assert len(generate(model, tok, "repeat 3", max_tokens=4)) > 0
+
+
+def test_default_run_raises_the_reward(tmp_path):
+    """README promises: over the default run, the mean reward of the last 5 steps exceeds
+    that of the first 5 by at least 0.2."""
+    code, out = run_up(EXAMPLES / "tiny.toml", "--run-dir", str(tmp_path / "run"), timeout=600)
+    assert code == 0, out
+    rewards = [m["reward_mean"] for m in read_metrics(tmp_path / "run")]
+    assert len(rewards) == 60
+    assert np.mean(rewards[-5:]) - np.mean(rewards[:5]) >= 0.2, rewards
+
+
+def wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def test_learner_survives_malformed_messages(tmp_path):
+    proc = orchestrator("up", "--config", str(write_config(tmp_path, steps=4)))
+    run = tmp_path / "run"
+    wait_for(run / "endpoints.json")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(protocol.read_endpoints(run)["learner"])
+    rollout = protocol.encode(protocol.ROLLOUT, {
+        "group_id": "x", "policy_version": 0, "prompt": "p", "columns": {}, "texts": ["a"],
+        "finish_reasons": ["stop"]}, {
+        "prompt_ids": np.array([1], np.int32), "completion_ids": np.array([2], np.int32),
+        "completion_lens": np.array([1], np.int32), "logprobs": np.array([-1.0], np.float32)})
+    garbage = [
+        [b"\xc1 not msgpack"],
+        [msgpack.packb({"protocol": 99, "kind": "rollout"})],
+        [msgpack.packb({"protocol": 1, "kind": "weights", "version": 1,
+                        "arrays": [{"name": "w", "dtype": "float32", "shape": [1000]}]}), b"short"],
+        rollout,  # well-formed, but from a peer that never said hello
+    ]
+    for frames in garbage:
+        sock.send_multipart(frames)
+    out, _ = proc.communicate(timeout=300)
+    sock.close(linger=0)
+    ctx.term()
+    assert proc.returncode == 0, out
+    last = read_metrics(run)[-1]
+    assert last["step"] == 4
+    assert last["messages_rejected"] == 3
+    assert last["dropped_reasons"] == {"no handshake": 1}
+    log = (run / "learner.log").read_text()
+    assert "not valid msgpack" in log and "protocol version 99" in log and "needs 4000 bytes" in log
+
+
+def test_failing_reward_function_stops_the_run_with_its_error(tmp_path):
+    (tmp_path / "bad_reward.py").write_text(
+        "def reward(prompts, completions, **kw):\n    raise KeyError('no such column: answer')\n")
+    code, out = run_up(write_config(tmp_path, steps=3, reward="bad_reward:reward"))
+    assert code == 1
+    assert "learner exited with code 1" in out
+    assert "no such column: answer" in out
+
+
+def test_ctrl_c_stops_both_processes_and_keeps_the_adapters(tmp_path):
+    proc = orchestrator("up", "--config", str(write_config(tmp_path, steps=100000)),
+                        start_new_session=True)
+    run = tmp_path / "run"
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C
+    out, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 40
+    assert proc.returncode == 130, out
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert (run / "adapters" / "adapters.safetensors").exists()
+    assert json.loads((run / "status.json").read_text())["phase"] == "stopped"

@@ -1,0 +1,138 @@
+"""The shared model code: LoRA attach, adapter weights in and out, mlx-lm format, tiny model."""
+
+import json
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from learner.algorithms import GRPO
+from learner.step import Sample, make_batch, train_step
+from policy.logprobs import sequence_logprobs
+from policy.model import (
+    adapter_weights,
+    adapter_weights_numpy,
+    adapters_disabled,
+    load_policy,
+    save_adapters,
+    set_adapter_weights,
+)
+from policy.tiny import build_tiny_model
+from tests.conftest import TINY_MODEL
+
+LORA = {"rank": 4, "scale": 10.0}
+
+
+def fresh():
+    return load_policy(str(TINY_MODEL), LORA)
+
+
+def perturb(model, seed=0):
+    """Give lora_b non-zero values so the adapters change the model's output."""
+    rng = np.random.default_rng(seed)
+    weights = {k: v + (rng.normal(0, 0.2, v.shape).astype(np.float32) if k.endswith("lora_b") else 0)
+               for k, v in adapter_weights_numpy(model).items()}
+    set_adapter_weights(model, weights)
+
+
+TOKENS = mx.array([[10, 11, 12, 13, 14, 15, 16]])
+
+
+def test_only_lora_parameters_are_trainable():
+    model, _, cfg = fresh()
+    names = [k for k, _ in tree_flatten(model.trainable_parameters())]
+    assert names and all(k.endswith(("lora_a", "lora_b")) for k in names)
+    # 2 layers x 7 linear projections x (lora_a, lora_b)
+    assert len(names) == 2 * 7 * 2
+    assert cfg["num_layers"] == 2 and cfg["lora_parameters"]["rank"] == 4
+
+
+def test_adapters_disabled_gives_the_base_model():
+    from mlx_lm import load
+
+    base, _ = load(str(TINY_MODEL))
+    model, _, _ = fresh()
+    perturb(model)
+    on = sequence_logprobs(model, TOKENS, 1.0)
+    with adapters_disabled(model):
+        off = sequence_logprobs(model, TOKENS, 1.0)
+    expected = sequence_logprobs(base, TOKENS, 1.0)
+    np.testing.assert_allclose(np.array(off), np.array(expected), atol=1e-6)
+    assert np.abs(np.array(on) - np.array(expected)).max() > 1e-3
+    # and the scales are back afterwards
+    np.testing.assert_allclose(np.array(sequence_logprobs(model, TOKENS, 1.0)), np.array(on), atol=1e-7)
+
+
+def test_set_adapter_weights_refuses_mismatches():
+    model, _, _ = fresh()
+    weights = adapter_weights_numpy(model)
+    name = next(iter(weights))
+    with pytest.raises(ValueError, match="missing"):
+        set_adapter_weights(model, {k: v for k, v in weights.items() if k != name})
+    with pytest.raises(ValueError, match="unexpected"):
+        set_adapter_weights(model, {**weights, "model.bogus.lora_a": weights[name]})
+    with pytest.raises(ValueError, match="has shape"):
+        set_adapter_weights(model, {**weights, name: np.zeros((1, 1), np.float32)})
+
+
+def test_saved_adapters_load_in_mlx_lm_and_generate(tmp_path):
+    from mlx_lm import generate, load
+
+    model, tok, cfg = fresh()
+    perturb(model, seed=1)
+    out = save_adapters(model, tmp_path / "adapters", cfg)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapters.safetensors"]
+    assert json.loads((out / "adapter_config.json").read_text())["model"] == str(TINY_MODEL)
+    loaded, tok2 = load(str(TINY_MODEL), adapter_path=str(out))
+    np.testing.assert_allclose(np.array(sequence_logprobs(loaded, TOKENS, 1.0)),
+                               np.array(sequence_logprobs(model, TOKENS, 1.0)), atol=1e-6)
+    text = generate(loaded, tok2, "repeat 4", max_tokens=5)
+    assert isinstance(text, str) and len(text) > 0
+    # Saving again replaces the directory whole, leaving no temporary siblings behind.
+    save_adapters(model, out, cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapters"]
+
+
+def test_make_batch_puts_completion_tokens_under_the_mask():
+    s1 = Sample(np.array([1, 2, 3]), np.array([7, 8]), np.array([-0.5, -0.25]), "length")
+    s2 = Sample(np.array([4]), np.array([9, 9, 9]), np.array([-1.0, -2.0, -3.0]), "stop")
+    b = make_batch([s1, s2], pad_id=0)
+    np.testing.assert_array_equal(np.array(b.tokens), [[1, 2, 3, 7, 8], [4, 9, 9, 9, 0]])
+    np.testing.assert_array_equal(np.array(b.mask), [[0, 0, 1, 1], [1, 1, 1, 0]])
+    np.testing.assert_array_equal(np.array(b.behavior), [[0, 0, -0.5, -0.25], [-1, -2, -3, 0]])
+
+
+def test_train_step_moves_only_the_adapters():
+    model, _, _ = fresh()
+    base_before = {k: np.array(v) for k, v in tree_flatten(model.parameters()) if "lora" not in k}
+    lora_before = adapter_weights_numpy(model)
+    samples = [Sample(np.array([5, 6]), np.array([10 + i, 11]), np.array([-4.0, -4.0]), "length")
+               for i in range(4)]
+    old = np.array(sequence_logprobs(model, make_batch(samples, 0).tokens, 1.0))
+    for i, s in enumerate(samples):
+        s.behavior_logprobs = old[i, 1:3]
+    adv = GRPO().advantages(np.array([[1.0, 0.0, 0.0, 1.0]]))
+    stats = train_step(model, optim.Adam(learning_rate=1e-2), GRPO(), make_batch(samples, 0), adv,
+                       1.0, 0.0, 1.0)
+    assert stats["mismatch_abs_max"] < 1e-5  # behavior == recomputed old logprobs here
+    assert np.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    lora_after = adapter_weights_numpy(model)
+    assert any(not np.array_equal(lora_before[k], lora_after[k]) for k in lora_before)
+    for k, v in tree_flatten(model.parameters()):
+        if "lora" not in k:
+            np.testing.assert_array_equal(np.array(v), base_before[k])
+    assert set(adapter_weights(model)) == set(lora_before)
+
+
+def test_tiny_model_build_is_deterministic(tmp_path):
+    a, b = build_tiny_model(tmp_path / "a"), build_tiny_model(tmp_path / "b")
+    for name in ("model.safetensors", "tokenizer.json", "config.json", "tokenizer_config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert json.loads((a / "config.json").read_text()) == json.loads((TINY_MODEL / "config.json").read_text())
+    committed = mx.load(str(TINY_MODEL / "model.safetensors"))
+    rebuilt = mx.load(str(a / "model.safetensors"))
+    assert committed.keys() == rebuilt.keys()
+    for k in committed:
+        np.testing.assert_allclose(np.array(committed[k]), np.array(rebuilt[k]), atol=1e-6)
