@@ -1,0 +1,126 @@
+"""The real actor process, with this test playing the learner on a real ROUTER socket.
+
+This is how we see that weights are *applied*, not just received: the behavior logprobs
+the actor reports must be those of the weights we sent, version by version.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+import zmq
+
+import protocol
+from orchestrator.supervisor import prepare_run_dir
+from policy.logprobs import sequence_logprobs
+from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights, tokenizer_fingerprint
+from protocol.config import load_config
+from tests.conftest import ROOT, write_config
+
+
+def recv(sock, timeout_s: float = 60) -> tuple[bytes, protocol.Message]:
+    assert sock.poll(int(timeout_s * 1000)), "the actor sent nothing"
+    identity, *frames = sock.recv_multipart()
+    return identity, protocol.decode(frames)
+
+
+def group_logprobs(model, msg: protocol.Message, temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """(reported behavior logprobs, logprobs of the same IDs under `model`) for a group."""
+    prompt = msg.arrays["prompt_ids"].tolist()
+    ids, lens = msg.arrays["completion_ids"].tolist(), msg.arrays["completion_lens"].tolist()
+    ours, start = [], 0
+    for n in lens:
+        row = prompt + ids[start:start + n]
+        ours.append(np.array(sequence_logprobs(model, mx.array([row]), temperature))[0, len(prompt) - 1:])
+        start += n
+    return msg.arrays["logprobs"], np.concatenate(ours)
+
+
+def test_actor_applies_each_weight_version_it_receives(tmp_path):
+    cfg = load_config(write_config(tmp_path, "[sampling]\ntemperature = 0.7\ntop_p = 0.9"))
+    run = prepare_run_dir(cfg)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(protocol.read_endpoints(run)["learner"])
+    actor = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(run)], cwd=ROOT,
+                             stdout=open(run / "actor.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        model, tok, _ = load_policy(cfg["model"]["path"], cfg["lora"])
+        identity, hello = recv(sock)
+        assert hello.kind == protocol.HELLO and hello["role"] == "actor"
+        assert hello["tokenizer"] == tokenizer_fingerprint(tok) and hello["lora"] == cfg["lora"]
+
+        def send(kind, header, arrays=None):
+            sock.send_multipart([identity, *protocol.encode(kind, header, arrays)])
+
+        # Garbage first: the actor must log it, drop it and carry on.
+        sock.send_multipart([identity, b"\x00garbage"])
+        send(protocol.HELLO, {"role": "learner", "model": cfg["model"]["path"],
+                              "tokenizer": hello["tokenizer"], "lora": cfg["lora"], "pid": os.getpid()})
+        v0 = adapter_weights_numpy(model)
+        send(protocol.WEIGHTS, {"version": 0}, v0)
+        batch = cfg["train"]["batch_size"]
+        first = [recv(sock)[1] for _ in range(batch)]
+        assert all(m.kind == protocol.ROLLOUT and m["policy_version"] == 0 for m in first)
+        for m in first:
+            reported, ours = group_logprobs(model, m, 0.7)
+            np.testing.assert_allclose(reported, ours, atol=1e-4)
+
+        # Version 1: different LoRA weights, then credit for the first batch.
+        rng = np.random.default_rng(0)
+        v1 = {k: v + rng.normal(0, 0.3, v.shape).astype(np.float32) for k, v in v0.items()}
+        send(protocol.WEIGHTS, {"version": 1}, v1)
+        send(protocol.CREDIT, {"groups_consumed": batch})
+        second = [recv(sock)[1] for _ in range(batch)]
+        assert all(m["policy_version"] == 1 for m in second)
+        old_model_gap = 0.0
+        for m in second:
+            reported, under_v0 = group_logprobs(model, m, 0.7)
+            old_model_gap = max(old_model_gap, float(np.abs(reported - under_v0).max()))
+        set_adapter_weights(model, v1)
+        for m in second:
+            reported, under_v1 = group_logprobs(model, m, 0.7)
+            np.testing.assert_allclose(reported, under_v1, atol=1e-4)
+        # The same sampled IDs score differently under the weights the actor replaced.
+        assert old_model_gap > 1e-2
+
+        # Without credit for the second batch, max_staleness = 0 keeps the actor waiting.
+        assert not sock.poll(1500)
+        send(protocol.STOP, {"reason": "test over"})
+        assert actor.wait(30) == 0
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+        sock.close(linger=0)
+        ctx.term()
+    log = (run / "actor.log").read_text()
+    assert "dropped a malformed message" in log
+
+
+def test_actor_waits_for_weights_before_sampling(tmp_path):
+    """A (re)started actor samples nothing until it holds the learner's weights."""
+    cfg = load_config(write_config(tmp_path))
+    run = prepare_run_dir(cfg)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(protocol.read_endpoints(run)["learner"])
+    actor = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(run)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        identity, hello = recv(sock)
+        assert hello.kind == protocol.HELLO
+        t0 = time.monotonic()
+        assert not sock.poll(2000), "the actor sampled before it had weights"
+        assert time.monotonic() - t0 >= 1.9
+        sock.send_multipart([identity, *protocol.encode(protocol.STOP, {"reason": "done"})])
+        assert actor.wait(30) == 0
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+        sock.close(linger=0)
+        ctx.term()
