@@ -5,9 +5,11 @@ holds the learner's current weights: a restarted actor never samples with stale 
 LoRA weights. Between batches it applies the newest weights that arrived.
 
 Flow control is by credit: the learner reports how many of this actor's groups it has
-consumed (trained or dropped). With `max_staleness = k` the actor keeps at most k batches
-in flight beyond the one being trained, so with k = 0 every batch is sampled by the
-weights that the previous batch produced.
+consumed (trained or dropped). With `max_staleness = k` and batch size B the actor keeps at
+most (k + 1) * B groups in flight. With k = 0 it samples only for the batch being filled:
+when the learner trains, it sends the new weights before the credit, so every batch is
+sampled by the weights the previous batch produced; when the learner drops groups (DAPO's
+filter, a reward error), the actor replaces exactly those, with unchanged weights.
 """
 
 from __future__ import annotations
@@ -92,9 +94,9 @@ class Actor:
             return
         self.version = msg["version"]
 
-    def sample_batch(self, batch: int) -> None:
+    def sample_groups(self, n: int) -> None:
         s = self.cfg["sampling"]
-        for i in range(self.cfg["train"]["batch_size"]):
+        for _ in range(n):
             prompt = next(self.stream)
             t0 = time.perf_counter()
             completions = sample_group(self.model, prompt.prompt_ids, s["group_size"],
@@ -102,7 +104,7 @@ class Actor:
             gen_s = time.perf_counter() - t0
             ids = [c.token_ids for c in completions]
             header = {
-                "group_id": f"{batch}-{i}",
+                "group_id": str(self.groups_sent),
                 "policy_version": self.version,
                 "prompt": prompt.prompt,
                 "columns": prompt.columns,
@@ -124,17 +126,17 @@ class Actor:
         self.send(protocol.HELLO, {"role": "actor", "model": self.cfg["model"]["path"],
                                    "tokenizer": tokenizer_fingerprint(self.tokenizer),
                                    "lora": self.cfg["lora"], "pid": os.getpid()})
-        train = self.cfg["train"]
-        allowed_in_flight = train["max_staleness"] * train["batch_size"]
-        batch = 0
+        batch_size = self.cfg["train"]["batch_size"]
+        max_in_flight = (self.cfg["train"]["max_staleness"] + 1) * batch_size
         while not self.stopping:
             self.receive(0)
             self.apply_pending()
-            if self.version is None or self.groups_sent - self.groups_consumed > allowed_in_flight:
+            room = max_in_flight - (self.groups_sent - self.groups_consumed)
+            if self.version is None or room <= 0:
                 self.receive(200)  # wait for weights or credit
                 continue
-            self.sample_batch(batch)
-            batch += 1
+            # At most a batch at a time, so newer weights are applied between batches.
+            self.sample_groups(min(room, batch_size))
 
     def close(self) -> None:
         self.sock.close()

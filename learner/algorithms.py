@@ -1,34 +1,48 @@
-"""Algorithms: advantages from grouped rewards, and a loss over per-token logprobs.
+"""The GRPO family: advantages from grouped rewards, an optional group filter, and a loss.
 
-This is the one interface the learner's loop knows. An algorithm is plain functions over
-arrays; the loop never branches on its name. Shapes: rewards [groups, G]; logprobs and
-mask [B, T] with B = groups * G rows, T completion positions; advantages [B].
+This is the one interface the learner's loop knows; it never branches on an algorithm's
+name. Shapes: rewards [groups, G]; logprobs and masks [B, T] (B = groups * G completions,
+T completion positions); advantages [B].
+
+Every loss is written as (sum of per-completion terms) / (a constant of the whole batch).
+That makes micro-batched gradient accumulation exact for all of them: the learner splits
+the rows, divides each micro-batch's sum by the *whole* batch's normaliser, and adds up.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import mlx.core as mx
 import numpy as np
 
 STD_EPS = 1e-4
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 @dataclass(frozen=True)
 class LossInputs:
-    logp: mx.array  # current policy, carries the gradient
-    old_logp: mx.array  # policy that the batch is measured against (frozen)
+    logp: mx.array  # current policy [B, T]; carries the gradient
+    old_logp: mx.array  # the policy the batch is measured against (frozen)
     ref_logp: mx.array | None  # adapters off; None when beta == 0
     advantages: mx.array  # [B]
-    mask: mx.array  # [B, T] float, 1 on completion tokens
+    mask: mx.array  # [B, T], 1 on completion tokens
+    is_weight: mx.array  # [B, T] behavior-policy correction pi_old / pi_behavior (1 = none)
 
 
 class Algorithm(Protocol):
-    def advantages(self, rewards: np.ndarray) -> np.ndarray: ...
+    def advantages(self, rewards: np.ndarray) -> np.ndarray:
+        """[groups, G] rewards -> [groups * G] advantages."""
 
-    def loss(self, x: LossInputs) -> tuple[mx.array, dict[str, mx.array]]: ...
+    def keep_group(self, rewards: np.ndarray) -> bool:
+        """False drops the group before it takes a place in a batch (counted as filtered)."""
+
+    def normalizer(self, mask: np.ndarray) -> float:
+        """The whole batch's denominator, from its [B, T] completion mask."""
+
+    def loss_sum(self, x: LossInputs) -> tuple[mx.array, dict[str, mx.array]]:
+        """Sum over the rows of x of their loss terms, and token-mean diagnostics."""
 
 
 def k3_kl(logp: mx.array, ref_logp: mx.array) -> mx.array:
@@ -41,35 +55,149 @@ def masked_mean(x: mx.array, mask: mx.array) -> mx.array:
     return (x * mask).sum() / mx.maximum(mask.sum(), 1.0)
 
 
+def scale(centered: np.ndarray, rewards: np.ndarray, how: str) -> np.ndarray:
+    """Divide centred rewards by the group's or the batch's sample std, or not at all."""
+    if how == "none":
+        return centered
+    if how == "group":
+        std = rewards.std(axis=1, ddof=1, keepdims=True)
+    else:
+        std = rewards.std(ddof=1) if rewards.size > 1 else 0.0
+    return centered / (std + STD_EPS)
+
+
 @dataclass(frozen=True)
 class GRPO:
-    """GRPO as TRL defines it: group-normalised advantages, clipped surrogate, loss
+    """TRL's GRPO: group-normalised advantages, token-level clipped surrogate, loss
     averaged over each completion's tokens and then over completions."""
 
-    epsilon: float = 0.2
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
     beta: float = 0.0
+    scale_rewards: str = "group"
+    max_tokens: int = 1
+    # Whether epsilon_high keeps its own default when only epsilon is set.
+    asymmetric: ClassVar[bool] = False
 
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
-        mean = rewards.mean(axis=1, keepdims=True)
-        std = rewards.std(axis=1, ddof=1, keepdims=True) if rewards.shape[1] > 1 else 0.0
-        return ((rewards - mean) / (std + STD_EPS)).reshape(-1)
+        centered = rewards - rewards.mean(axis=1, keepdims=True)
+        return scale(centered, rewards, self.scale_rewards).reshape(-1)
 
-    def loss(self, x: LossInputs) -> tuple[mx.array, dict[str, mx.array]]:
-        ratio = mx.exp(x.logp - x.old_logp)
+    def keep_group(self, rewards: np.ndarray) -> bool:
+        return True
+
+    def normalizer(self, mask: np.ndarray) -> float:
+        return float(mask.shape[0])  # completions
+
+    def row_loss(self, per_token: mx.array, mask: mx.array) -> mx.array:
+        return ((per_token * mask).sum(-1) / mx.maximum(mask.sum(-1), 1.0)).sum()
+
+    def ratio(self, x: LossInputs) -> mx.array:
+        return mx.exp(x.logp - x.old_logp)
+
+    def loss_sum(self, x: LossInputs) -> tuple[mx.array, dict[str, mx.array]]:
+        ratio = self.ratio(x)
         adv = x.advantages[:, None]
-        clipped = mx.clip(ratio, 1 - self.epsilon, 1 + self.epsilon)
-        per_token = -mx.minimum(ratio * adv, clipped * adv)
+        clipped = mx.clip(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        surrogate = -mx.minimum(ratio * adv, clipped * adv) * x.is_weight
         kl = k3_kl(x.logp, x.ref_logp) if x.ref_logp is not None else mx.zeros_like(x.logp)
-        if self.beta:
-            per_token = per_token + self.beta * kl
-        per_seq = (per_token * x.mask).sum(-1) / mx.maximum(x.mask.sum(-1), 1.0)
-        loss = per_seq.mean()
-        is_clipped = ((ratio < 1 - self.epsilon) & (adv < 0)) | ((ratio > 1 + self.epsilon) & (adv > 0))
-        return loss, {"kl": masked_mean(kl, x.mask), "clip_frac": masked_mean(is_clipped, x.mask)}
+        per_token = surrogate + self.beta * kl if self.beta else surrogate
+        low = (ratio < 1 - self.epsilon_low) & (adv < 0)
+        high = (ratio > 1 + self.epsilon_high) & (adv > 0)
+        return self.row_loss(per_token, x.mask), {
+            "policy_loss": self.row_loss(surrogate, x.mask),
+            "kl": masked_mean(kl, x.mask),
+            "clip_low_frac": masked_mean(low, x.mask),
+            "clip_high_frac": masked_mean(high, x.mask),
+            "clip_frac": masked_mean(low | high, x.mask),
+            "ratio_mean": masked_mean(ratio, x.mask),
+            "ratio_max": mx.max(mx.where(x.mask > 0, ratio, -mx.inf)),
+            "ratio_min": mx.min(mx.where(x.mask > 0, ratio, mx.inf)),
+        }
 
 
-def make_algorithm(name: str, epsilon: float, beta: float) -> Algorithm:
-    algorithms = {"grpo": GRPO}
-    if name not in algorithms:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(algorithms)}")
-    return algorithms[name](epsilon=epsilon, beta=beta)
+@dataclass(frozen=True)
+class BNPO(GRPO):
+    """Token-level: the loss sums over all completion tokens of the batch, divided by
+    their number, so long completions weigh by their length."""
+
+    def normalizer(self, mask: np.ndarray) -> float:
+        return max(float(mask.sum()), 1.0)
+
+    def row_loss(self, per_token: mx.array, mask: mx.array) -> mx.array:
+        return (per_token * mask).sum()
+
+
+@dataclass(frozen=True)
+class DAPO(BNPO):
+    """BNPO's token-level loss with asymmetric clipping (defaults 0.2 / 0.28) and dynamic
+    sampling: groups whose rewards are all equal carry no signal and are filtered out; the
+    learner fills the batch with further groups instead."""
+
+    epsilon_high: float = 0.28
+    asymmetric: ClassVar[bool] = True
+
+    def keep_group(self, rewards: np.ndarray) -> bool:
+        return bool(np.ptp(rewards) > 0)
+
+
+@dataclass(frozen=True)
+class DrGRPO(BNPO):
+    """Dr. GRPO: no std scaling of advantages, and a constant normaliser
+    (completions x max_tokens), removing the length and difficulty biases."""
+
+    scale_rewards: str = "none"
+
+    def normalizer(self, mask: np.ndarray) -> float:
+        return float(mask.shape[0] * self.max_tokens)
+
+
+@dataclass(frozen=True)
+class GSPO(GRPO):
+    """GSPO: one importance ratio per completion, exp(mean_t(logp - old_logp)), clipped at
+    the sequence level with its paper's far smaller range (3e-4 below, 4e-4 above)."""
+
+    epsilon_low: float = 3e-4
+    epsilon_high: float = 4e-4
+
+    def ratio(self, x: LossInputs) -> mx.array:
+        n = mx.maximum(x.mask.sum(-1, keepdims=True), 1.0)
+        seq_log_ratio = ((x.logp - x.old_logp) * x.mask).sum(-1, keepdims=True) / n
+        return mx.broadcast_to(mx.exp(seq_log_ratio), x.logp.shape)
+
+
+@dataclass(frozen=True)
+class RLOO(GRPO):
+    """RLOO: each completion's baseline is the mean reward of the *other* G-1 completions
+    of its prompt: r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean)."""
+
+    scale_rewards: str = "none"
+
+    def advantages(self, rewards: np.ndarray) -> np.ndarray:
+        g = rewards.shape[1]
+        centered = (rewards - rewards.mean(axis=1, keepdims=True)) * g / (g - 1)
+        return scale(centered, rewards, self.scale_rewards).reshape(-1)
+
+
+ALGORITHMS = {"grpo": GRPO, "bnpo": BNPO, "dapo": DAPO, "dr_grpo": DrGRPO, "gspo": GSPO, "rloo": RLOO}
+
+
+def make_algorithm(name: str, *, beta: float = 0.0, epsilon: float | None = None,
+                   epsilon_high: float | None = None, scale_rewards: str = "default",
+                   max_tokens: int = 1) -> Algorithm:
+    """Build an objective; unset knobs keep the objective's own defaults."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}")
+    cls = ALGORITHMS[name]
+    kwargs: dict = {"beta": beta, "max_tokens": max_tokens}
+    if epsilon is not None:
+        kwargs["epsilon_low"] = epsilon
+        if not cls.asymmetric:
+            kwargs["epsilon_high"] = epsilon
+    if epsilon_high is not None:
+        kwargs["epsilon_high"] = epsilon_high
+    if scale_rewards != "default":
+        if scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+        kwargs["scale_rewards"] = scale_rewards
+    return cls(**kwargs)

@@ -24,6 +24,7 @@ class Group:
     finish_reasons: list[str]
     gen_s: float
     actor_peak_mb: float | None
+    rewards: np.ndarray | None = None  # [G], set at intake
 
 
 def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size: int) -> Group:

@@ -26,7 +26,7 @@ import protocol
 from learner.algorithms import make_algorithm
 from learner.groups import Group, group_from_message
 from learner.rewards import RewardError, load_reward_function, score
-from learner.step import Sample, make_batch, train_step
+from learner.step import Correction, Sample, make_batch, optimizer_step, prepare
 from policy.model import adapter_weights_numpy, load_policy, save_adapters, tokenizer_fingerprint
 from protocol.config import read_run_config
 
@@ -43,7 +43,11 @@ class Learner:
         train = self.cfg["train"]
         self.reward_fn = load_reward_function(self.cfg["reward"]["function"],
                                               self.cfg["reward"]["search_path"])
-        self.algorithm = make_algorithm(self.cfg["algorithm"]["name"], train["epsilon"], train["beta"])
+        algo = self.cfg["algorithm"]
+        self.algorithm = make_algorithm(
+            algo["name"], beta=algo["beta"], epsilon=algo["epsilon"], epsilon_high=algo["epsilon_high"],
+            scale_rewards=algo["scale_rewards"], max_tokens=self.cfg["sampling"]["max_tokens"])
+        self.correction = Correction(algo["is_correction"], algo["is_level"], algo["is_cap"])
         mx.random.seed(train["seed"])
         log.info("loading %s", self.cfg["model"]["path"])
         self.model, self.tokenizer, self.adapter_config = load_policy(
@@ -57,7 +61,8 @@ class Learner:
         self.step = 0
         self.version = 0
         self.actors: dict[bytes, dict] = {}
-        self.queue: collections.deque[Group] = collections.deque()
+        self.unscored: list[Group] = []  # received, waiting for rewards
+        self.queue: collections.deque[Group] = collections.deque()  # scored, kept, waiting for a batch
         self.counts = collections.Counter()
         self.dropped = collections.Counter()
         # Groups trained or dropped, per actor: the credit that lets an actor sample more.
@@ -129,7 +134,7 @@ class Learner:
             except ValueError as e:
                 self.drop(str(e), msg["group_id"], identity)
                 return
-            self.queue.append(group)
+            self.unscored.append(group)
         elif msg.kind == protocol.STOP:
             log.info("peer asked to stop: %s", msg["reason"])
         # Heartbeats need no answer; other kinds have no meaning for the learner.
@@ -170,54 +175,90 @@ class Learner:
             return None
         return [self.queue.popleft() for _ in range(train["batch_size"])]
 
-    def learn(self, groups: list[Group]) -> dict | None:
-        t0 = time.perf_counter()
+    def intake(self) -> None:
+        """Score every group that arrived, in one reward call, and keep those the
+        algorithm wants (DAPO filters groups without reward variance)."""
+        if not self.unscored:
+            return
+        groups, self.unscored = self.unscored, []
         try:
             rewards = score(self.reward_fn, groups)
             self.reward_failures = 0
         except RewardError as e:
             self.reward_failures += 1
+            log.error("%s", e)
             for g in groups:
                 self.drop("reward error", g.group_id, g.sender)
-            log.error("%s", e)
             if self.reward_failures >= MAX_REWARD_FAILURES:
                 raise
-            return None
+            return
+        for g, r in zip(groups, rewards):
+            if self.algorithm.keep_group(r):
+                g.rewards = r
+                self.queue.append(g)
+            else:
+                self.drop("filtered: equal rewards", g.group_id, g.sender)
+
+    def learn(self, groups: list[Group]) -> None:
+        """Train on one batch: `num_iterations` optimizer steps, each published at once."""
+        t0 = time.perf_counter()
+        rewards = np.stack([g.rewards for g in groups])
         advantages = self.algorithm.advantages(rewards)
         samples = [Sample(g.prompt_ids, ids, lp, fr) for g in groups
                    for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)]
         train, sampling = self.cfg["train"], self.cfg["sampling"]
-        stats = train_step(self.model, self.optimizer, self.algorithm, make_batch(samples, self.pad_id),
-                           advantages, sampling["temperature"], train["beta"], train["max_grad_norm"])
-        self.step += 1
-        self.version += 1
-        self.counts["groups_trained"] += len(groups)
-        self.consumed.update(g.sender for g in groups)
-        self.publish_weights(list(self.actors))
+        batch = make_batch(samples, self.pad_id)
+        prepared = prepare(self.model, batch, sampling["temperature"], self.cfg["algorithm"]["beta"],
+                           self.correction)
         lens = [len(s.completion_ids) for s in samples]
         gen_s = sum(g.gen_s for g in groups)
         actor_peaks = [g.actor_peak_mb for g in groups if g.actor_peak_mb is not None]
-        return {
-            "step": self.step,
-            "policy_version": self.version,
+        shared = {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
-            **stats,
+            "advantage_mean": float(advantages.mean()),
+            "advantage_std": float(advantages.std()),
+            **prepared.stats,
             "completion_len_mean": float(np.mean(lens)),
+            "completion_len_max": int(max(lens)),
             "truncated_frac": float(np.mean([s.finish_reason == "length" for s in samples])),
-            "version_lag_mean": float(np.mean([self.version - 1 - g.policy_version for g in groups])),
+            "version_lag_mean": float(np.mean([self.version - g.policy_version for g in groups])),
             "rollout_tokens_per_s": sum(lens) / gen_s if gen_s > 0 else None,
-            "step_s": time.perf_counter() - t0,
-            "learner_peak_mb": mx.get_peak_memory() / 1e6,
             "actor_peak_mb": max(actor_peaks) if actor_peaks else None,
-            **self.group_counts(),
         }
+        for iteration in range(self.cfg["algorithm"]["num_iterations"]):
+            stats = optimizer_step(self.model, self.optimizer, self.algorithm, batch, prepared,
+                                   advantages, sampling["temperature"], train["max_grad_norm"],
+                                   train["micro_batch_size"])
+            self.step += 1
+            self.version += 1
+            self.publish_weights(list(self.actors))
+            if iteration == 0:
+                self.counts["groups_trained"] += len(groups)
+                self.consumed.update(g.sender for g in groups)
+            self.write_metrics({
+                "step": self.step, "policy_version": self.version, "iteration": iteration,
+                **shared, **stats,
+                "step_s": time.perf_counter() - t0,
+                "learner_peak_mb": mx.get_peak_memory() / 1e6,
+                **self.group_counts(),
+            })
+            t0 = time.perf_counter()
+            if self.step >= train["steps"]:
+                break
+
+    def write_metrics(self, metrics: dict) -> None:
+        self.metrics_file.write(json.dumps(metrics) + "\n")
+        self.metrics_file.flush()
+        every = self.cfg["train"]["checkpoint_every"]
+        if every and self.step % every == 0:
+            self.checkpoint()
 
     def group_counts(self) -> dict:
         return {
             "groups_received": self.counts["groups_received"],
             "groups_trained": self.counts["groups_trained"],
-            "groups_queued": len(self.queue),
+            "groups_queued": len(self.queue) + len(self.unscored),
             "groups_dropped": sum(self.dropped.values()),
             "dropped_reasons": dict(self.dropped),
             "messages_rejected": self.counts["messages_rejected"],
@@ -235,20 +276,15 @@ class Learner:
 
     def run(self) -> None:
         steps = self.cfg["train"]["steps"]
-        every = self.cfg["train"]["checkpoint_every"]
         self.write_status("waiting_for_actor")
         last_status = 0.0
         while self.step < steps and not self.stopping:
             self.receive(100)
+            self.intake()
             batch = self.next_batch()
             if batch is not None:
-                metrics = self.learn(batch)
-                self.send_credits()
-                if metrics is not None:
-                    self.metrics_file.write(json.dumps(metrics) + "\n")
-                    self.metrics_file.flush()
-                    if every and self.step % every == 0:
-                        self.checkpoint()
+                self.learn(batch)
+            self.send_credits()
             if time.time() - last_status > 0.5 or batch is not None:
                 self.write_status("training" if self.actors else "waiting_for_actor")
                 last_status = time.time()

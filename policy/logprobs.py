@@ -24,3 +24,15 @@ def sequence_logprobs(model: nn.Module, tokens: mx.array, temperature: float) ->
     """Full forward over `tokens` [B, L]; returns [B, L-1], the logprob of tokens[:, 1:]."""
     logits = model(tokens[:, :-1])
     return token_logprobs(logits, tokens[:, 1:], temperature)
+
+
+def sequence_logprobs_and_entropy(model: nn.Module, tokens: mx.array,
+                                  temperature: float) -> tuple[mx.array, mx.array]:
+    """As sequence_logprobs (with the very same operations, so the two agree bit for bit),
+    plus the entropy of each position's tempered distribution."""
+    logits = model(tokens[:, :-1])
+    picked = token_logprobs(logits, tokens[:, 1:], temperature)
+    scaled = logits.astype(mx.float32) / temperature
+    logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+    entropy = -(mx.exp(logprobs) * logprobs).sum(-1)
+    return picked, entropy

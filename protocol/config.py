@@ -41,6 +41,7 @@ def _module_function(v: str) -> str | None:
 
 
 # section -> key -> (type, default, check). Types are Python types; float accepts ints.
+# A default of None means "unset": the objective's own default applies.
 SCHEMA: dict[str, dict[str, tuple]] = {
     "model": {
         "path": (str, REQUIRED, None),
@@ -72,14 +73,21 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "batch_size": (int, 8, _range(1)),
         "learning_rate": (float, 1e-5, _range(0, lo_open=True)),
         "max_grad_norm": (float, 1.0, _range(0, lo_open=True)),
-        "beta": (float, 0.0, _range(0)),
-        "epsilon": (float, 0.2, _range(0, lo_open=True)),
+        "micro_batch_size": (int, 0, _range(0)),
         "max_staleness": (int, 0, _range(0)),
         "checkpoint_every": (int, 10, _range(0)),
         "seed": (int, 0, None),
     },
     "algorithm": {
-        "name": (str, "grpo", _one_of("grpo")),
+        "name": (str, "grpo", _one_of("grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo")),
+        "beta": (float, 0.0, _range(0)),
+        "epsilon": (float, None, _range(0, 1, lo_open=True, hi_open=True)),
+        "epsilon_high": (float, None, _range(0, lo_open=True)),
+        "scale_rewards": (str, "default", _one_of("default", "group", "batch", "none")),
+        "num_iterations": (int, 1, _range(1)),
+        "is_correction": (str, "none", _one_of("none", "truncate", "mask")),
+        "is_level": (str, "token", _one_of("token", "sequence")),
+        "is_cap": (float, 2.0, _range(1, lo_open=True)),
     },
     "reward": {
         "function": (str, REQUIRED, _module_function),

@@ -1,101 +1,179 @@
-"""GRPO: hand-computed toy cases and an independent NumPy reference."""
+"""The GRPO family: hand-computed toy cases, degenerate cases, and an independent NumPy
+reference written from the published formulas (gradients by finite differences)."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from learner.algorithms import GRPO, LossInputs, make_algorithm
+from learner.algorithms import ALGORITHMS, GRPO, LossInputs, make_algorithm
 
 
-def loss_and_grad(alg, logp, old, ref, adv, mask):
+def loss_and_grad(alg, logp, old, adv, mask, ref=None, is_weight=None):
+    """The loss as the learner computes it (sum / whole-batch normaliser) and d loss/d logp."""
+    norm = alg.normalizer(np.asarray(mask))
+    w = np.ones_like(logp) if is_weight is None else is_weight
+
     def f(lp):
-        return alg.loss(LossInputs(lp, mx.array(old), None if ref is None else mx.array(ref),
-                                   mx.array(adv), mx.array(mask)))[0]
+        x = LossInputs(lp, mx.array(old), None if ref is None else mx.array(ref), mx.array(adv),
+                       mx.array(mask), mx.array(w))
+        return alg.loss_sum(x)[0] / norm
+
     loss, grad = mx.value_and_grad(f)(mx.array(logp))
     return float(loss.item()), np.array(grad)
 
 
-def test_grpo_advantages_by_hand():
-    # Group [1, 0, 0, 1]: mean .5, sample std sqrt(1/3); group [2, 2, 2, 2]: all equal.
-    adv = GRPO().advantages(np.array([[1.0, 0, 0, 1], [2.0, 2, 2, 2]]))
-    a = 0.5 / (np.sqrt(1 / 3) + 1e-4)
-    np.testing.assert_allclose(adv, [a, -a, -a, a, 0, 0, 0, 0], rtol=1e-6)
+def diagnostics(alg, logp, old, adv, mask):
+    x = LossInputs(mx.array(logp), mx.array(old), None, mx.array(adv), mx.array(mask),
+                   mx.ones(logp.shape))
+    return {k: float(v.item()) for k, v in alg.loss_sum(x)[1].items()}
 
 
-def test_uniform_rewards_give_zero_advantage_and_zero_gradient():
-    alg = GRPO()
-    adv = alg.advantages(np.full((2, 4), 0.7))
-    assert np.all(adv == 0) and np.all(np.isfinite(adv))
-    logp = np.log(np.full((8, 3), 0.3, dtype=np.float32))
-    loss, grad = loss_and_grad(alg, logp, logp, None, adv.astype(np.float32), np.ones((8, 3), np.float32))
-    assert loss == 0.0 and np.all(grad == 0)
+# The toy batch: two completions. Row 0: A = +1, ratios 1.5 and 0.9. Row 1: A = -1,
+# ratio 0.5, its second position is padding.
+OLD = np.zeros((2, 2), np.float32)
+LOGP = np.log(np.array([[1.5, 0.9], [0.5, 1.1]], np.float32))
+MASK = np.array([[1, 1], [1, 0]], np.float32)
+ADV = np.array([1.0, -1.0], np.float32)
 
 
-def test_grpo_loss_and_gradient_by_hand():
-    """Two completions, epsilon 0.2. Row 0: A=+1, ratios 1.5 (clipped) and 0.9. Row 1:
-    A=-1, ratio 0.5 (clipped), second token masked out.
-    per-token loss: row 0 [-1.2, -0.9] -> mean -1.05; row 1 [0.8] -> 0.8; loss -0.125.
-    d loss / d logp: only row 0 token 1 is unclipped: -A*r / len / B = -0.9 / 2 / 2."""
-    old = np.zeros((2, 2), np.float32)
-    logp = np.log(np.array([[1.5, 0.9], [0.5, 1.1]], np.float32))
-    mask = np.array([[1, 1], [1, 0]], np.float32)
-    alg = GRPO(epsilon=0.2)
-    loss, grad = loss_and_grad(alg, logp, old, None, np.array([1.0, -1.0], np.float32), mask)
-    assert loss == pytest.approx(-0.125, abs=1e-6)
-    np.testing.assert_allclose(grad, [[0, -0.225], [0, 0]], atol=1e-6)
-    _, extra = alg.loss(LossInputs(mx.array(logp), mx.array(old), None,
-                                   mx.array([1.0, -1.0]), mx.array(mask)))
-    assert float(extra["clip_frac"].item()) == pytest.approx(2 / 3)
+@pytest.mark.parametrize("name,kwargs,loss,grad", [
+    # per-token: row 0 [-1.2 (clipped), -0.9], row 1 [+0.8 (clipped)]
+    ("grpo", {}, (-1.05 + 0.8) / 2, [[0, -0.9 / 2 / 2], [0, 0]]),  # mean per row, then rows
+    ("bnpo", {}, (-1.2 - 0.9 + 0.8) / 3, [[0, -0.9 / 3], [0, 0]]),  # over the batch's 3 tokens
+    ("dapo", {}, (-1.28 - 0.9 + 0.8) / 3, [[0, -0.9 / 3], [0, 0]]),  # upper clip at 1.28
+    ("dr_grpo", {"max_tokens": 4}, (-1.2 - 0.9 + 0.8) / 8, [[0, -0.9 / 8], [0, 0]]),  # 2 rows x 4
+    ("rloo", {}, (-1.05 + 0.8) / 2, [[0, -0.9 / 2 / 2], [0, 0]]),  # GRPO's loss, own advantages
+    # sequence ratio s0 = sqrt(1.5 * 0.9) = 1.16190 (inside [0.8, 1.2]), s1 = 0.5 (clipped):
+    # loss (-s0 + 0.8) / 2; d/dlogp_t of -s0 = -s0 / 2 per token, then / 2 rows.
+    ("gspo", {"epsilon": 0.2}, (-np.sqrt(1.35) + 0.8) / 2,
+     [[-np.sqrt(1.35) / 4, -np.sqrt(1.35) / 4], [0, 0]]),
+])
+def test_toy_loss_and_gradient_by_hand(name, kwargs, loss, grad):
+    alg = make_algorithm(name, **{"epsilon": None, **kwargs})
+    got_loss, got_grad = loss_and_grad(alg, LOGP, OLD, ADV, MASK)
+    assert got_loss == pytest.approx(loss, abs=1e-6)
+    np.testing.assert_allclose(got_grad, grad, atol=1e-6)
+
+
+def test_clip_fractions_low_and_high_by_hand():
+    d = diagnostics(make_algorithm("grpo"), LOGP, OLD, ADV, MASK)
+    # row 0 token 0: ratio 1.5 > 1.2 with A > 0 (high); row 1: 0.5 < 0.8 with A < 0 (low)
+    assert d["clip_high_frac"] == pytest.approx(1 / 3)
+    assert d["clip_low_frac"] == pytest.approx(1 / 3)
+    assert d["clip_frac"] == pytest.approx(2 / 3)
+    assert d["ratio_max"] == pytest.approx(1.5) and d["ratio_min"] == pytest.approx(0.5)
 
 
 def test_k3_kl_by_hand():
-    """ref - logp = log 2 on every token: k3 = 2 - log 2 - 1 = 0.30685; with beta 0.5 and
-    zero advantages the loss is 0.5 * 0.30685."""
+    """ref - logp = log 2 on every token: k3 = 2 - log 2 - 1; beta 0.5, zero advantages."""
     logp = np.log(np.full((1, 2), 0.25, np.float32))
     ref = np.log(np.full((1, 2), 0.5, np.float32))
-    alg = GRPO(beta=0.5)
-    loss, grad = loss_and_grad(alg, logp, logp, ref, np.zeros(1, np.float32), np.ones((1, 2), np.float32))
+    loss, grad = loss_and_grad(GRPO(beta=0.5), logp, logp, np.zeros(1, np.float32),
+                               np.ones((1, 2), np.float32), ref=ref)
     assert loss == pytest.approx(0.5 * (1 - np.log(2)), abs=1e-6)
     # d k3 / d logp = 1 - exp(ref - logp) = -1, times beta and 1/len(2).
     np.testing.assert_allclose(grad, [[-0.25, -0.25]], atol=1e-6)
 
 
-def numpy_grpo(logp, old, ref, adv, mask, eps, beta):
-    """GRPO (TRL) written from the formulas, with its analytic gradient."""
-    r = np.exp(logp - old)
+def test_advantages_by_hand():
+    rewards = np.array([[1.0, 0, 0, 1], [2.0, 2, 2, 3]])
+    # group 1: mean .5, sample std sqrt(1/3); group 2: mean 2.25, sample std 0.5
+    a, s2 = 0.5 / (np.sqrt(1 / 3) + 1e-4), 0.5 + 1e-4
+    np.testing.assert_allclose(make_algorithm("grpo").advantages(rewards),
+                               [a, -a, -a, a, -0.25 / s2, -0.25 / s2, -0.25 / s2, 0.75 / s2], rtol=1e-6)
+    # RLOO: r_i minus the mean of the other three: 1 - 1/3, 0 - 2/3, ...; 2 - 7/3, 3 - 2
+    np.testing.assert_allclose(make_algorithm("rloo").advantages(rewards),
+                               [2 / 3, -2 / 3, -2 / 3, 2 / 3, -1 / 3, -1 / 3, -1 / 3, 1], rtol=1e-6)
+    batch_std = rewards.std(ddof=1)
+    centered = rewards - rewards.mean(axis=1, keepdims=True)
+    np.testing.assert_allclose(make_algorithm("grpo", scale_rewards="batch").advantages(rewards),
+                               (centered / (batch_std + 1e-4)).reshape(-1), rtol=1e-6)
+
+
+def test_grpo_without_scaling_equals_dr_grpo_advantages():
+    rewards = np.random.default_rng(1).random((3, 5))
+    np.testing.assert_array_equal(make_algorithm("grpo", scale_rewards="none").advantages(rewards),
+                                  make_algorithm("dr_grpo").advantages(rewards))
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_uniform_rewards_give_zero_advantages_and_zero_gradient(name):
+    alg = make_algorithm(name, max_tokens=3)
+    adv = alg.advantages(np.full((2, 4), 0.7))
+    assert np.all(adv == 0) and np.all(np.isfinite(adv))
+    logp = np.log(np.full((8, 3), 0.3, np.float32))
+    loss, grad = loss_and_grad(alg, logp, logp - 0.01, adv.astype(np.float32), np.ones((8, 3), np.float32))
+    assert loss == 0.0 and np.all(grad == 0) and np.all(np.isfinite(grad))
+
+
+def test_dapo_filters_groups_without_reward_variance():
+    dapo, grpo = make_algorithm("dapo"), make_algorithm("grpo")
+    assert not dapo.keep_group(np.array([1.0, 1.0, 1.0]))
+    assert dapo.keep_group(np.array([1.0, 0.0, 1.0]))
+    assert grpo.keep_group(np.array([1.0, 1.0, 1.0]))
+
+
+def test_epsilon_defaults_and_overrides():
+    assert (make_algorithm("dapo").epsilon_low, make_algorithm("dapo").epsilon_high) == (0.2, 0.28)
+    assert make_algorithm("dapo", epsilon=0.1).epsilon_high == 0.28  # asymmetric by design
+    assert make_algorithm("grpo", epsilon=0.1).epsilon_high == 0.1
+    assert make_algorithm("gspo").epsilon_low == 3e-4
+    assert make_algorithm("grpo", epsilon_high=0.5).epsilon_high == 0.5
+
+
+def numpy_loss(name, logp, old, ref, adv, mask, el, eh, beta, max_tokens, w):
+    """The objectives from their papers / TRL's docs, in float64 NumPy."""
+    lens = mask.sum(1, keepdims=True)
+    if name == "gspo":
+        r = np.exp(((logp - old) * mask).sum(1, keepdims=True) / lens) * np.ones_like(logp)
+    else:
+        r = np.exp(logp - old)
     a = adv[:, None]
-    unclipped = r * a
-    clipped = np.clip(r, 1 - eps, 1 + eps) * a
-    per_token = -np.minimum(unclipped, clipped)
-    d_per_token = np.where(unclipped <= clipped, -unclipped, 0.0)  # d/dlogp of -r*a is -r*a
+    per_token = -np.minimum(r * a, np.clip(r, 1 - el, 1 + eh) * a) * w
     if beta:
-        d = ref - logp
-        per_token = per_token + beta * (np.exp(d) - d - 1)
-        d_per_token = d_per_token + beta * (1 - np.exp(d))
-    lens = np.maximum(mask.sum(1, keepdims=True), 1)
-    b = len(logp)
-    loss = ((per_token * mask).sum(1) / lens[:, 0]).mean()
-    return loss, d_per_token * mask / lens / b
+        per_token = per_token + beta * (np.exp(ref - logp) - (ref - logp) - 1)
+    if name in ("grpo", "rloo", "gspo"):
+        return ((per_token * mask).sum(1) / lens[:, 0]).mean()
+    if name in ("bnpo", "dapo"):
+        return (per_token * mask).sum() / mask.sum()
+    return (per_token * mask).sum() / (len(logp) * max_tokens)  # dr_grpo
 
 
+def numeric_grad(f, x, h=1e-6):
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        e = np.zeros_like(x)
+        e[i] = h
+        g[i] = (f(x + e) - f(x - e)) / (2 * h)
+    return g
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_grpo_matches_numpy_reference_on_ragged_batches(beta):
-    rng = np.random.default_rng(0)
-    for _ in range(5):
+def test_matches_numpy_reference_on_ragged_batches(name, beta):
+    rng = np.random.default_rng(hash((name, beta)) % 2**32)
+    for _ in range(3):
         b, t = 6, 7
-        old = rng.normal(-2, 0.5, (b, t)).astype(np.float32)
-        logp = (old + rng.normal(0, 0.3, (b, t))).astype(np.float32)
-        ref = (old + rng.normal(0, 0.3, (b, t))).astype(np.float32)
+        old = rng.normal(-2, 0.5, (b, t))
+        logp = old + rng.normal(0, 0.15, (b, t))
+        ref = old + rng.normal(0, 0.3, (b, t))
+        w = rng.uniform(0.5, 1.5, (b, t))
         lens = rng.integers(1, t + 1, b)
-        mask = (np.arange(t)[None] < lens[:, None]).astype(np.float32)
-        adv = GRPO().advantages(rng.random((2, 3))).astype(np.float32)
-        alg = make_algorithm("grpo", epsilon=0.2, beta=beta)
-        loss, grad = loss_and_grad(alg, logp, old, ref if beta else None, adv, mask)
-        ref_loss, ref_grad = numpy_grpo(logp.astype(np.float64), old, ref, adv, mask, 0.2, beta)
-        assert loss == pytest.approx(ref_loss, abs=1e-5)
+        mask = (np.arange(t)[None] < lens[:, None]).astype(np.float64)
+        alg = make_algorithm(name, beta=beta, max_tokens=t, epsilon=0.1 if name == "gspo" else None)
+        adv = alg.advantages(rng.random((2, 3)))
+        loss, grad = loss_and_grad(alg, logp.astype(np.float32), old.astype(np.float32),
+                                   adv.astype(np.float32), mask.astype(np.float32),
+                                   ref=ref.astype(np.float32) if beta else None,
+                                   is_weight=w.astype(np.float32))
+        args = (old, ref, adv, mask, alg.epsilon_low, alg.epsilon_high, beta, t, w)
+        assert loss == pytest.approx(numpy_loss(name, logp, *args), abs=1e-5)
+        ref_grad = numeric_grad(lambda lp, args=args: numpy_loss(name, lp, *args), logp)
         np.testing.assert_allclose(grad, ref_grad, atol=1e-5)
 
 
-def test_unknown_algorithm_is_named():
+def test_unknown_names_are_refused():
     with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
-        make_algorithm("ppo", 0.2, 0.0)
+        make_algorithm("ppo")
+    with pytest.raises(ValueError, match="scale_rewards"):
+        make_algorithm("grpo", scale_rewards="sometimes")

@@ -88,8 +88,10 @@ def test_example_config_loads_and_resolves():
     assert cfg["sampling"]["top_p"] == 1.0
     assert cfg["sampling"]["top_k"] == 0
     assert cfg["sampling"]["max_prompt_tokens"] == 1024
-    assert cfg["train"]["beta"] == 0.0
-    assert cfg["train"]["epsilon"] == pytest.approx(0.2)
+    assert cfg["algorithm"]["beta"] == 0.0
+    assert cfg["algorithm"]["epsilon"] is None  # unset: the objective's own default
+    assert cfg["algorithm"]["num_iterations"] == 1
+    assert cfg["algorithm"]["is_correction"] == "none"
     assert cfg["train"]["max_staleness"] == 0
     assert cfg["run"]["transport"] == "ipc"
     assert cfg["run"]["host"] == "127.0.0.1"
@@ -229,11 +231,12 @@ def test_int_accepted_for_float(tmp_path):
     ("lora", "num_layers", "-2", "must be >= -1"),
     ("train", "steps", "0", "must be >= 1"),
     ("train", "learning_rate", "0.0", "must be > 0"),
-    ("train", "beta", "-1", "must be >= 0"),
+    ("algorithm", "beta", "-1", "must be >= 0"),
+    ("algorithm", "is_cap", "1", "must be > 1"),
     ("run", "port", "0", "must be >= 1"),
     ("run", "port", "70000", "must be <= 65535"),
     ("run", "transport", '"udp"', "must be one of 'ipc', 'tcp'"),
-    ("algorithm", "name", '"ppo"', "must be one of 'grpo'"),
+    ("algorithm", "name", '"ppo"', "must be one of 'grpo', 'bnpo', 'dapo', 'dr_grpo', 'gspo', 'rloo'"),
 ])
 def test_out_of_range(tmp_path, section, key, literal, problem):
     msg = error_of(write_config(tmp_path, **{section: {key: literal}}))
