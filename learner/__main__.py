@@ -4,7 +4,7 @@ import argparse
 import logging
 import sys
 
-from learner.rewards import RewardError
+from rewards.functions import RewardError
 
 
 def cli() -> None:

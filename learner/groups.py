@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,8 @@ class Group:
     finish_reasons: list[str]
     gen_s: float
     actor_peak_mb: float | None
-    rewards: np.ndarray | None = None  # [G], set at intake
+    rewards: np.ndarray | None = None  # [G] weighted sum, set when scored
+    rewards_by_function: dict[str, list] = field(default_factory=dict)
 
 
 def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size: int) -> Group:

@@ -25,10 +25,11 @@ import zmq
 import protocol
 from learner.algorithms import make_algorithm
 from learner.groups import Group, group_from_message
-from learner.rewards import RewardError, load_reward_function, score
 from learner.step import Correction, Sample, make_batch, optimizer_step, prepare
 from policy.model import adapter_weights_numpy, load_policy, save_adapters, tokenizer_fingerprint
 from protocol.config import read_run_config
+from rewards.functions import RewardError
+from rewards.scorer import Scored, Scorer
 
 log = logging.getLogger("learner")
 
@@ -41,8 +42,11 @@ class Learner:
         self.run_dir = Path(run_dir)
         self.cfg = read_run_config(run_dir)
         train = self.cfg["train"]
-        self.reward_fn = load_reward_function(self.cfg["reward"]["function"],
-                                              self.cfg["reward"]["search_path"])
+        endpoints = protocol.read_endpoints(run_dir)
+        self.ctx = zmq.Context()
+        # Reward functions load (and fail) before the model does.
+        self.scorer = Scorer(self.cfg["reward"], self.ctx, endpoints["reward"])
+        self.awaiting: dict[str, Group] = {}  # waiting for an external reward
         algo = self.cfg["algorithm"]
         self.algorithm = make_algorithm(
             algo["name"], beta=algo["beta"], epsilon=algo["epsilon"], epsilon_high=algo["epsilon_high"],
@@ -71,10 +75,9 @@ class Learner:
         self.reward_failures = 0
         self.stopping = False
 
-        self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.bind(protocol.read_endpoints(run_dir)["learner"])
+        self.sock.bind(endpoints["learner"])
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
 
     # -- messages ---------------------------------------------------------------------
@@ -176,28 +179,41 @@ class Learner:
         return [self.queue.popleft() for _ in range(train["batch_size"])]
 
     def intake(self) -> None:
-        """Score every group that arrived, in one reward call, and keep those the
-        algorithm wants (DAPO filters groups without reward variance)."""
-        if not self.unscored:
-            return
+        """Send every new group to the rewards, and take in the groups whose rewards are
+        complete; keep those the algorithm wants (DAPO filters equal-reward groups)."""
         groups, self.unscored = self.unscored, []
-        try:
-            rewards = score(self.reward_fn, groups)
+        for g in groups:
+            key = f"{g.sender.hex()}/{g.group_id}"
+            try:
+                scored = self.scorer.submit(key, g.prompt, g.texts, g.completion_ids, g.columns)
+            except RewardError as e:
+                self.reward_failed(g, e)
+                continue
             self.reward_failures = 0
-        except RewardError as e:
-            self.reward_failures += 1
-            log.error("%s", e)
-            for g in groups:
-                self.drop("reward error", g.group_id, g.sender)
-            if self.reward_failures >= MAX_REWARD_FAILURES:
-                raise
-            return
-        for g, r in zip(groups, rewards):
-            if self.algorithm.keep_group(r):
-                g.rewards = r
-                self.queue.append(g)
+            if scored is None:
+                self.awaiting[key] = g
             else:
-                self.drop("filtered: equal rewards", g.group_id, g.sender)
+                self.accept(g, scored)
+        done, failed = self.scorer.poll(0)
+        for scored in done:
+            self.accept(self.awaiting.pop(scored.key), scored)
+        for key, reason in failed:
+            g = self.awaiting.pop(key)
+            self.drop(reason, g.group_id, g.sender)
+
+    def reward_failed(self, g: Group, error: RewardError) -> None:
+        self.reward_failures += 1
+        log.error("%s", error)
+        self.drop("reward error", g.group_id, g.sender)
+        if self.reward_failures >= MAX_REWARD_FAILURES:
+            raise error
+
+    def accept(self, g: Group, scored: Scored) -> None:
+        if self.algorithm.keep_group(scored.total):
+            g.rewards, g.rewards_by_function = scored.total, scored.by_function
+            self.queue.append(g)
+        else:
+            self.drop("filtered: equal rewards", g.group_id, g.sender)
 
     def learn(self, groups: list[Group]) -> None:
         """Train on one batch: `num_iterations` optimizer steps, each published at once."""
@@ -216,6 +232,7 @@ class Learner:
         shared = {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
+            **reward_means(groups),
             "advantage_mean": float(advantages.mean()),
             "advantage_std": float(advantages.std()),
             **prepared.stats,
@@ -258,11 +275,18 @@ class Learner:
         return {
             "groups_received": self.counts["groups_received"],
             "groups_trained": self.counts["groups_trained"],
-            "groups_queued": len(self.queue) + len(self.unscored),
+            "groups_queued": len(self.queue) + len(self.unscored) + len(self.awaiting),
             "groups_dropped": sum(self.dropped.values()),
             "dropped_reasons": dict(self.dropped),
             "messages_rejected": self.counts["messages_rejected"],
         }
+
+    def phase(self) -> str:
+        if not self.actors:
+            return "waiting_for_actor"
+        if self.scorer.waiting_for_workers:
+            return "waiting_for_reward_worker"
+        return "training"
 
     def write_status(self, phase: str) -> None:
         status = {"phase": phase, "step": self.step, "steps": self.cfg["train"]["steps"],
@@ -286,7 +310,7 @@ class Learner:
                 self.learn(batch)
             self.send_credits()
             if time.time() - last_status > 0.5 or batch is not None:
-                self.write_status("training" if self.actors else "waiting_for_actor")
+                self.write_status(self.phase())
                 last_status = time.time()
         self.checkpoint()
         self.write_status("done" if self.step >= steps else "stopped")
@@ -295,8 +319,18 @@ class Learner:
         for identity in self.actors:
             self.send(identity, protocol.STOP, {"reason": "training finished"})
         self.metrics_file.close()
+        self.scorer.close()
         self.sock.close()
         self.ctx.term()
+
+
+def reward_means(groups: list[Group]) -> dict[str, float | None]:
+    """Each reward function's mean over the batch, None values left out."""
+    out = {}
+    for name in groups[0].rewards_by_function:
+        values = [v for g in groups for v in g.rewards_by_function.get(name, []) if v is not None]
+        out[f"reward/{name}"] = float(np.mean(values)) if values else None
+    return out
 
 
 def _looks_like_rollout(frames: list[bytes]) -> bool:

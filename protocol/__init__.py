@@ -6,7 +6,10 @@ from protocol.wire import (
     HEARTBEAT,
     HELLO,
     PROTOCOL_VERSION,
+    READY,
     ROLLOUT,
+    SCORE,
+    SCORE_REPLY,
     STOP,
     WEIGHTS,
     Message,
@@ -16,6 +19,7 @@ from protocol.wire import (
 )
 
 __all__ = [
-    "CREDIT", "HEARTBEAT", "HELLO", "PROTOCOL_VERSION", "ROLLOUT", "STOP", "WEIGHTS", "Message",
-    "ProtocolError", "decode", "encode", "make_endpoints", "read_endpoints", "write_endpoints",
+    "CREDIT", "HEARTBEAT", "HELLO", "PROTOCOL_VERSION", "READY", "ROLLOUT", "SCORE", "SCORE_REPLY",
+    "STOP", "WEIGHTS", "Message", "ProtocolError", "decode", "encode", "make_endpoints",
+    "read_endpoints", "write_endpoints",
 ]

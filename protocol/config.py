@@ -35,9 +35,21 @@ def _one_of(*choices) -> Callable[[Any], str | None]:
     return lambda v: None if v in choices else f"must be one of {', '.join(map(repr, choices))}"
 
 
-def _module_function(v: str) -> str | None:
-    module, _, fn = v.partition(":")
-    return None if module and fn else "must look like 'module:function'"
+def _reward_functions(v: list) -> str | None:
+    if not v:
+        return "must name at least one reward"
+    for spec in v:
+        module, _, fn = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+        if spec != "worker" and not (module and fn):
+            return f"entries must be 'module:function' or 'worker' ({spec!r} is neither)"
+    if v.count("worker") > 1:
+        return "may name 'worker' once"
+    return None
+
+
+def _numbers(v: list) -> str | None:
+    ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
+    return None if ok else "must be a list of finite numbers"
 
 
 # section -> key -> (type, default, check). Types are Python types; float accepts ints.
@@ -90,7 +102,10 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "is_cap": (float, 2.0, _range(1, lo_open=True)),
     },
     "reward": {
-        "function": (str, REQUIRED, _module_function),
+        "functions": (list, REQUIRED, _reward_functions),
+        "weights": (list, [], _numbers),
+        "timeout_s": (float, 60.0, _range(0, lo_open=True)),
+        "max_attempts": (int, 5, _range(1)),
     },
     "run": {
         "dir": (str, "runs/default", None),
@@ -140,8 +155,10 @@ def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 raise ConfigError(f"missing required key {section}.{key}")
             else:
                 cfg[section][key] = list(default) if isinstance(default, list) else default
-    if cfg["sampling"]["max_prompt_tokens"] + cfg["sampling"]["max_tokens"] < 2:
-        raise ConfigError("sampling.max_tokens leaves no room for a completion")
+    reward = cfg["reward"]
+    if reward["weights"] and len(reward["weights"]) != len(reward["functions"]):
+        raise ConfigError(f"reward.weights has {len(reward['weights'])} entries for "
+                          f"{len(reward['functions'])} reward.functions")
     return cfg
 
 

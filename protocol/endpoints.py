@@ -10,7 +10,7 @@ from pathlib import Path
 # sockaddr_un.sun_path is 108 bytes on Linux and 104 on macOS, including the NUL.
 _MAX_IPC_PATH = 100
 
-NAMES = ("learner",)
+NAMES = ("learner", "reward")
 
 
 def make_endpoints(run_dir: Path, transport: str = "ipc", host: str = "127.0.0.1",

@@ -35,6 +35,9 @@ WEIGHTS = "weights"
 HEARTBEAT = "heartbeat"
 CREDIT = "credit"
 STOP = "stop"
+READY = "ready"
+SCORE = "score"
+SCORE_REPLY = "score_reply"
 
 
 class ProtocolError(ValueError):
@@ -56,7 +59,7 @@ _NUMBER = (int, float)
 
 # Required fields of each kind, beyond "protocol", "kind" and "arrays".
 _SCHEMA: dict[str, dict[str, Any]] = {
-    HELLO: {"role": str, "model": str, "tokenizer": str, "lora": dict, "pid": int},
+    HELLO: {"role": str, "pid": int},
     ROLLOUT: {
         "group_id": str,
         "policy_version": int,
@@ -69,7 +72,14 @@ _SCHEMA: dict[str, dict[str, Any]] = {
     CREDIT: {"groups_consumed": int},
     HEARTBEAT: {"role": str, "time": _NUMBER},
     STOP: {"reason": str},
+    READY: {},
+    SCORE: {"request_id": str, "prompts": list, "completions": list, "completion_ids": list,
+            "columns": dict},
+    SCORE_REPLY: {"request_id": str, "rewards": list},
 }
+
+# A model-running peer must also say what it runs, so the other side can refuse a mismatch.
+_HELLO_MODEL_FIELDS = {"model": str, "tokenizer": str, "lora": dict}
 
 # Arrays each kind must carry, with their dtype and rank.
 _ARRAYS: dict[str, dict[str, tuple[str, int]]] = {
@@ -124,13 +134,18 @@ def decode(frames: list[bytes], max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     msg = Message(kind, head, arrays)
     if kind == ROLLOUT:
         _check_rollout(msg)
-    elif kind == HELLO and head["role"] not in ROLES:
-        raise ProtocolError(f"hello: unknown role {head['role']!r}")
+    elif kind == HELLO:
+        if head["role"] not in ROLES:
+            raise ProtocolError(f"hello: unknown role {head['role']!r}")
+        if head["role"] in ("actor", "learner"):
+            _check_fields(kind, head, _HELLO_MODEL_FIELDS)
+    elif kind == SCORE_REPLY:
+        _check_score_reply(head)
     return msg
 
 
-def _check_fields(kind: str, head: dict) -> None:
-    for name, typ in _SCHEMA[kind].items():
+def _check_fields(kind: str, head: dict, schema: dict | None = None) -> None:
+    for name, typ in (schema or _SCHEMA[kind]).items():
         if name not in head:
             raise ProtocolError(f"{kind}: missing field {name!r}")
         value = head[name]
@@ -185,6 +200,23 @@ def _decode_arrays(kind: str, specs: Any, frames: list[bytes]) -> dict[str, np.n
         if a.dtype.name != dtype or a.ndim != ndim:
             raise ProtocolError(f"{kind}: array {name!r} must be {dtype} of rank {ndim}")
     return arrays
+
+
+def _is_reward(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+
+
+def _check_score_reply(head: dict) -> None:
+    if not all(_is_reward(v) for v in head["rewards"]):
+        raise ProtocolError("score_reply: every reward must be a finite number or nil")
+    by_fn = head.get("rewards_by_function")
+    if by_fn is not None:
+        if not isinstance(by_fn, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and len(v) == len(head["rewards"])
+            and all(_is_reward(x) for x in v) for k, v in by_fn.items()
+        ):
+            raise ProtocolError("score_reply: rewards_by_function must map names to lists of "
+                                "finite numbers or nil, one per completion")
 
 
 def _check_rollout(msg: Message) -> None:

@@ -41,7 +41,7 @@ batch_size = 2
 learning_rate = 3e-4
 checkpoint_every = 0
 [reward]
-function = "{reward}"
+functions = ["{reward}"]
 [run]
 dir = "{tmp_path / 'run'}"
 """

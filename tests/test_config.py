@@ -33,7 +33,7 @@ def base_sections() -> dict[str, dict[str, str]]:
     return {
         "model": {"path": json.dumps(str(TINY_MODEL))},
         "data": {"prompts": json.dumps(str(TINY_PROMPTS))},
-        "reward": {"function": '"tiny_task:reward"'},
+        "reward": {"functions": '["tiny_task:reward"]'},
     }
 
 
@@ -79,7 +79,7 @@ def test_example_config_loads_and_resolves():
     assert cfg["train"]["learning_rate"] == pytest.approx(3e-4)
     assert cfg["train"]["checkpoint_every"] == 20
     assert cfg["algorithm"]["name"] == "grpo"
-    assert cfg["reward"]["function"] == "tiny_task:reward"
+    assert cfg["reward"]["functions"] == ["tiny_task:reward"]
     # Defaults filled in.
     assert cfg["lora"]["dropout"] == 0.0
     assert cfg["lora"]["num_layers"] == -1
@@ -257,7 +257,7 @@ def test_boundary_values_accepted(tmp_path, section, key, literal):
     assert cfg[section][key] == json.loads(literal)
 
 
-@pytest.mark.parametrize("section,key", [("reward", "function"), ("model", "path"), ("data", "prompts")])
+@pytest.mark.parametrize("section,key", [("reward", "functions"), ("model", "path"), ("data", "prompts")])
 def test_missing_required_key(tmp_path, section, key):
     sections = base_sections()
     del sections[section][key]
@@ -265,15 +265,21 @@ def test_missing_required_key(tmp_path, section, key):
     assert msg == f"missing required key {section}.{key}"
 
 
-@pytest.mark.parametrize("function", ['"tiny_task.reward"', '"tiny_task"', '":reward"', '"tiny_task:"'])
+@pytest.mark.parametrize("function", ['"tiny_task.reward"', '"tiny_task"', '":reward"', '"tiny_task:"', '""'])
 def test_reward_function_needs_module_and_function(tmp_path, function):
-    msg = error_of(write_config(tmp_path, reward={"function": function}))
-    assert msg.startswith("reward.function must look like 'module:function'")
+    msg = error_of(write_config(tmp_path, reward={"functions": f"[{function}]"}))
+    assert msg.startswith("reward.functions entries must be 'module:function' or 'worker'")
 
 
-def test_empty_reward_function_is_named(tmp_path):
-    msg = error_of(write_config(tmp_path, reward={"function": '""'}))
-    assert msg == "reward.function must not be empty"
+def test_reward_function_list_problems_are_named(tmp_path):
+    assert error_of(write_config(tmp_path, reward={"functions": "[]"})) == (
+        "reward.functions must name at least one reward, got []")
+    msg = error_of(write_config(tmp_path, reward={"functions": '["worker", "worker"]'}))
+    assert msg.startswith("reward.functions may name 'worker' once")
+    msg = error_of(write_config(tmp_path, reward={"functions": '["a:b", "worker"]', "weights": "[1.0]"}))
+    assert msg == "reward.weights has 1 entries for 2 reward.functions"
+    msg = error_of(write_config(tmp_path, reward={"functions": '["a:b"]', "weights": '["x"]'}))
+    assert msg.startswith("reward.weights must be a list of finite numbers")
 
 
 def test_missing_prompts_file(tmp_path):
@@ -334,7 +340,7 @@ def test_validate_reports_unknown_before_missing():
     ('lora.keys=["q_proj", "v_proj"]', ("lora", "keys", ["q_proj", "v_proj"])),
     ("run.dir=runs/x", ("run", "dir", "runs/x")),
     (" train.steps =12", ("train", "steps", 12)),
-    ("reward.function=mod:fn", ("reward", "function", "mod:fn")),
+    ('reward.functions=["mod:fn"]', ("reward", "functions", ["mod:fn"])),
     ("train.steps=", ("train", "steps", "")),
     ("train.steps=abc", ("train", "steps", "abc")),
 ])

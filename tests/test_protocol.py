@@ -634,7 +634,8 @@ def test_bool_protocol_version_rejected():
 
 def test_make_endpoints_ipc_private_dir(tmp_path):
     eps = make_endpoints(tmp_path)
-    assert set(eps) == {"learner"}
+    assert set(eps) == {"learner", "reward"}
+    assert eps["reward"] == eps["learner"].replace("learner.sock", "reward.sock")
     addr = eps["learner"]
     assert addr.startswith("ipc://")
     sock = Path(addr.removeprefix("ipc://"))
@@ -676,8 +677,10 @@ def test_make_endpoints_deep_run_dir(tmp_path):
 
 
 def test_make_endpoints_tcp(tmp_path):
-    assert make_endpoints(tmp_path, transport="tcp") == {"learner": "tcp://127.0.0.1:5555"}
-    assert make_endpoints(tmp_path, "tcp", host="0.0.0.0", base_port=7000) == {"learner": "tcp://0.0.0.0:7000"}
+    assert make_endpoints(tmp_path, transport="tcp") == {
+        "learner": "tcp://127.0.0.1:5555", "reward": "tcp://127.0.0.1:5556"}
+    assert make_endpoints(tmp_path, "tcp", host="0.0.0.0", base_port=7000) == {
+        "learner": "tcp://0.0.0.0:7000", "reward": "tcp://0.0.0.0:7001"}
     assert not (tmp_path / "sockets").exists()
 
 

@@ -1,0 +1,78 @@
+"""In-process reward functions with TRL's signature.
+
+`fn(prompts, completions, completion_ids, **columns) -> list[float | None]`, one entry per
+completion. Completions come in the prompt's shape: plain text for text prompts, a list
+with one assistant message for chat prompts. Dataset columns are repeated per completion.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+RewardFn = Callable[..., list]
+WORKER = "worker"  # a reward entry served by external workers on the reward socket
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something unusable."""
+
+
+def load_reward_function(spec: str, search_path: str | None = None) -> RewardFn:
+    """Import `module:function`, looking in `search_path` (the config's directory) first."""
+    module_name, _, fn_name = spec.partition(":")
+    if search_path and search_path not in sys.path:
+        sys.path.insert(0, search_path)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RewardError(f"reward function {spec!r}: cannot import {module_name!r}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise RewardError(f"reward function {spec!r}: {module_name} has no function {fn_name!r}")
+    return fn
+
+
+def reward_inputs(prompt: Any, texts: list[str], completion_ids: list[list[int]],
+                  columns: dict[str, Any]) -> dict[str, list]:
+    """TRL's per-completion argument lists for one prompt and its completions."""
+    n = len(texts)
+    chat = isinstance(prompt, list)
+    completions = [[{"role": "assistant", "content": t}] if chat else t for t in texts]
+    inputs = {"prompts": [prompt] * n, "completions": completions,
+              "completion_ids": [list(map(int, ids)) for ids in completion_ids]}
+    for name, value in columns.items():
+        if name not in inputs:
+            inputs[name] = [value] * n
+    return inputs
+
+
+def check_rewards(values: Any, n: int, source: str) -> list[float | None]:
+    """One finite number or None per completion, or RewardError saying what is wrong."""
+    if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
+        raise RewardError(f"{source} must return a list, got {type(values).__name__}")
+    values = list(values.tolist() if hasattr(values, "tolist") else values)
+    if len(values) != n:
+        raise RewardError(f"{source} returned {len(values)} values for {n} completions")
+    out: list[float | None] = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(None)
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise RewardError(f"{source} returned {v!r} for completion {i}; "
+                              "expected a finite number or None")
+        else:
+            out.append(float(v))
+    return out
+
+
+def call_reward(fn: RewardFn, inputs: dict[str, list], name: str) -> list[float | None]:
+    n = len(inputs["completions"])
+    try:
+        values = fn(**inputs)
+    except Exception as e:
+        raise RewardError(f"reward function {name} raised {type(e).__name__}: {e}") from e
+    return check_rewards(values, n, f"reward function {name}")

@@ -1,0 +1,99 @@
+"""Scoring a group: every configured reward, in-process or external, then their weighted sum.
+
+In-process functions run at once; a `"worker"` entry waits for the reward socket. As in
+TRL, a None reward is left out of the weighted sum (a completion no function scores gets
+0), and each function's mean is reported on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from rewards.dispatcher import RewardDispatcher
+from rewards.functions import WORKER, RewardError, call_reward, load_reward_function, reward_inputs
+
+
+@dataclass
+class Scored:
+    key: str
+    total: np.ndarray  # [G] weighted sum
+    by_function: dict[str, list[float | None]] = field(default_factory=dict)
+
+
+def function_name(spec: str) -> str:
+    return spec if spec == WORKER else spec.partition(":")[2]
+
+
+class Scorer:
+    def __init__(self, reward_cfg: dict, ctx: zmq.Context | None = None,
+                 endpoint: str | None = None) -> None:
+        specs = reward_cfg["functions"]
+        weights = reward_cfg["weights"] or [1.0] * len(specs)
+        search_path = reward_cfg.get("search_path")
+        self.entries = [(function_name(s), None if s == WORKER else load_reward_function(s, search_path), w)
+                        for s, w in zip(specs, weights)]
+        self.dispatcher = None
+        if WORKER in specs:
+            if ctx is None or endpoint is None:
+                raise ValueError("a 'worker' reward needs a reward socket")
+            self.dispatcher = RewardDispatcher(ctx, endpoint, reward_cfg["timeout_s"],
+                                               reward_cfg["max_attempts"])
+        self.partial: dict[str, dict[str, list]] = {}
+
+    @property
+    def waiting_for_workers(self) -> bool:
+        d = self.dispatcher
+        return d is not None and d.pending > 0 and d.n_workers == 0
+
+    def submit(self, key: str, prompt: Any, texts: list[str], completion_ids: list,
+               columns: dict[str, Any]) -> Scored | None:
+        """Score in-process at once; returns None while an external score is awaited.
+        Raises RewardError if an in-process function fails."""
+        inputs = reward_inputs(prompt, texts, completion_ids, columns)
+        by_fn = {name: call_reward(fn, inputs, name) for name, fn, _ in self.entries if fn is not None}
+        if self.dispatcher is None:
+            return self.combine(key, by_fn)
+        self.partial[key] = by_fn
+        self.dispatcher.submit(key, inputs_for_wire(inputs), len(texts))
+        return None
+
+    def poll(self, timeout_ms: int = 0) -> tuple[list[Scored], list[tuple[str, str]]]:
+        """External replies that completed a group, and groups that could not be scored."""
+        if self.dispatcher is None:
+            return [], []
+        replies, failures = self.dispatcher.poll(timeout_ms)
+        done = []
+        for r in replies:
+            by_fn = self.partial.pop(r.request_id)
+            by_fn[WORKER] = r.rewards
+            by_fn.update({f"{WORKER}:{k}": v for k, v in r.by_function.items()})
+            done.append(self.combine(r.request_id, by_fn))
+        for key, _ in failures:
+            self.partial.pop(key, None)
+        return done, failures
+
+    def combine(self, key: str, by_fn: dict[str, list]) -> Scored:
+        n = len(next(iter(by_fn.values())))
+        total = np.zeros(n)
+        for name, _, weight in self.entries:
+            values = np.array([np.nan if v is None else v for v in by_fn[name]], dtype=np.float64)
+            total += np.nan_to_num(weight * values, nan=0.0)
+        return Scored(key, total, by_fn)
+
+    def close(self) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.close()
+
+
+def inputs_for_wire(inputs: dict[str, list]) -> dict:
+    """The score request's fields: TRL's arguments, with the columns under their own key."""
+    fixed = ("prompts", "completions", "completion_ids")
+    return {**{k: inputs[k] for k in fixed},
+            "columns": {k: v for k, v in inputs.items() if k not in fixed}}
+
+
+__all__ = ["RewardError", "Scored", "Scorer"]
