@@ -107,8 +107,14 @@ class Supervisor:
             status = None
         if status and status["phase"] != self.phase:
             self.phase = status["phase"]
-            label = {"waiting_for_actor": "learner ready; waiting for the actor's handshake",
-                     "training": "actor attached; training"}.get(self.phase)
+            reward_socket = protocol.read_endpoints(self.run_dir)["reward"]
+            label = {
+                "waiting_for_actor": "learner ready; waiting for the actor's handshake",
+                "waiting_for_reward_worker": (
+                    f"waiting for a reward worker on {reward_socket}; attach one with "
+                    f"`orchestrator reward-worker module:function --run-dir {self.run_dir}`"),
+                "training": "training",
+            }.get(self.phase)
             if label:  # the end of the run is announced by up(), after the last step
                 self.say(label)
 

@@ -96,6 +96,10 @@ class RewardDispatcher:
             self.mark_ready(identity)
         elif msg.kind == protocol.SCORE_REPLY:
             request = self.assigned.get(msg["request_id"])
+            if (request is None or request.worker != identity) and identity in self.busy:
+                self.reject(identity, f"reply names request {msg['request_id']!r}, "
+                            f"the worker holds {self.busy[identity]!r}", failed)
+                return
             if request is None or request.worker != identity:
                 self.stats["late_replies"] += 1
                 log.warning("ignored a reply to request %s: not (or no longer) assigned to "
