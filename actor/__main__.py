@@ -19,9 +19,42 @@ def run(run_dir: str = typer.Option(..., help="Run directory written by `orchest
     main(run_dir)
 
 
+@app.command()
+def sample(
+    config: str = typer.Option(..., "--config", "-c", help="TOML run config (model, sampling, rewards)."),
+    prompts: str | None = typer.Option(None, help="JSONL prompts; default: the config's data.prompts."),
+    num_samples: int = typer.Option(4, "--num-samples", "-k", min=1, help="Completions per prompt."),
+    out: str = typer.Option("samples.jsonl", help="Where to write one JSON row per sample."),
+    adapter: str | None = typer.Option(None, help="mlx-lm adapter directory; default: the base model."),
+    seed: int = typer.Option(0, help="Sampling seed: the same seed gives the same output."),
+    limit: int | None = typer.Option(None, help="Only the first N prompts."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value."),
+) -> None:
+    """Sample and score without a learner, for evaluation."""
+    from protocol.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, set_)
+    except ConfigError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2) from None
+    from actor.data import DataError
+    from actor.sample import run_sample
+
+    try:
+        summary = run_sample(cfg, prompts or cfg["data"]["prompts"], num_samples, out, adapter, seed, limit)
+    except (DataError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    for key, value in summary.items():
+        shown = "-" if value is None else (f"{value:.4f}" if isinstance(value, float) else value)
+        typer.echo(f"{key:>20}  {shown}")
+    typer.echo(f"{'samples':>20}  {out}")
+
+
 @app.callback()
 def _root() -> None:
-    """Keep `run` a subcommand even while it is the only one."""
+    """Keep subcommands explicit."""
 
 
 if __name__ == "__main__":

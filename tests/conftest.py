@@ -53,17 +53,28 @@ dir = "{tmp_path / 'run'}"
 
 
 def merge_toml(base: str, extra: str) -> str:
-    """Put each `[section]` block of `extra` under the same section of `base`."""
-    sections: dict[str, list[str]] = {}
-    order: list[str] = []
+    """Put each `[section]` block of `extra` under the same section of `base`; a key that
+    both set takes `extra`'s value."""
+    sections: dict[str, dict[str, str]] = {}
     for text in (base, extra):
         current = ""
         for line in text.strip().splitlines():
             if line.startswith("["):
                 current = line.strip()
-                if current not in sections:
-                    sections[current] = []
-                    order.append(current)
+                sections.setdefault(current, {})
             elif line.strip():
-                sections[current].append(line)
-    return "\n".join(f"{s}\n" + "\n".join(sections[s]) for s in order) + "\n"
+                sections[current][line.split("=")[0].strip()] = line
+    return "\n".join(f"{s}\n" + "\n".join(lines.values()) for s, lines in sections.items()) + "\n"
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> Path:
+    """The README's default run (examples/tiny.toml), once per test session."""
+    import subprocess
+
+    run = tmp_path_factory.mktemp("default") / "run"
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "up", "--config",
+                           str(EXAMPLES / "tiny.toml"), "--run-dir", str(run)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run

@@ -1,0 +1,165 @@
+"""Prompt data, reward inputs, and `actor sample` against the default run's adapter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from actor.data import DataError, PromptStream, load_prompts
+from rewards.functions import reward_inputs
+from rewards.scorer import Scorer
+from tests.conftest import EXAMPLES, ROOT, write_config
+from tests.test_e2e import read_metrics, run_up
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_text_and_chat_prompts_are_encoded_as_the_model_expects(tiny, tmp_path):
+    _, tok = tiny
+    messages = [{"role": "user", "content": "repeat 3"}]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "repeat 3", "target": "3"},
+                                             {"prompt": messages, "answer": "3"}])
+    text, chat = load_prompts(path, tok, 1024)
+    assert text.prompt_ids == list(tok.encode("repeat 3")) and text.columns == {"target": "3"}
+    rendered = "<|user|>repeat 3<|end|><|assistant|>"
+    assert tok.decode(chat.prompt_ids) == rendered
+    assert chat.prompt_ids == list(tok.encode(rendered, add_special_tokens=False))
+    assert chat.columns == {"answer": "3"} and chat.prompt == messages
+
+
+def test_long_prompts_keep_their_end(tiny, tmp_path):
+    _, tok = tiny
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "abcdefghij"}])
+    (p,) = load_prompts(path, tok, 4)
+    assert tok.decode(p.prompt_ids) == "ghij" and p.truncated
+
+
+@pytest.mark.parametrize("line,problem", [
+    ("{not json", "p.jsonl:2: not valid JSON"),
+    ('{"question": "x"}', "p.jsonl:2: each row must be an object with a 'prompt' field"),
+    ('{"prompt": ""}', "p.jsonl:2: 'prompt' must be a non-empty string or a message list"),
+    ('{"prompt": [{"role": "user"}]}', "p.jsonl:2: a chat prompt must be a non-empty list"),
+    ('{"prompt": 7}', "p.jsonl:2: 'prompt' must be a non-empty string"),
+])
+def test_bad_rows_name_file_and_line(tiny, tmp_path, line, problem):
+    _, tok = tiny
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, line])
+    with pytest.raises(DataError, match=problem.replace("[", r"\[")):
+        load_prompts(path, tok, 64)
+
+
+def test_prompt_stream_shuffles_by_seed_and_resumes_from_its_cursor(tiny):
+    prompts = load_prompts(EXAMPLES / "tiny_prompts.jsonl", tiny[1], 64)[:10]
+    a = PromptStream(prompts, True, seed=3)
+    first = [next(a).index for _ in range(25)]
+    assert sorted(first[:10]) == list(range(10)) and first[:10] != list(range(10))
+    assert first == [next(PromptStream(prompts, True, seed=3)).index for _ in range(1)] + first[1:]
+    assert [next(PromptStream(prompts, True, seed=4)).index for _ in range(10)] != first[:10]
+    b = PromptStream(prompts, True, seed=3)
+    for _ in range(13):
+        next(b)
+    resumed = PromptStream(prompts, True, seed=3, cursor=b.cursor)
+    assert [next(resumed).index for _ in range(12)] == first[13:]
+
+
+def test_reward_inputs_repeat_columns_and_shape_completions_like_the_prompt():
+    chat = reward_inputs([{"role": "user", "content": "q"}], ["a", "b"], [[1], [2, 3]], {"answer": "7"})
+    assert chat["completions"] == [[{"role": "assistant", "content": "a"}],
+                                   [{"role": "assistant", "content": "b"}]]
+    assert chat["answer"] == ["7", "7"] and chat["completion_ids"] == [[1], [2, 3]]
+    assert len(chat["prompts"]) == 2
+    text = reward_inputs("q", ["a"], [[1]], {})
+    assert text["completions"] == ["a"] and text["prompts"] == ["q"]
+
+
+def test_weighted_rewards_leave_none_out_like_trl(tmp_path):
+    (tmp_path / "two.py").write_text(
+        "def a(completions, **kw):\n    return [1.0, None, 0.5]\n"
+        "def b(completions, **kw):\n    return [2.0, 3.0, None]\n")
+    scorer = Scorer({"functions": ["two:a", "two:b"], "weights": [1.0, 0.5], "search_path": str(tmp_path)})
+    scored = scorer.submit("k", "q", ["x", "y", "z"], [[1], [2], [3]], {})
+    np.testing.assert_allclose(scored.total, [1.0 + 1.0, 1.5, 0.5])
+    assert scored.by_function == {"a": [1.0, None, 0.5], "b": [2.0, 3.0, None]}
+
+
+def test_chat_prompts_train_end_to_end_and_rewards_read_the_answer_column(tmp_path):
+    (tmp_path / "recording.py").write_text(
+        "import json, pathlib\n"
+        "def reward(prompts, completions, completion_ids, answer, **kw):\n"
+        "    with open(pathlib.Path(__file__).parent / 'calls.jsonl', 'a') as f:\n"
+        "        f.write(json.dumps({'prompts': prompts, 'completions': completions,\n"
+        "                            'answer': answer, 'ids': completion_ids}) + '\\n')\n"
+        "    return [c[0]['content'].count(a) / max(len(c[0]['content']), 1)\n"
+        "            for c, a in zip(completions, answer)]\n")
+    cfg = write_config(tmp_path, f'[data]\nprompts = "{EXAMPLES / "tiny_chat_prompts.jsonl"}"',
+                       steps=3, reward="recording:reward")
+    code, out = run_up(cfg)
+    assert code == 0, out
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    rows = {json.dumps(json.loads(line)["prompt"]): json.loads(line)["answer"]
+            for line in (EXAMPLES / "tiny_chat_prompts.jsonl").read_text().splitlines()}
+    assert len(calls) >= 6  # one call per group of 4
+    for call in calls:
+        assert len(call["answer"]) == len(call["completions"]) == len(call["prompts"]) == 4
+        # the answer column is the one of the row the prompt came from, repeated per completion
+        assert call["answer"] == [rows[json.dumps(call["prompts"][0])]] * 4
+        assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str)
+                   for c in call["completions"])
+        assert all(isinstance(i, int) for ids in call["ids"] for i in ids)
+
+
+def actor_sample(tmp_path, name, *args):
+    out = tmp_path / f"{name}.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "actor", "sample", "--config", str(EXAMPLES / "tiny.toml"),
+                           "--limit", "16", "-k", "4", "--out", str(out), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines() if line.strip()}
+    return out, summary
+
+
+def test_actor_sample_shows_the_trained_adapter_is_better(tmp_path, default_run):
+    base_out, base = actor_sample(tmp_path, "base")
+    tuned_out, tuned = actor_sample(tmp_path, "tuned", "--adapter", str(default_run / "adapters"))
+    assert float(tuned["mean_reward"]) > float(base["mean_reward"]) + 0.3, (base, tuned)
+    rows = [json.loads(line) for line in tuned_out.read_text().splitlines()]
+    assert len(rows) == 16 * 4
+    for r in rows:
+        assert {"prompt", "completion", "token_ids", "logprobs", "finish_reason", "reward"} <= r.keys()
+        assert len(r["token_ids"]) == len(r["logprobs"]) and r["finish_reason"] in ("stop", "length")
+    assert float(tuned["tokens_per_s"]) > 0
+
+
+def test_actor_sample_is_reproducible_by_seed(tmp_path):
+    a, _ = actor_sample(tmp_path, "a", "--seed", "5")
+    b, _ = actor_sample(tmp_path, "b", "--seed", "5")
+    c, _ = actor_sample(tmp_path, "c", "--seed", "6")
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() != c.read_bytes()
+
+
+def test_pass_at_k_for_binary_rewards(tmp_path):
+    (tmp_path / "binary.py").write_text(
+        "def exact(completions, target, **kw):\n"
+        "    return [1.0 if c[:1] == t else 0.0 for c, t in zip(completions, target)]\n")
+    out = tmp_path / "s.jsonl"
+    cfg = write_config(tmp_path, reward="binary:exact")
+    proc = subprocess.run([sys.executable, "-m", "actor", "sample", "--config", str(cfg), "--limit", "8",
+                           "-k", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    by_prompt: dict[int, list[float]] = {}
+    for r in rows:
+        by_prompt.setdefault(r["prompt_index"], []).append(r["reward"])
+    expected = np.mean([max(v) == 1.0 for v in by_prompt.values()])
+    line = next(line for line in proc.stdout.splitlines() if "pass@4" in line)
+    assert float(line.split()[1]) == pytest.approx(expected, abs=1e-4)
