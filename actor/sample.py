@@ -10,12 +10,11 @@ import time
 from pathlib import Path
 from typing import IO
 
-import mlx.core as mx
 import numpy as np
 import zmq
 
 from actor.data import load_prompts
-from actor.sampler import SamplingParams, sample_group
+from actor.sampler import SamplingParams, sample_groups
 from policy.model import load_policy
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
@@ -64,15 +63,19 @@ def run_sample(cfg: dict, prompts_path: str, num_samples: int, out_path: str,
     ctx = zmq.Context()
     endpoint = f"ipc://{tempfile.mkdtemp(prefix='mlxrl-sample-')}/reward.sock"
     scorer = Scorer(cfg["reward"], ctx, endpoint) if cfg.get("reward") else None
-    mx.random.seed(seed)
     rows, rewards, tokens, t0 = [], [], 0, time.perf_counter()
-    for i, p in enumerate(prompts):
-        completions = sample_group(model, p.prompt_ids, num_samples, params, set(tok.eos_token_ids))
-        texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        tokens += sum(len(c.token_ids) for c in completions)
-        rows.append((p, completions, texts))
+    for start in range(0, len(prompts), 8):  # up to 8 prompts decode as one batch
+        batch = prompts[start:start + 8]
+        # Row ids follow the prompt's position, so a prompt's samples depend only on --seed.
+        groups = sample_groups(model, [p.prompt_ids for p in batch], num_samples, params,
+                               set(tok.eos_token_ids), seed=seed, row_offset=start * num_samples)
+        for p, completions in zip(batch, groups):
+            texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+            tokens += sum(len(c.token_ids) for c in completions)
+            rows.append((p, completions, texts))
         rate = tokens / (time.perf_counter() - t0)
-        print(f"\rsampling {i + 1}/{len(prompts)} prompts  {rate:.0f} tok/s", end="", file=err, flush=True)
+        print(f"\rsampling {len(rows)}/{len(prompts)} prompts  {rate:.0f} tok/s", end="", file=err,
+              flush=True)
     gen_s = time.perf_counter() - t0
     scores = score_all(scorer, rows, err) if scorer else {}
     with open(out_path, "w") as f:

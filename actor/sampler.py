@@ -1,9 +1,25 @@
-"""Grouped sampling with behavior logprobs.
+"""Batched grouped sampling with behavior logprobs, reproducible by seed.
 
-One prompt is prefilled once; its KV cache is copied to the G rows that then decode
-together. For every sampled token we keep its logprob under the temperature-scaled,
-untruncated distribution, computed as in policy/logprobs.py (which explains why
-untruncated).
+Each prompt is prefilled once (batch 1) and its KV cache copied to its G rows. The rows of
+all prompts then decode as one batch: mlx-lm's cache `merge` (BatchKVCache for plain KV
+caches) left-pads the prompts to a common length and masks the padding, the same machinery
+mlx-lm's own batch_generate uses. Rows that sampled an EOS are dropped from the batch
+(cache `filter`) so they stop costing compute. A model whose caches cannot be merged
+(e.g. ChunkedKVCache, QuantizedKVCache) decodes one prompt's G rows at a time instead.
+
+For every sampled token we keep its logprob under the temperature-scaled, untruncated
+distribution, computed as in policy/logprobs.py (which explains why untruncated).
+
+Randomness. Sampling is Gumbel-max: token = argmax(truncate(logprobs) + g) over the tokens
+that top-k/top-p/min-p keep, a draw from the truncated, renormalized distribution. The
+noise of row r at step t is
+
+    g = mx.random.gumbel(shape=(V,), key=mx.random.key(_mix(_mix(_mix(seed) ^ r) ^ t)))
+
+where r is the row's id (row_offset + prompt position * group_size + sample index), so a
+row's tokens depend only on (seed, r, t) and its own logits, never on which other rows
+share the batch. `reference_sample` draws the same noise one row at a time without a KV
+cache; tests check both give the same tokens.
 """
 
 from __future__ import annotations
@@ -12,7 +28,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 
 @dataclass(frozen=True)
@@ -51,43 +67,127 @@ def truncate(logprobs: mx.array, p: SamplingParams) -> mx.array:
     return logprobs
 
 
-def _prefill(model: nn.Module, prompt_ids: list[int], group_size: int):
-    cache = make_prompt_cache(model)
-    logits = model(mx.array(prompt_ids)[None], cache=cache)[:, -1, :]
-    if all(type(c) is KVCache for c in cache):
-        for c in cache:
-            c.keys = mx.repeat(c.keys, group_size, axis=0)
-            c.values = mx.repeat(c.values, group_size, axis=0)
-        return mx.repeat(logits, group_size, axis=0), cache
-    # Other cache types (rotating, recurrent) do not expose a plain tensor to copy:
-    # prefill the G rows directly.
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt_ids] * group_size), cache=cache)[:, -1, :]
-    return logits, cache
+_M64 = 2**64 - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: scatters nearby integers over 64 bits (seeds, row ids and
+    steps are small consecutive numbers; mx.random.key would just copy them)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _key(seed: int, row: int, t: int) -> mx.array:
+    return mx.random.key(_mix(_mix(_mix(seed) ^ row) ^ t))
+
+
+def _noise(seed: int, rows: list[int], t: int, vocab: int) -> mx.array:
+    """[len(rows), vocab] Gumbel noise; vmap gives each row exactly what
+    mx.random.gumbel(shape=(vocab,), key=_key(seed, row, t)) gives, the reference
+    sampler's draw (tests compare the two samplers)."""
+    keys = mx.stack([_key(seed, r, t) for r in rows])
+    return mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))(keys)
+
+
+def _sample(logits: mx.array, noise: mx.array, p: SamplingParams) -> tuple[mx.array, mx.array]:
+    """Gumbel-max over the truncated distribution; the logprob is of the untruncated one."""
+    scaled = logits.astype(mx.float32) / p.temperature
+    logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+    tokens = mx.argmax(truncate(logprobs, p) + noise, axis=-1)
+    picked = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, picked
+
+
+def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
+            params: SamplingParams, eos_ids: set[int], seed: int) -> list[Completion]:
+    """Decode the batch whose next-token logits are `logits` ([len(rows), V]); row i has id
+    rows[i]. Each row stops at its first EOS; finished rows leave the batch if the cache
+    can `filter`, else they decode on and what they sample is ignored."""
+    n = len(rows)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list[float]] = [[] for _ in range(n)]
+    done = [False] * n
+    live = list(range(n))  # which row each batch position holds
+    can_filter = all(hasattr(c, "filter") for c in cache)
+    for t in range(params.max_tokens):
+        noise = _noise(seed, [rows[i] for i in live], t, logits.shape[-1])
+        sampled, picked = _sample(logits, noise, params)
+        mx.eval(sampled, picked)
+        for i, tok, lp in zip(live, sampled.tolist(), picked.tolist()):
+            if not done[i]:
+                tokens[i].append(tok)
+                lps[i].append(lp)
+                done[i] = tok in eos_ids
+        if all(done):
+            break
+        keep = [k for k, i in enumerate(live) if not done[i]]
+        if can_filter and len(keep) < len(live):
+            for c in cache:
+                c.filter(keep)
+            sampled = sampled[mx.array(keep)]
+            live = [live[k] for k in keep]
+        logits = model(sampled[:, None], cache=cache)[:, -1, :]
+    return [Completion(ts, lp, "stop" if d else "length") for ts, lp, d in zip(tokens, lps, done)]
+
+
+def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
+                  params: SamplingParams, eos_ids: set[int], seed: int,
+                  row_offset: int = 0) -> list[list[Completion]]:
+    """`group_size` completions of each prompt, all rows decoding as one batch.
+
+    Row j of prompt i has the id row_offset + i * group_size + j: its tokens depend only on
+    (seed, that id) and the model, so callers that give each group a stable offset get the
+    same samples whatever the batch holds.
+    """
+    if not prompts:
+        return []
+    rows = [row_offset + r for r in range(len(prompts) * group_size)]
+    if all(hasattr(c, "merge") for c in make_prompt_cache(model)):
+        caches, logits = [], []
+        for p in prompts:
+            cache = make_prompt_cache(model)
+            logits.append(model(mx.array(p)[None], cache=cache)[:, -1, :])
+            caches.append(cache)
+        # One copy of its prompt's cache per row; merge left-pads to the longest prompt.
+        batch = [layer.merge([c[i] for c in caches for _ in range(group_size)])
+                 for i, layer in enumerate(caches[0])]
+        logits = mx.repeat(mx.concatenate(logits), group_size, axis=0)
+        flat = _decode(model, batch, logits, rows, params, eos_ids, seed)
+    else:
+        # Caches mlx-lm cannot batch: decode each prompt's G rows on their own, prefilled
+        # as G identical rows since these caches expose no plain tensor to copy.
+        flat = []
+        for i, p in enumerate(prompts):
+            cache = make_prompt_cache(model)
+            logits = model(mx.array([p] * group_size), cache=cache)[:, -1, :]
+            flat += _decode(model, cache, logits, rows[i * group_size:(i + 1) * group_size],
+                            params, eos_ids, seed)
+    return [flat[i:i + group_size] for i in range(0, len(flat), group_size)]
 
 
 def sample_group(model: nn.Module, prompt_ids: list[int], group_size: int,
-                 params: SamplingParams, eos_ids: set[int]) -> list[Completion]:
+                 params: SamplingParams, eos_ids: set[int], seed: int = 0) -> list[Completion]:
     """Sample `group_size` completions of one prompt; stop each row at its first EOS."""
-    logits, cache = _prefill(model, prompt_ids, group_size)
-    tokens: list[list[int]] = [[] for _ in range(group_size)]
-    lps: list[list[float]] = [[] for _ in range(group_size)]
-    done = [False] * group_size
-    eos = mx.array(sorted(eos_ids))
-    for _ in range(params.max_tokens):
-        logits = logits.astype(mx.float32) / params.temperature
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled = mx.random.categorical(truncate(logprobs, params))
-        picked = mx.take_along_axis(logprobs, sampled[:, None], axis=-1)[:, 0]
-        is_eos = mx.any(sampled[:, None] == eos[None, :], axis=-1)
-        mx.eval(sampled, picked, is_eos)
-        for row, (tok, lp, stop) in enumerate(zip(sampled.tolist(), picked.tolist(), is_eos.tolist())):
-            if done[row]:
-                continue
-            tokens[row].append(tok)
-            lps[row].append(lp)
-            done[row] = stop
-        if all(done):
-            break
-        logits = model(sampled[:, None], cache=cache)[:, -1, :]
-    return [Completion(t, lp, "stop" if d else "length") for t, lp, d in zip(tokens, lps, done)]
+    return sample_groups(model, [prompt_ids], group_size, params, eos_ids, seed)[0]
+
+
+def reference_sample(model: nn.Module, prompt_ids: list[int], group_size: int,
+                     params: SamplingParams, eos_ids: set[int], seed: int,
+                     row_offset: int = 0) -> list[Completion]:
+    """The plain sampler sample_groups must agree with: one row at a time, no KV cache (a
+    full forward over prompt + generated tokens every step), the same noise per row id."""
+    out = []
+    for j in range(group_size):
+        ids, lps, stop = list(prompt_ids), [], False
+        for t in range(params.max_tokens):
+            logits = model(mx.array(ids)[None])[:, -1, :]
+            noise = mx.random.gumbel(shape=logits.shape[-1:], key=_key(seed, row_offset + j, t))
+            tok, lp = _sample(logits, noise[None], params)
+            ids.append(tok.item())
+            lps.append(lp.item())
+            if stop := ids[-1] in eos_ids:
+                break
+        out.append(Completion(ids[len(prompt_ids):], lps, "stop" if stop else "length"))
+    return out

@@ -26,9 +26,11 @@ import zmq
 
 import protocol
 from actor.data import PromptStream, load_prompts
-from actor.sampler import SamplingParams, sample_group
+from actor.sampler import SamplingParams, sample_groups
+from policy.memory import apply_memory_share
 from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint
 from protocol.config import read_run_config
+from protocol.heartbeat import start_heartbeat
 
 log = logging.getLogger("actor")
 
@@ -82,6 +84,13 @@ class Actor:
                 self.stopping = True
             elif msg.kind == protocol.HELLO:
                 log.info("learner pid %s accepted the handshake", msg["pid"])
+                cursor = msg.header.get("data_cursor")
+                if isinstance(cursor, list) and len(cursor) == 2:
+                    # A restarted actor, or a resumed run: continue the data where the
+                    # learner's consumed groups end.
+                    self.stream = PromptStream(self.stream.prompts, self.stream.shuffle,
+                                               self.stream.seed, (cursor[0], cursor[1]))
+                    log.info("data cursor from the learner: epoch %d, position %d", *cursor)
 
     def apply_pending(self) -> None:
         if self.pending is None:
@@ -96,22 +105,31 @@ class Actor:
 
     def sample_groups(self, n: int) -> None:
         s = self.cfg["sampling"]
+        g = s["group_size"]
+        epoch, position = self.stream.cursor
+        # Row ids follow the prompt's place in the data stream (epoch * rows + position), so
+        # a prompt draws the same noise whatever actor (or resumed run) samples it.
+        first = epoch * len(self.stream.prompts) + position
+        prompts, cursors = [], []
         for _ in range(n):
-            prompt = next(self.stream)
-            t0 = time.perf_counter()
-            completions = sample_group(self.model, prompt.prompt_ids, s["group_size"],
-                                       self.params, self.eos_ids)
-            gen_s = time.perf_counter() - t0
+            prompts.append(next(self.stream))
+            cursors.append(list(self.stream.cursor))
+        t0 = time.perf_counter()
+        groups = sample_groups(self.model, [p.prompt_ids for p in prompts], g, self.params,
+                               self.eos_ids, seed=s["seed"], row_offset=first * g)
+        gen_s = (time.perf_counter() - t0) / n
+        for prompt, cursor, completions in zip(prompts, cursors, groups):
             ids = [c.token_ids for c in completions]
             header = {
                 "group_id": str(self.groups_sent),
+                "cursor": cursor,
                 "policy_version": self.version,
                 "prompt": prompt.prompt,
                 "columns": prompt.columns,
                 "texts": [self.tokenizer.decode(t, skip_special_tokens=True) for t in ids],
                 "finish_reasons": [c.finish_reason for c in completions],
                 "gen_s": gen_s,
-                "peak_memory_mb": mx.get_peak_memory() / 1e6,
+                "peak_memory_mb": mx.get_peak_memory() / (1 << 20),
             }
             arrays = {
                 "prompt_ids": np.array(prompt.prompt_ids, dtype=np.int32),
@@ -144,6 +162,8 @@ class Actor:
 
 
 def main(run_dir: str) -> None:
+    start_heartbeat(run_dir, "actor")
+    apply_memory_share()
     actor = Actor(Path(run_dir))
 
     def stop(signum, frame):

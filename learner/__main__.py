@@ -10,12 +10,13 @@ from rewards.functions import RewardError
 def cli() -> None:
     parser = argparse.ArgumentParser(prog="learner")
     parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from learner.service import main
 
     try:
-        main(args.run_dir)
+        main(args.run_dir, args.resume)
     except RewardError as e:
         logging.getLogger("learner").error("%s", e)
         sys.exit(1)

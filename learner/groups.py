@@ -24,6 +24,7 @@ class Group:
     finish_reasons: list[str]
     gen_s: float
     actor_peak_mb: float | None
+    cursor: list[int] | None = None  # the actor's data cursor just after this prompt
     rewards: np.ndarray | None = None  # [G] weighted sum, set when scored
     rewards_by_function: dict[str, list] = field(default_factory=dict)
 
@@ -44,6 +45,9 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
     cuts = np.cumsum(lens)[:-1]
     gen_s = msg.header.get("gen_s", 0.0)
     peak = msg.header.get("peak_memory_mb")
+    cursor = msg.header.get("cursor")
+    if not (isinstance(cursor, list) and len(cursor) == 2 and all(type(c) is int and c >= 0 for c in cursor)):
+        cursor = None
     return Group(
         sender=sender,
         group_id=msg["group_id"],
@@ -57,4 +61,5 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
         finish_reasons=msg["finish_reasons"],
         gen_s=float(gen_s) if isinstance(gen_s, (int, float)) else 0.0,
         actor_peak_mb=float(peak) if isinstance(peak, (int, float)) else None,
+        cursor=cursor,
     )

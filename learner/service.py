@@ -24,21 +24,25 @@ import zmq
 
 import protocol
 from learner.algorithms import make_algorithm
+from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.groups import Group, group_from_message
 from learner.step import Correction, Sample, make_batch, optimizer_step, prepare
-from policy.model import adapter_weights_numpy, load_policy, save_adapters, tokenizer_fingerprint
+from policy.memory import apply_memory_share
+from policy.model import adapter_weights_numpy, load_policy, tokenizer_fingerprint
 from protocol.config import read_run_config
+from protocol.heartbeat import start_heartbeat
 from rewards.functions import RewardError
 from rewards.scorer import Scored, Scorer
 
 log = logging.getLogger("learner")
 
+MB = 1 << 20
 # A reward function that fails this many batches in a row is broken, not flaky.
 MAX_REWARD_FAILURES = 3
 
 
 class Learner:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, resume: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.cfg = read_run_config(run_dir)
         train = self.cfg["train"]
@@ -57,6 +61,10 @@ class Learner:
         self.model, self.tokenizer, self.adapter_config = load_policy(
             self.cfg["model"]["path"], self.cfg["lora"])
         self.model.train()
+        if train["grad_checkpoint"]:
+            from mlx_lm.tuner.trainer import grad_checkpoint
+
+            grad_checkpoint(self.model.layers[0])
         self.optimizer = optim.Adam(learning_rate=train["learning_rate"])
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else len(
@@ -78,13 +86,36 @@ class Learner:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.bind(endpoints["learner"])
+        plan = self.run_dir / "plan.json"
+        shares = json.loads(plan.read_text())["shares_mb"] if plan.exists() else {}
+        self.shares = {f"{k}_share_mb": v for k, v in shares.items()}
+        self.data_cursor: list[int] | None = None  # after the newest consumed group's prompt
+        self.resumed_from = self.resume() if resume else None
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+
+    def resume(self) -> int | None:
+        """Continue from the newest checkpoint; metrics of later steps are discarded, so
+        no step number ever appears twice."""
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            log.info("no checkpoint to resume from; starting at step 0")
+            keep_metrics_until(self.run_dir / "metrics.jsonl", 0)
+            return None
+        state = load_checkpoint(path, self.model, self.optimizer)
+        self.step, self.version = state["step"], state["version"]
+        self.data_cursor = state["data_cursor"]
+        self.counts.update(state["counts"])
+        self.dropped.update(state["dropped"])
+        keep_metrics_until(self.run_dir / "metrics.jsonl", self.step)
+        log.info("resumed from %s: step %d, adapters %s", path.name, self.step, state["adapters_digest"])
+        return self.step
 
     # -- messages ---------------------------------------------------------------------
 
     def hello(self) -> dict:
         return {"role": "learner", "model": self.cfg["model"]["path"],
-                "tokenizer": self.fingerprint, "lora": self.cfg["lora"], "pid": os.getpid()}
+                "tokenizer": self.fingerprint, "lora": self.cfg["lora"], "pid": os.getpid(),
+                "data_cursor": self.data_cursor}
 
     def send(self, identity: bytes, kind: str, header: dict | None = None,
              arrays: dict | None = None) -> None:
@@ -153,10 +184,15 @@ class Learner:
             return f"model {msg['model']!r} differs from {self.cfg['model']['path']!r}"
         return None
 
-    def drop(self, reason: str, group_id: str, sender: bytes) -> None:
+    def drop(self, reason: str, group_id: str, sender: bytes, cursor: list | None = None) -> None:
         self.dropped[reason] += 1
         self.consumed[sender] += 1
+        self.advance_cursor(cursor)
         log.warning("dropped group %s: %s", group_id, reason)
+
+    def advance_cursor(self, cursor: list | None) -> None:
+        if cursor is not None and (self.data_cursor is None or list(cursor) > list(self.data_cursor)):
+            self.data_cursor = list(cursor)
 
     def send_credits(self) -> None:
         """Tell each attached actor how many of its groups are consumed, when that changed."""
@@ -173,7 +209,7 @@ class Learner:
         train = self.cfg["train"]
         while self.queue and self.version - self.queue[0].policy_version > train["max_staleness"]:
             g = self.queue.popleft()
-            self.drop("stale", g.group_id, g.sender)
+            self.drop("stale", g.group_id, g.sender, g.cursor)
         if len(self.queue) < train["batch_size"]:
             return None
         return [self.queue.popleft() for _ in range(train["batch_size"])]
@@ -199,12 +235,12 @@ class Learner:
             self.accept(self.awaiting.pop(scored.key), scored)
         for key, reason in failed:
             g = self.awaiting.pop(key)
-            self.drop(reason, g.group_id, g.sender)
+            self.drop(reason, g.group_id, g.sender, g.cursor)
 
     def reward_failed(self, g: Group, error: RewardError) -> None:
         self.reward_failures += 1
         log.error("%s", error)
-        self.drop("reward error", g.group_id, g.sender)
+        self.drop("reward error", g.group_id, g.sender, g.cursor)
         if self.reward_failures >= MAX_REWARD_FAILURES:
             raise error
 
@@ -213,7 +249,7 @@ class Learner:
             g.rewards, g.rewards_by_function = scored.total, scored.by_function
             self.queue.append(g)
         else:
-            self.drop("filtered: equal rewards", g.group_id, g.sender)
+            self.drop("filtered: equal rewards", g.group_id, g.sender, g.cursor)
 
     def learn(self, groups: list[Group]) -> None:
         """Train on one batch: `num_iterations` optimizer steps, each published at once."""
@@ -225,7 +261,7 @@ class Learner:
         train, sampling = self.cfg["train"], self.cfg["sampling"]
         batch = make_batch(samples, self.pad_id)
         prepared = prepare(self.model, batch, sampling["temperature"], self.cfg["algorithm"]["beta"],
-                           self.correction)
+                           self.correction, train["micro_batch_size"])
         lens = [len(s.completion_ids) for s in samples]
         gen_s = sum(g.gen_s for g in groups)
         actor_peaks = [g.actor_peak_mb for g in groups if g.actor_peak_mb is not None]
@@ -253,11 +289,14 @@ class Learner:
             if iteration == 0:
                 self.counts["groups_trained"] += len(groups)
                 self.consumed.update(g.sender for g in groups)
+                for g in groups:
+                    self.advance_cursor(g.cursor)
             self.write_metrics({
                 "step": self.step, "policy_version": self.version, "iteration": iteration,
                 **shared, **stats,
                 "step_s": time.perf_counter() - t0,
-                "learner_peak_mb": mx.get_peak_memory() / 1e6,
+                "learner_peak_mb": mx.get_peak_memory() / MB,
+                **self.shares,
                 **self.group_counts(),
             })
             t0 = time.perf_counter()
@@ -296,7 +335,14 @@ class Learner:
         os.replace(tmp, self.run_dir / "status.json")
 
     def checkpoint(self) -> None:
-        save_adapters(self.model, self.run_dir / "adapters", self.adapter_config)
+        # Groups still queued are not in the checkpoint: after a restart the actor rewinds
+        # to data_cursor and samples those prompts again.
+        state = {"step": self.step, "version": self.version, "data_cursor": self.data_cursor,
+                 "counts": {k: self.counts[k] for k in ("groups_trained", "messages_rejected")},
+                 "dropped": dict(self.dropped), "config": self.cfg}
+        state["counts"]["groups_received"] = state["counts"]["groups_trained"] + sum(self.dropped.values())
+        save_checkpoint(self.run_dir, self.model, self.optimizer, self.adapter_config, state,
+                        self.cfg["train"]["keep_checkpoints"])
 
     def run(self) -> None:
         steps = self.cfg["train"]["steps"]
@@ -341,8 +387,21 @@ def _looks_like_rollout(frames: list[bytes]) -> bool:
     return isinstance(head, dict) and head.get("kind") == protocol.ROLLOUT
 
 
-def main(run_dir: str) -> None:
-    learner = Learner(Path(run_dir))
+def keep_metrics_until(path: Path, step: int) -> None:
+    """Drop metrics lines of steps after `step` (written after the checkpoint we resume)."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines(keepends=True)
+             if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(lines))
+    os.replace(tmp, path)
+
+
+def main(run_dir: str, resume: bool = False) -> None:
+    start_heartbeat(run_dir, "learner")
+    apply_memory_share()
+    learner = Learner(Path(run_dir), resume)
 
     def stop(signum, frame):
         log.info("signal %d: checkpointing and stopping", signum)

@@ -115,17 +115,31 @@ def mismatch_metrics(behavior: np.ndarray, old: np.ndarray, mask: np.ndarray) ->
     }
 
 
+def row_slices(rows: int, micro_batch_size: int) -> list[slice]:
+    """The micro-batches of a batch; 0 (or more than the rows) means one."""
+    size = micro_batch_size if 0 < micro_batch_size < rows else rows
+    return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
+
+
 def prepare(model: nn.Module, batch: Batch, temperature: float, beta: float,
-            correction: Correction) -> Prepared:
+            correction: Correction, micro_batch_size: int = 0) -> Prepared:
     """Old-policy logprobs (full forward, current weights), reference logprobs with the
-    adapters off when beta > 0, and the behavior-policy correction weights."""
-    old, entropy = sequence_logprobs_and_entropy(model, batch.tokens, temperature)
-    ref = None
-    if beta > 0:
-        with adapters_disabled(model):
-            ref = sequence_logprobs(model, batch.tokens, temperature)
-        mx.eval(ref)
-    mx.eval(old, entropy)
+    adapters off when beta > 0, and the behavior-policy correction weights.
+
+    Forwards run over the same micro-batches as the optimizer step: that bounds memory,
+    and identical shapes make the first step's ratio exactly 1."""
+    olds, entropies, refs = [], [], []
+    for sl in row_slices(batch.tokens.shape[0], micro_batch_size):
+        old, entropy = sequence_logprobs_and_entropy(model, batch.tokens[sl], temperature)
+        mx.eval(old, entropy)
+        olds.append(old)
+        entropies.append(entropy)
+        if beta > 0:
+            with adapters_disabled(model):
+                refs.append(sequence_logprobs(model, batch.tokens[sl], temperature))
+            mx.eval(refs[-1])
+    old, entropy = mx.concatenate(olds), mx.concatenate(entropies)
+    ref = mx.concatenate(refs) if refs else None
     mask = np.array(batch.mask, dtype=np.float64)
     old64, behavior64 = np.array(old, dtype=np.float64), np.array(batch.behavior, dtype=np.float64)
     weights, stats = correction_weights(old64, behavior64, mask, correction)
@@ -159,8 +173,6 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
     Each micro-batch's loss is its rows' summed terms over the whole batch's normaliser,
     so the accumulated gradient equals the full batch's exactly (up to float rounding).
     """
-    rows = batch.tokens.shape[0]
-    size = micro_batch_size if 0 < micro_batch_size < rows else rows
     norm = algorithm.normalizer(np.array(batch.mask))
     adv = mx.array(advantages.astype(np.float32))
 
@@ -174,8 +186,7 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
 
     grad_fn = nn.value_and_grad(model, loss_fn)
     loss, grads, parts = 0.0, None, []
-    for start in range(0, rows, size):
-        sl = slice(start, min(start + size, rows))
+    for sl in row_slices(batch.tokens.shape[0], micro_batch_size):
         (part_loss, diag), part_grads = grad_fn(model, sl)
         grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
         mx.eval(part_loss, diag, grads)

@@ -14,20 +14,88 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 @app.command()
 def up(
-    config: str = typer.Option(..., "--config", "-c", help="TOML run config."),
+    config: str | None = typer.Option(None, "--config", "-c", help="TOML run config."),
+    resume: str | None = typer.Option(None, help="Continue the run in this directory from its "
+                                      "newest checkpoint (its config.json is the config)."),
     steps: int | None = typer.Option(None, help="Override train.steps."),
     run_dir: str | None = typer.Option(None, help="Override run.dir."),
     set_: list[str] = typer.Option([], "--set", help="Override a key: section.key=value (repeatable)."),
+    available_memory_gb: float | None = typer.Option(
+        None, help="Memory budget to plan against; default: detected."),
 ) -> None:
-    """Validate the config, start learner and actor, train, and stop both at the end."""
+    """Validate the config, check the memory plan, start learner and actor, train, stop."""
+    if (config is None) == (resume is None):
+        typer.echo("error: give --config to start a run, or --resume RUN_DIR to continue one", err=True)
+        raise typer.Exit(2)
     try:
-        cfg = load_config(config, set_, run_dir=run_dir, steps=steps)
+        if resume is not None:
+            cfg = resume_config(resume, set_, steps)
+        else:
+            cfg = load_config(config, set_, run_dir=run_dir, steps=steps)
     except ConfigError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from None
+    shares = check_plan(cfg, available_memory_gb)
     from orchestrator.supervisor import up as run_up
 
-    raise typer.Exit(run_up(cfg))
+    raise typer.Exit(run_up(cfg, resume=resume is not None, shares_mb=shares))
+
+
+def check_plan(cfg: dict, available_gb: float | None, show: bool = False) -> dict[str, float]:
+    """Refuse (exit 3) a run that does not fit, naming the knob; else return the shares."""
+    from orchestrator.plan import MB, PlanError, plan_for, render, suggestion
+
+    try:
+        plan, model, shape = plan_for(cfg, available_gb)
+    except PlanError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if show or not plan.fits:
+        typer.echo(render(plan))
+    if not plan.fits:
+        typer.echo(f"does not fit: needs {plan.total / MB:.0f} MB (+10% margin) of "
+                   f"{plan.budget / MB:.0f} MB. Try: {suggestion(model, shape, plan.budget)}", err=True)
+        raise typer.Exit(3)
+    shares = {k: v / MB for k, v in plan.shares().items()}
+    if show:
+        typer.echo(f"fits: actor share {shares['actor']:.0f} MB, learner share {shares['learner']:.0f} MB")
+    return shares
+
+
+@app.command()
+def plan(
+    config: str = typer.Option(..., "--config", "-c", help="TOML run config."),
+    available_memory_gb: float | None = typer.Option(None, help="Budget; default: detected."),
+    set_: list[str] = typer.Option([], "--set", help="Override a key: section.key=value (repeatable)."),
+) -> None:
+    """Estimate each process's memory, check it against the budget, and name the knob to
+    turn when it does not fit (exit 3). Loads no model weights."""
+    try:
+        cfg = load_config(config, set_)
+    except ConfigError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2) from None
+    check_plan(cfg, available_memory_gb, show=True)
+
+
+def resume_config(run_dir: str, overrides: list[str], steps: int | None) -> dict:
+    """The stopped run's own validated config, with --steps / --set applied."""
+    from pathlib import Path
+
+    from protocol.config import parse_override, read_run_config, validate
+
+    if not (Path(run_dir) / "config.json").exists():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
+    cfg = read_run_config(run_dir)
+    search_path = cfg["reward"].pop("search_path")
+    for item in overrides:
+        section, key, value = parse_override(item)
+        cfg.setdefault(section, {})[key] = value
+    if steps is not None:
+        cfg["train"]["steps"] = steps
+    cfg = validate(cfg)
+    cfg["reward"]["search_path"] = search_path
+    return cfg
 
 
 @app.command("reward-worker")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,11 @@ from pathlib import Path
 from typing import IO
 
 import protocol
+from orchestrator.plan import thread_count
 from protocol.config import write_run_config
+from protocol.heartbeat import heartbeat_path, seconds_since_beat
+
+MEMORY_ENV = "MLXRL_MEMORY_LIMIT_MB"  # read by policy/memory.py
 
 STOP_TIMEOUT_S = 30.0
 
@@ -40,21 +45,32 @@ class Child:
             return "(no log)"
 
 
-def prepare_run_dir(cfg: dict) -> Path:
+def prepare_run_dir(cfg: dict, resume: bool = False) -> Path:
+    """Create the run directory. A fresh run clears an old run's metrics and checkpoints
+    there; a resumed one keeps them (the learner trims metrics to its checkpoint)."""
     run_dir = Path(cfg["run"]["dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "status.json"):
-        (run_dir / stale).unlink(missing_ok=True)
+    stale = ["status.json"] if resume else ["metrics.jsonl", "status.json"]
+    for name in stale:
+        (run_dir / name).unlink(missing_ok=True)
+    if not resume:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     r = cfg["run"]
     protocol.write_endpoints(run_dir, protocol.make_endpoints(run_dir, r["transport"], r["host"], r["port"]))
     write_run_config(run_dir, cfg)
     return run_dir
 
 
-def spawn(name: str, args: list[str], run_dir: Path) -> Child:
+def spawn(name: str, args: list[str], run_dir: Path, share_mb: float | None = None) -> Child:
     log_path = run_dir / f"{name}.log"
-    log_file = open(log_path, "w")
+    log_file = open(log_path, "a")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if share_mb is not None:
+        env[MEMORY_ENV] = f"{share_mb:.0f}"
+    if sys.platform.startswith("linux"):
+        # Two processes on one CPU: give each half of the cores' BLAS threads.
+        threads = str(thread_count())
+        env.update(OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
     # Our packages live beside this one; a source checkout works without installing.
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -74,12 +90,26 @@ def format_step(m: dict, steps: int) -> str:
 
 
 class Supervisor:
-    def __init__(self, cfg: dict, out: IO[str] = sys.stdout) -> None:
+    """Starts the learner and the actor, restarts them when they fail, reports progress.
+
+    An actor that dies is restarted alone: the learner keeps its state and hands the new
+    actor its current weights and data cursor. A learner that dies is restarted from its
+    newest checkpoint together with a fresh actor (the old actor's flow-control state
+    belongs to the dead learner). Each process may be restarted `run.max_restarts` times.
+    """
+
+    def __init__(self, cfg: dict, out: IO[str] = sys.stdout, resume: bool = False,
+                 shares_mb: dict[str, float] | None = None) -> None:
         self.cfg = cfg
         self.out = out
-        self.run_dir = prepare_run_dir(cfg)
-        self.children: list[Child] = []
-        self.metrics_pos = 0
+        self.resume = resume
+        self.shares_mb = shares_mb or {}
+        self.run_dir = prepare_run_dir(cfg, resume)
+        (self.run_dir / "plan.json").write_text(json.dumps({"shares_mb": self.shares_mb}) + "\n")
+        self.warned: set[str] = set()
+        self.children: dict[str, Child] = {}
+        self.restarts = {"learner": 0, "actor": 0}
+        self.last_step = 0
         self.phase = None
 
     def say(self, text: str) -> None:
@@ -87,19 +117,20 @@ class Supervisor:
 
     def start(self) -> None:
         self.say(f"run directory: {self.run_dir}")
-        self.children = [spawn("learner", ["learner"], self.run_dir),
-                         spawn("actor", ["actor", "run"], self.run_dir)]
-        for c in self.children:
-            self.say(f"started {c.name} (pid {c.proc.pid}), log: {c.log_path}")
+        self.start_child("learner", resume=self.resume)
+        self.start_child("actor")
+
+    def start_child(self, name: str, resume: bool = False) -> None:
+        heartbeat_path(self.run_dir, name).unlink(missing_ok=True)
+        args = ["learner", *(["--resume"] if resume else [])] if name == "learner" else ["actor", "run"]
+        child = spawn(name, args, self.run_dir, self.shares_mb.get(name))
+        self.children[name] = child
+        self.say(f"started {name} (pid {child.proc.pid}), log: {child.log_path}")
 
     def poll_progress(self) -> None:
-        metrics_path = self.run_dir / "metrics.jsonl"
-        if metrics_path.exists():
-            with open(metrics_path) as f:
-                f.seek(self.metrics_pos)
-                while (line := f.readline()).endswith("\n"):
-                    self.metrics_pos = f.tell()
-                    self.say(format_step(json.loads(line), self.cfg["train"]["steps"]))
+        for metrics in self.new_metrics():
+            self.say(format_step(metrics, self.cfg["train"]["steps"]))
+            self.check_memory(metrics)
         status_path = self.run_dir / "status.json"
         try:
             status = json.loads(status_path.read_text())
@@ -118,38 +149,106 @@ class Supervisor:
             if label:  # the end of the run is announced by up(), after the last step
                 self.say(label)
 
+    def new_metrics(self) -> list[dict]:
+        """Whole lines of metrics.jsonl past the last step shown. A restarted learner trims
+        the file back to its checkpoint, so the file is re-read rather than tailed."""
+        try:
+            text = (self.run_dir / "metrics.jsonl").read_text()
+        except FileNotFoundError:
+            return []
+        rows = []
+        for line in text.splitlines(keepends=True):
+            if not line.endswith("\n"):
+                break  # being written
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+        if rows and rows[-1]["step"] < self.last_step:
+            self.say(f"continuing from the checkpoint of step {rows[-1]['step']}")
+            self.last_step = rows[-1]["step"]
+        new = [m for m in rows if m["step"] > self.last_step]
+        if new:
+            self.last_step = new[-1]["step"]
+        return new
+
+    def check_memory(self, metrics: dict) -> None:
+        """Warn (once per process) when a measured peak passes 90% of its share."""
+        for name in ("actor", "learner"):
+            peak, share = metrics.get(f"{name}_peak_mb"), self.shares_mb.get(name)
+            if peak and share and peak > 0.9 * share and name not in self.warned:
+                self.warned.add(name)
+                self.say(f"warning: the {name}'s peak memory {peak:.0f} MB is above 90% of its "
+                         f"{share:.0f} MB share; see `orchestrator plan`")
+
+    def failure(self, name: str) -> str | None:
+        """Why `name` needs a restart (exited, or its heartbeat stopped), or None."""
+        child = self.children[name]
+        code = child.proc.poll()
+        if code is not None:
+            return f"exited with code {code}"
+        age = seconds_since_beat(self.run_dir, name)
+        if age is not None and age > self.cfg["run"]["hang_timeout_s"]:
+            child.proc.kill()
+            child.proc.wait()
+            return f"sent no heartbeat for {age:.0f} s (hung); killed it"
+        return None
+
+    def restart(self, name: str, why: str) -> None:
+        child = self.children[name]
+        limit = self.cfg["run"]["max_restarts"]
+        if self.restarts[name] >= limit:
+            raise RunFailed(f"{name} {why}, and it was restarted {limit} times already:\n{child.tail()}")
+        self.restarts[name] += 1
+        self.say(f"{name} {why}; restarting it ({self.restarts[name]}/{limit}). Last log lines:\n"
+                 f"{child.tail(5)}")
+        if name == "learner":
+            self.stop_child("actor")
+            self.start_child("learner", resume=True)
+            self.start_child("actor")
+        else:
+            self.start_child("actor")
+
     def watch(self, poll_s: float = 0.5) -> None:
-        """Return when the learner finishes; raise RunFailed if either process fails."""
-        learner, actor = self.children
+        """Return when the learner finishes; raise RunFailed when restarts run out."""
         while True:
             self.poll_progress()
-            if learner.proc.poll() is not None:
+            learner = self.children["learner"].proc
+            if learner.poll() == 0:
                 break
-            if actor.proc.poll() is not None:
-                raise RunFailed(f"actor exited with code {actor.proc.returncode}:\n{actor.tail()}")
+            for name in ("learner", "actor"):
+                why = self.failure(name)
+                if why is not None:
+                    self.restart(name, why)
+                    break
             time.sleep(poll_s)
         self.poll_progress()
-        if learner.proc.returncode != 0:
-            raise RunFailed(f"learner exited with code {learner.proc.returncode}:\n{learner.tail()}")
+
+    def stop_child(self, name: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        child = self.children[name]
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+        try:
+            child.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.say(f"{name} did not stop within {timeout_s:.0f} s; killing it")
+            child.proc.kill()
+            child.proc.wait()
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Ask every live child to stop (SIGTERM), then kill what is left after the timeout."""
-        for c in self.children:
+        for c in self.children.values():
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for c in self.children:
-            try:
-                c.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                self.say(f"{c.name} did not stop within {timeout_s:.0f} s; killing it")
-                c.proc.kill()
-                c.proc.wait()
+        for name in self.children:
+            self.stop_child(name, timeout_s)
 
 
-def up(cfg: dict, out: IO[str] = sys.stdout, on_start: Callable[[Supervisor], None] | None = None) -> int:
+def up(cfg: dict, out: IO[str] = sys.stdout, resume: bool = False,
+       shares_mb: dict[str, float] | None = None,
+       on_start: Callable[[Supervisor], None] | None = None) -> int:
     """Run training to the end. Returns the process exit code for the CLI."""
-    sup = Supervisor(cfg, out)
+    sup = Supervisor(cfg, out, resume, shares_mb)
     sup.start()
     try:
         if on_start:

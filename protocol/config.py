@@ -86,8 +86,10 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "learning_rate": (float, 1e-5, _range(0, lo_open=True)),
         "max_grad_norm": (float, 1.0, _range(0, lo_open=True)),
         "micro_batch_size": (int, 0, _range(0)),
+        "grad_checkpoint": (bool, False, None),
         "max_staleness": (int, 0, _range(0)),
         "checkpoint_every": (int, 10, _range(0)),
+        "keep_checkpoints": (int, 3, _range(1)),
         "seed": (int, 0, None),
     },
     "algorithm": {
@@ -112,6 +114,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "transport": (str, "ipc", _one_of("ipc", "tcp")),
         "host": (str, "127.0.0.1", None),
         "port": (int, 5555, _range(1, 65535)),
+        "max_restarts": (int, 3, _range(0)),
+        "hang_timeout_s": (float, 600.0, _range(0, lo_open=True)),
     },
 }
 
@@ -149,7 +153,9 @@ def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for section, keys in SCHEMA.items():
         cfg[section] = {}
         for key, (_, default, _) in keys.items():
-            if key in raw.get(section, {}):
+            if default is None and raw.get(section, {}).get(key) is None:
+                cfg[section][key] = None  # unset (config.json writes it as null)
+            elif key in raw.get(section, {}):
                 cfg[section][key] = _check_value(section, key, raw[section][key])
             elif default is REQUIRED:
                 raise ConfigError(f"missing required key {section}.{key}")

@@ -1,4 +1,5 @@
-"""Sampling: truncation rules by hand, and behavior logprobs against a full forward."""
+"""Sampling: truncation rules by hand, behavior logprobs against a full forward, and the
+batched sampler against the plain reference sampler."""
 
 import math
 
@@ -6,8 +7,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from actor.sampler import SamplingParams, sample_group, truncate
+from actor.sampler import SamplingParams, reference_sample, sample_group, sample_groups, truncate
 from policy.logprobs import sequence_logprobs
+from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
+from tests.conftest import TINY_MODEL
 
 PROBS = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
 LOGPROBS = mx.array(np.log(PROBS), dtype=mx.float32)[None]
@@ -81,3 +84,87 @@ def test_top_k_one_is_greedy(tiny):
     logits = model(mx.array([prompt]))[0, -1]
     assert rows[0].token_ids[0] == int(mx.argmax(logits).item())
     assert math.isfinite(rows[0].logprobs[0]) and rows[0].logprobs[0] <= 0
+
+
+# Different lengths, so the batch needs left padding.
+TEXTS = ["repeat 5", "hi", "repeat 12345 please", "x"]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny):
+    """Its own tiny model with non-zero LoRA weights: a less trivial policy than the base,
+    and the session's shared model stays untouched."""
+    _, tok = tiny
+    model, _, _ = load_policy(str(TINY_MODEL), {"rank": 8, "scale": 20.0})
+    rng = np.random.default_rng(0)
+    set_adapter_weights(model, {k: rng.normal(0, 0.05, v.shape).astype(np.float32)
+                                for k, v in adapter_weights_numpy(model).items()})
+    return model, tok
+
+
+def assert_same(batched, reference):
+    for a, b in zip(batched, reference, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def assert_matches_reference(model, prompts, g, params, eos, seed):
+    groups = sample_groups(model, prompts, g, params, eos, seed)
+    assert len(groups) == len(prompts)
+    for i, (prompt, group) in enumerate(zip(prompts, groups)):
+        assert_same(group, reference_sample(model, prompt, g, params, eos, seed, row_offset=i * g))
+    return groups
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_batched_sampling_equals_the_reference_sampler(policy, temperature, top_p):
+    model, tok = policy
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=12)
+    groups = assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, params,
+                                      set(tok.eos_token_ids), seed=7)
+    assert len({tuple(c.token_ids) for group in groups for c in group}) > 1
+
+
+def test_rows_do_not_depend_on_the_rest_of_the_batch(policy):
+    model, tok = policy
+    prompts = [tok.encode(t) for t in TEXTS]
+    params, eos = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=10), set(tok.eos_token_ids)
+    batch = sample_groups(model, prompts, 4, params, eos, seed=3)
+    # The same row ids alone, or among fewer or other prompts, give the same tokens.
+    assert_same(sample_group(model, prompts[0], 4, params, eos, seed=3), batch[0])
+    assert_same(sample_groups(model, prompts[2:3], 4, params, eos, seed=3, row_offset=8)[0], batch[2])
+    others = sample_groups(model, [prompts[1], tok.encode("repeat 9"), prompts[3]], 4, params, eos,
+                           seed=3, row_offset=4)
+    assert_same(others[0], batch[1])
+    assert_same(sample_groups(model, prompts, 4, params, eos, seed=3)[3], batch[3])
+    tokens = [c.token_ids for group in batch for c in group]
+    assert tokens != [c.token_ids for group in sample_groups(model, prompts, 4, params, eos, seed=4)
+                      for c in group]
+
+
+def test_each_row_stops_at_its_first_eos(policy):
+    model, tok = policy
+    eos = {*tok.eos_token_ids, tok.encode("f")[0]}  # a common letter: several rows stop early
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=12)
+    # Rows finishing at different steps leave the batch; the rest must not notice.
+    groups = assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, params, eos, seed=7)
+    rows = [c for group in groups for c in group]
+    for c in rows:
+        stops = [k for k, t in enumerate(c.token_ids) if t in eos]
+        if c.finish_reason == "stop":
+            assert stops == [len(c.token_ids) - 1]
+        else:
+            assert c.finish_reason == "length" and not stops and len(c.token_ids) == 12
+    assert {c.finish_reason for c in rows} == {"stop", "length"}
+    assert len({len(c.token_ids) for c in rows if c.finish_reason == "stop"}) > 1
+
+
+def test_caches_that_cannot_batch_decode_per_prompt(policy, monkeypatch):
+    """A cache type without mlx-lm's merge (ConcatenateKVCache here) still samples the same."""
+    from mlx_lm.models.cache import ConcatenateKVCache
+
+    model, tok = policy
+    monkeypatch.setattr(model, "make_cache", lambda: [ConcatenateKVCache() for _ in model.layers])
+    eos = {*tok.eos_token_ids, tok.encode("f")[0]}
+    assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, SamplingParams(max_tokens=8),
+                             eos, seed=1)

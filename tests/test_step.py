@@ -68,7 +68,7 @@ def test_micro_batched_accumulation_is_exact(name):
     for micro in (0, 3):
         m, _ = model_with(start)
         alg = make_algorithm(name, beta=0.04, max_tokens=6)
-        prepared = prepare(m, batch, 1.0, 0.04, Correction())
+        prepared = prepare(m, batch, 1.0, 0.04, Correction(), micro_batch_size=micro)
         stats = optimizer_step(m, optim.SGD(learning_rate=1.0), alg, batch, prepared,
                                alg.advantages(REWARDS), 1.0, 1e9, micro_batch_size=micro)
         delta = {k: v - start[k] for k, v in adapter_weights_numpy(m).items()}
@@ -77,6 +77,7 @@ def test_micro_batched_accumulation_is_exact(name):
     assert acc["loss"] == pytest.approx(full["loss"], rel=1e-6, abs=1e-7)
     assert acc["kl"] == pytest.approx(full["kl"], rel=1e-6, abs=1e-7)
     assert max(np.abs(d).max() for d in d_full.values()) > 1e-4  # the step did something
+    assert acc["ratio_min"] == 1.0 == acc["ratio_max"]  # same micro-batches in both passes
     for k in d_full:
         np.testing.assert_allclose(d_acc[k], d_full[k], rtol=1e-5, atol=1e-7)
 

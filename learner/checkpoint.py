@@ -1,0 +1,69 @@
+"""Checkpoints: everything a resume needs, written so that a crash never leaves a broken one.
+
+A checkpoint is a directory `RUN/checkpoints/step_000042/` holding the adapters (mlx-lm
+format), the optimizer state and `state.json` (step, policy version, data cursor, group
+counts, config). It is written to a hidden temporary directory and renamed into place,
+so a directory with that name is always complete; the newest one wins on resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_unflatten
+
+from policy.model import adapter_weights, save_adapters, set_adapter_weights
+
+
+def adapters_digest(model: nn.Module) -> str:
+    """SHA-256 over the adapter arrays' names and bytes: equal digests, equal adapters."""
+    h = hashlib.sha256()
+    for name, value in sorted(adapter_weights(model).items()):
+        h.update(name.encode())
+        h.update(memoryview(value.astype(mx.float32)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: optim.Optimizer,
+                    adapter_config: dict, state: dict[str, Any], keep: int) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{state['step']:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    save_adapters(model, tmp / "adapters", adapter_config)
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+    state = dict(state, adapters_digest=adapters_digest(model))
+    (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in sorted(root.glob("step_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    # RUN/adapters always holds the newest adapters, for mlx_lm.generate --adapter-path.
+    save_adapters(model, Path(run_dir) / "adapters", adapter_config)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    steps = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / "state.json").exists())
+    return steps[-1] if steps else None
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: optim.Optimizer) -> dict[str, Any]:
+    """Restore adapters and optimizer state; return the saved state (checked digest)."""
+    set_adapter_weights(model, mx.load(str(path / "adapters" / "adapters.safetensors")))
+    optimizer.init(model.trainable_parameters())
+    optimizer.state = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
+    state = json.loads((path / "state.json").read_text())
+    if adapters_digest(model) != state["adapters_digest"]:
+        raise RuntimeError(f"checkpoint {path} is corrupt: adapter digest differs")
+    return state

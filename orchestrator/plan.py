@@ -1,0 +1,293 @@
+"""The unified-memory plan: what each process needs, checked against the machine before
+any model loads, and the share each process is then held to.
+
+Every term is an estimate in bytes from the model's config.json and safetensors headers
+(no weights are read). README, "Memory", gives the formulas and their measured error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import struct
+import subprocess
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+MB = 1 << 20
+GB = 1 << 30
+KV_STEP = 256  # mlx-lm grows KV caches in steps of 256 tokens
+# Activation values saved for backward per token per layer: hidden-sized tensors (norms,
+# q/k/v/o, residuals, LoRA inputs), intermediate-sized ones (gate, up, SiLU, product) and
+# attention maps (scores and probabilities, one per head). Counting gives about 10, 4 and
+# 2; least squares on peaks measured on the tiny model gives 14, 5 and 2 (MLX keeps a few
+# more temporaries alive than the count assumes). tests/test_plan.py holds the fit.
+HIDDEN_TENSORS, INTERMEDIATE_TENSORS, ATTENTION_MAPS = 14, 5, 2
+# With gradient checkpointing a block's activations are rebuilt during its backward and
+# live there beside their gradients: about 1.5 blocks' worth at the peak (measured).
+CHECKPOINT_BLOCKS = 1.5
+# Float32-sized copies of the logits alive at the learner's peak: the model's logits cast
+# to float32, scaled by 1/temperature, exp() inside logsumexp, and the gradient (about 5;
+# the tiny model's vocabulary is too small to fit this, so it is set by the Qwen3-0.6B
+# check in tests/test_plan.py).
+LOGIT_COPIES = 5
+# Estimates run up to 10% low on the measured shapes: a plan must fit with this margin.
+SAFETY = 1.10
+
+
+class PlanError(ValueError):
+    """The model's shape cannot be read."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    weight_bytes: int
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    act_bytes: int  # bytes per activation value (float16/bfloat16: 2, float32: 4)
+    lora_in_out: dict[str, tuple[int, int]]  # per linear of a block: (in, out) features
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size))
+
+
+def model_dir(path: str) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        return p
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, local_files_only=True,
+                                      allow_patterns=["*.json", "*.safetensors"]))
+    except Exception:
+        raise PlanError(f"model {path!r} is neither a directory nor in the local Hugging Face "
+                        "cache; the plan needs its config.json and weights on disk") from None
+
+
+def read_shape(path: str) -> ModelShape:
+    d = model_dir(path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise PlanError(f"no .safetensors weights in {d}")
+    tensors: dict[str, dict] = {}
+    for f in files:
+        tensors.update({k: v for k, v in _safetensors_header(f).items() if k != "__metadata__"})
+    bits = (cfg.get("quantization") or {}).get("bits")
+    lora: dict[str, tuple[int, int]] = {}
+    for name, info in tensors.items():
+        parts = name.split(".")
+        if "layers" not in parts or parts[-1] != "weight" or len(info["shape"]) != 2:
+            continue
+        layer = parts.index("layers")
+        if parts[layer + 1] != "0" or "norm" in parts[-2]:
+            continue
+        out_f, in_f = info["shape"]
+        if info["dtype"] == "U32" and bits:  # packed quantized weights
+            in_f = in_f * 32 // bits
+        lora[".".join(parts[layer + 2:-1])] = (in_f, out_f)
+    hidden = cfg["hidden_size"]
+    heads = cfg["num_attention_heads"]
+    dtype = str(cfg.get("torch_dtype", "float32"))
+    return ModelShape(
+        weight_bytes=sum(f.stat().st_size for f in files),
+        layers=cfg["num_hidden_layers"], hidden=hidden, intermediate=cfg["intermediate_size"],
+        heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg["vocab_size"],
+        act_bytes=2 if dtype in ("float16", "bfloat16") else 4, lora_in_out=lora)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The run's knobs that decide memory."""
+
+    group_size: int
+    batch_size: int
+    prompt_tokens: int
+    max_tokens: int
+    micro_batch_size: int
+    grad_checkpoint: bool
+    beta: float
+    lora_rank: int
+    lora_layers: int
+    lora_keys: tuple[str, ...]
+
+    @property
+    def rows(self) -> int:
+        """Completions in one learner forward (a micro-batch)."""
+        total = self.batch_size * self.group_size
+        return self.micro_batch_size if 0 < self.micro_batch_size < total else total
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+def lora_params(m: ModelShape, s: Shape) -> int:
+    keys = [k for k in m.lora_in_out if not s.lora_keys or k in s.lora_keys]
+    layers = m.layers if s.lora_layers <= 0 else min(s.lora_layers, m.layers)
+    return layers * sum(s.lora_rank * sum(m.lora_in_out[k]) for k in keys)
+
+
+def activation_bytes(m: ModelShape, tokens: int, seq: int) -> float:
+    """Bytes saved for backward by one transformer block over `tokens` tokens."""
+    per_token = (HIDDEN_TENSORS * m.hidden + INTERMEDIATE_TENSORS * m.intermediate
+                 + ATTENTION_MAPS * m.heads * seq)
+    return tokens * per_token * m.act_bytes
+
+
+def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
+    rows = s.batch_size * s.group_size  # every group of a batch decodes together
+    ctx = math.ceil(s.tokens / KV_STEP) * KV_STEP
+    return {
+        "weights": m.weight_bytes,
+        "lora": 4 * lora_params(m, s),
+        "kv_cache": rows * ctx * m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes,
+        "prefill": s.prompt_tokens * (m.vocab * 4 + 4 * m.hidden * m.act_bytes),
+        "sampling": rows * m.vocab * 4 * 4,  # logits, logprobs, sorted copy, mask
+    }
+
+
+def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
+    lora = 4 * lora_params(m, s)
+    tokens = s.rows * s.tokens
+    per_layer = activation_bytes(m, tokens, s.tokens)
+    if s.grad_checkpoint:  # block inputs for every layer, one block's insides at a time
+        activations = m.layers * tokens * m.hidden * m.act_bytes + CHECKPOINT_BLOCKS * per_layer
+    else:
+        activations = m.layers * per_layer
+    return {
+        "weights": m.weight_bytes,
+        "lora": lora,
+        "optimizer": 2 * lora,  # Adam's m and v
+        "gradients": lora,
+        "activations": activations,
+        "logits": LOGIT_COPIES * tokens * m.vocab * 4,
+        # The old-policy and reference passes run before the step, one micro-batch at a
+        # time and without a graph: their peak (a forward's logits) stays below the
+        # step's, so they add nothing to the total. Listed to show they were counted.
+        "reference": 0.0,
+    }
+
+
+@dataclass
+class Plan:
+    actor: dict[str, float]
+    learner: dict[str, float]
+    budget: float
+    budget_source: str
+
+    @property
+    def total(self) -> float:
+        return sum(self.actor.values()) + sum(self.learner.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total * SAFETY <= self.budget
+
+    def shares(self) -> dict[str, int]:
+        """The budget split in proportion to each process's estimated need."""
+        a, b = sum(self.actor.values()), sum(self.learner.values())
+        return {"actor": int(self.budget * a / (a + b)), "learner": int(self.budget * b / (a + b))}
+
+
+def detect_budget() -> tuple[float, str]:
+    """Usable memory: on macOS the GPU wired limit (or 3/4 of RAM when unset), elsewhere
+    the kernel's MemAvailable."""
+    if platform.system() == "Darwin":
+        total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True,
+                                   text=True).stdout)
+        wired = subprocess.run(["sysctl", "-n", "iogpu.wired_limit_mb"], capture_output=True, text=True)
+        limit_mb = int(wired.stdout.strip() or 0) if wired.returncode == 0 else 0
+        if limit_mb > 0:
+            return limit_mb * MB, "iogpu.wired_limit_mb"
+        return total * 3 / 4, "3/4 of hw.memsize (iogpu.wired_limit_mb is unset)"
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info["MemAvailable"], "MemAvailable"
+
+
+def shape_from_config(cfg: dict, prompt_tokens: int) -> Shape:
+    s, t, lora = cfg["sampling"], cfg["train"], cfg["lora"]
+    return Shape(s["group_size"], t["batch_size"], prompt_tokens, s["max_tokens"],
+                 t["micro_batch_size"], t["grad_checkpoint"], cfg["algorithm"]["beta"],
+                 lora["rank"], lora["num_layers"], tuple(lora["keys"]))
+
+
+def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:
+    return Plan(actor_terms(m, s), learner_terms(m, s), budget, source)
+
+
+def suggestion(m: ModelShape, s: Shape, budget: float) -> str:
+    """The single change most likely to make a plan fit, in the order users prefer."""
+    candidates = []
+    if not s.grad_checkpoint:
+        candidates.append(("set train.grad_checkpoint = true", replace(s, grad_checkpoint=True)))
+    rows = s.rows
+    for micro in (rows // 2, rows // 4, rows // 8, 1):
+        if 0 < micro < rows:
+            candidates.append((f"set train.micro_batch_size = {micro}", replace(s, micro_batch_size=micro)))
+    for g in (s.group_size // 2, 2):
+        if 2 <= g < s.group_size:
+            candidates.append((f"set sampling.group_size = {g}", replace(s, group_size=g)))
+    for n in (s.max_tokens // 2, s.max_tokens // 4):
+        if 1 <= n < s.max_tokens:
+            candidates.append((f"set sampling.max_tokens = {n}", replace(s, max_tokens=n)))
+    for text, shape in candidates:
+        if make_plan(m, shape, budget, "").fits:
+            return text
+    best = min(candidates, key=lambda c: make_plan(m, c[1], budget, "").total, default=None)
+    if best is None:
+        return "use a smaller model"
+    return f"{best[0]} (helps most, but is not enough alone; a smaller model may be needed)"
+
+
+def render(plan: Plan) -> str:
+    lines = [f"{'process':<9} {'term':<12} {'MB':>10}"]
+    for name, terms in (("actor", plan.actor), ("learner", plan.learner)):
+        for term, value in terms.items():
+            lines.append(f"{name:<9} {term:<12} {value / MB:>10.1f}")
+        lines.append(f"{name:<9} {'total':<12} {sum(terms.values()) / MB:>10.1f}")
+    lines.append(f"{'both':<9} {'total':<12} {plan.total / MB:>10.1f}")
+    lines.append(f"{'budget':<9} {'':<12} {plan.budget / MB:>10.1f}   ({plan.budget_source})")
+    return "\n".join(lines)
+
+
+def prompt_tokens(cfg: dict) -> int:
+    """The longest prompt of the data, in tokens (capped at max_prompt_tokens). Loads
+    only the tokenizer."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch not found" notice
+    from transformers import AutoTokenizer
+
+    from actor.data import load_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir(cfg["model"]["path"])))
+    prompts = load_prompts(cfg["data"]["prompts"], tokenizer, cfg["sampling"]["max_prompt_tokens"])
+    return max(len(p.prompt_ids) for p in prompts)
+
+
+def plan_for(cfg: dict, available_gb: float | None = None) -> tuple[Plan, ModelShape, Shape]:
+    m = read_shape(cfg["model"]["path"])
+    s = shape_from_config(cfg, prompt_tokens(cfg))
+    if available_gb is not None:
+        budget, source = available_gb * GB, "--available-memory-gb"
+    else:
+        budget, source = detect_budget()
+    return make_plan(m, s, budget, source), m, s
+
+
+def thread_count() -> int:
+    """CPU threads per process, so the two processes do not oversubscribe the cores."""
+    return max(1, (os.cpu_count() or 2) // 2)

@@ -1,0 +1,42 @@
+"""Liveness between the orchestrator and its processes: a heartbeat file per process.
+
+Each process touches `RUN/heartbeat.ROLE` every second from a daemon thread. MLX releases
+the GIL while it computes, so the beat goes on through long steps; it stops when the
+process hangs in Python or dies. The orchestrator restarts a process whose beat is older
+than `run.hang_timeout_s`. Files, not sockets: the orchestrator never has to be reachable
+by a process that is busy or broken.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+INTERVAL_S = 1.0
+
+
+def heartbeat_path(run_dir: str | Path, role: str) -> Path:
+    return Path(run_dir) / f"heartbeat.{role}"
+
+
+def start_heartbeat(run_dir: str | Path, role: str) -> threading.Thread:
+    path = heartbeat_path(run_dir, role)
+
+    def beat() -> None:
+        while True:
+            path.write_text(f"{os.getpid()} {time.time():.3f}\n")
+            time.sleep(INTERVAL_S)
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{role}", daemon=True)
+    thread.start()
+    return thread
+
+
+def seconds_since_beat(run_dir: str | Path, role: str) -> float | None:
+    """Age of the newest beat, or None if the process has not beaten yet."""
+    try:
+        return time.time() - heartbeat_path(run_dir, role).stat().st_mtime
+    except FileNotFoundError:
+        return None

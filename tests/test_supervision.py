@@ -1,0 +1,111 @@
+"""Supervision, checkpoints and resume with real processes: kill one, the run goes on."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import write_config
+from tests.test_e2e import orchestrator, read_metrics
+
+CHECKPOINTS = "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100\n[run]\nhang_timeout_s = 60.0"
+
+
+def wait_for_step(run: Path, step: int, proc, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    path = run / "metrics.jsonl"
+    while True:
+        if path.exists() and any(json.loads(line)["step"] >= step
+                                 for line in path.read_text().splitlines() if line.strip()):
+            return
+        assert time.monotonic() < deadline and proc.poll() is None, "the run did not reach the step"
+        time.sleep(0.05)
+
+
+def pid_of(run: Path, name: str) -> int:
+    return int(re.findall(r"\d+", (run / f"heartbeat.{name}").read_text())[0])
+
+
+def assert_steps_once_and_nothing_lost(metrics: list[dict], steps: int) -> None:
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))  # no step repeats or gaps
+    for m in metrics:
+        assert m["groups_received"] == m["groups_trained"] + m["groups_dropped"] + m["groups_queued"]
+    assert metrics[-1]["groups_trained"] == steps * 2
+
+
+def test_a_killed_actor_is_restarted_and_the_run_completes(tmp_path):
+    steps = 8
+    proc = orchestrator("up", "--config", str(write_config(tmp_path, CHECKPOINTS, steps=steps)))
+    run = tmp_path / "run"
+    wait_for_step(run, 2, proc)
+    os.kill(pid_of(run, "actor"), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "actor exited with code -9; restarting it (1/3)" in out
+    metrics = read_metrics(run)
+    assert_steps_once_and_nothing_lost(metrics, steps)
+    # the learner kept its state: its policy version never went back
+    assert [m["policy_version"] for m in metrics] == list(range(1, steps + 1))
+    assert "data cursor from the learner" in (run / "actor.log").read_text()
+
+
+def test_a_killed_learner_resumes_from_its_checkpoint(tmp_path):
+    steps = 8
+    proc = orchestrator("up", "--config", str(write_config(tmp_path, CHECKPOINTS, steps=steps)))
+    run = tmp_path / "run"
+    wait_for_step(run, 5, proc)
+    os.kill(pid_of(run, "learner"), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "learner exited with code -9; restarting it (1/3)" in out
+    log = (run / "learner.log").read_text()
+    resumed = re.search(r"resumed from (step_\d+): step (\d+), adapters (\w+)", log)
+    assert resumed, log
+    checkpoint, step, digest = resumed.group(1), int(resumed.group(2)), resumed.group(3)
+    assert step >= 4 and step % 2 == 0
+    # the restarted learner holds exactly the checkpoint's adapters
+    state = json.loads((run / "checkpoints" / checkpoint / "state.json").read_text())
+    assert state["adapters_digest"] == digest
+    assert_steps_once_and_nothing_lost(read_metrics(run), steps)
+
+
+def test_restarts_are_bounded(tmp_path):
+    (tmp_path / "crash.py").write_text("import os\ndef reward(**kw):\n    os._exit(7)\n")
+    cfg = write_config(tmp_path, "[run]\nmax_restarts = 1", steps=3, reward="crash:reward")
+    proc = orchestrator("up", "--config", str(cfg))
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert "learner exited with code 7; restarting it (1/1)" in out
+    assert "learner exited with code 7, and it was restarted 1 times already" in out
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_run(tmp_path):
+    """Run A trains 4 steps; run B trains 2, stops, and is resumed to 4. B's steps 3 and 4
+    equal A's: same adapters (digest), rewards and loss within 1e-6."""
+    extra = "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100"
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    proc = orchestrator("up", "--config", str(write_config(a, extra, steps=4)))
+    assert proc.wait(300) == 0
+    proc = orchestrator("up", "--config", str(write_config(b, extra, steps=2)))
+    assert proc.wait(300) == 0
+    proc = orchestrator("up", "--resume", str(b / "run"), "--steps", "4")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    ma, mb = read_metrics(a / "run"), read_metrics(b / "run")
+    assert [m["step"] for m in mb] == [1, 2, 3, 4]
+    for x, y in zip(ma, mb):
+        for key in ("reward_mean", "loss", "kl", "mismatch_kl", "completion_len_mean"):
+            assert y[key] == pytest.approx(x[key], abs=1e-6), (x["step"], key)
+    digests = [json.loads((r / "run" / "checkpoints" / "step_000004" / "state.json").read_text())
+               ["adapters_digest"] for r in (a, b)]
+    assert digests[0] == digests[1]
+    assert np.isfinite([m["loss"] for m in mb]).all()
