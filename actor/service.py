@@ -55,6 +55,7 @@ class Actor:
         self.pending: protocol.Message | None = None  # newest weights not yet applied
         self.groups_sent = 0
         self.groups_consumed = 0
+        self.timings: dict[str, float] = {}  # newest weight-sync times, sent with rollouts
         self.stopping = False
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -77,6 +78,10 @@ class Actor:
             if msg.kind == protocol.WEIGHTS:
                 if self.pending is None or msg["version"] >= self.pending["version"]:
                     self.pending = msg
+                    sent_at = msg.header.get("sent_at")
+                    # Same machine, same clock: sent -> received and decoded.
+                    if isinstance(sent_at, float):
+                        self.timings["weights_transfer_s"] = time.time() - sent_at
             elif msg.kind == protocol.CREDIT:
                 self.groups_consumed = max(self.groups_consumed, msg["groups_consumed"])
             elif msg.kind == protocol.STOP:
@@ -96,11 +101,13 @@ class Actor:
         if self.pending is None:
             return
         msg, self.pending = self.pending, None
+        t0 = time.perf_counter()
         try:
             set_adapter_weights(self.model, msg.arrays)
         except ValueError as e:
             log.error("ignored weights of version %d: %s", msg["version"], e)
             return
+        self.timings["weights_apply_s"] = time.perf_counter() - t0
         self.version = msg["version"]
 
     def sample_groups(self, n: int) -> None:
@@ -123,6 +130,7 @@ class Actor:
             header = {
                 "group_id": str(self.groups_sent),
                 "cursor": cursor,
+                **self.timings,
                 "policy_version": self.version,
                 "prompt": prompt.prompt,
                 "columns": prompt.columns,

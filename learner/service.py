@@ -82,6 +82,7 @@ class Learner:
         self.credited: dict[bytes, int] = {}
         self.reward_failures = 0
         self.stopping = False
+        self.weight_sync: dict[str, float] = {}
 
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 2000)
@@ -122,8 +123,12 @@ class Learner:
         self.sock.send_multipart([identity, *protocol.encode(kind, header, arrays)], copy=False)
 
     def publish_weights(self, identities: list[bytes]) -> None:
+        t0 = time.perf_counter()
         weights = adapter_weights_numpy(self.model)
-        frames = protocol.encode(protocol.WEIGHTS, {"version": self.version}, weights)
+        frames = protocol.encode(protocol.WEIGHTS, {"version": self.version, "sent_at": time.time()},
+                                 weights)
+        self.weight_sync = {"weights_mb": sum(len(f) for f in frames) / MB,
+                            "weights_serialize_s": time.perf_counter() - t0}
         for identity in identities:
             self.sock.send_multipart([identity, *frames], copy=False)
 
@@ -277,6 +282,9 @@ class Learner:
             "truncated_frac": float(np.mean([s.finish_reason == "length" for s in samples])),
             "version_lag_mean": float(np.mean([self.version - g.policy_version for g in groups])),
             "rollout_tokens_per_s": sum(lens) / gen_s if gen_s > 0 else None,
+            # as the actor measured them for the weights it sampled this batch with
+            "weights_transfer_s": newest(groups, "weights_transfer_s"),
+            "weights_apply_s": newest(groups, "weights_apply_s"),
             "actor_peak_mb": max(actor_peaks) if actor_peaks else None,
         }
         for iteration in range(self.cfg["algorithm"]["num_iterations"]):
@@ -295,6 +303,7 @@ class Learner:
                 "step": self.step, "policy_version": self.version, "iteration": iteration,
                 **shared, **stats,
                 "step_s": time.perf_counter() - t0,
+                **self.weight_sync,
                 "learner_peak_mb": mx.get_peak_memory() / MB,
                 **self.shares,
                 **self.group_counts(),
@@ -368,6 +377,11 @@ class Learner:
         self.scorer.close()
         self.sock.close()
         self.ctx.term()
+
+
+def newest(groups: list[Group], key: str) -> float | None:
+    values = [g.timings.get(key) for g in groups if g.timings.get(key) is not None]
+    return values[-1] if values else None
 
 
 def reward_means(groups: list[Group]) -> dict[str, float | None]:

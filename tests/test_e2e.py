@@ -55,6 +55,9 @@ def test_up_trains_end_to_end(tmp_path):
     # Step 0: identical weights on both sides, float32. Tolerance: KL 1e-8, |diff| 1e-4.
     assert metrics[0]["mismatch_kl"] < 1e-8 and metrics[0]["mismatch_abs_max"] < 1e-4
     assert metrics[-1]["groups_trained"] == 3 * 2
+    for m in metrics:  # weight sync, measured on both sides
+        assert m["weights_mb"] > 0 and m["weights_serialize_s"] >= 0
+        assert 0 <= m["weights_transfer_s"] < 10 and 0 <= m["weights_apply_s"] < 10
     assert all(m["version_lag_mean"] == 0 for m in metrics)  # max_staleness = 0: on-policy
     endpoints = json.loads((run / "endpoints.json").read_text())
     assert endpoints["learner"].startswith("ipc://")
@@ -147,6 +150,9 @@ def test_ctrl_c_stops_both_processes_and_keeps_the_adapters(tmp_path):
             os.kill(pid, 0)
     assert (run / "adapters" / "adapters.safetensors").exists()
     assert json.loads((run / "status.json").read_text())["phase"] == "stopped"
+    # the learner wrote a checkpoint of the step it stopped at
+    state = json.loads(sorted((run / "checkpoints").glob("step_*"))[-1].joinpath("state.json").read_text())
+    assert state["step"] == read_metrics(run)[-1]["step"]
 
 
 @pytest.mark.parametrize("name", ["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo"])
