@@ -1,0 +1,85 @@
+"""The staleness bound: the real learner process, with this test playing the actor."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import zmq
+
+import protocol
+from orchestrator.supervisor import prepare_run_dir
+from policy.model import tokenizer_fingerprint
+from protocol.config import load_config
+from tests.conftest import ROOT, write_config
+from tests.test_e2e import read_metrics, run_up
+
+
+def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):
+    _, tok = tiny
+    cfg = load_config(write_config(tmp_path, steps=3))  # max_staleness = 0, batch 2, G 4
+    run = prepare_run_dir(cfg)
+    learner = subprocess.Popen([sys.executable, "-m", "learner", "--run-dir", str(run)], cwd=ROOT,
+                               stdout=open(run / "learner.log", "w"), stderr=subprocess.STDOUT)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(protocol.read_endpoints(run)["learner"])
+    rng = np.random.default_rng(0)
+
+    def send_group(version: int, n: int) -> None:
+        ids = rng.integers(5, 40, 4 * 3).astype(np.int32)
+        sock.send_multipart(protocol.encode(protocol.ROLLOUT, {
+            "group_id": f"v{version}-{n}", "policy_version": version, "prompt": "repeat 1",
+            "columns": {"target": "1"}, "texts": ["111", "123", "abc", "1a1"],
+            "finish_reasons": ["length"] * 4}, {
+            "prompt_ids": np.array(tok.encode("repeat 1"), np.int32), "completion_ids": ids,
+            "completion_lens": np.array([3, 3, 3, 3], np.int32),
+            "logprobs": np.full(12, -3.0, np.float32)}))
+
+    def expect(kind: str, **fields) -> protocol.Message:
+        while True:
+            assert sock.poll(120_000), f"no {kind} from the learner"
+            msg = protocol.decode(sock.recv_multipart())
+            if msg.kind == kind and all(msg.header.get(k) == v for k, v in fields.items()):
+                return msg
+
+    try:
+        sock.send_multipart(protocol.encode(protocol.HELLO, {
+            "role": "actor", "model": cfg["model"]["path"], "tokenizer": tokenizer_fingerprint(tok),
+            "lora": cfg["lora"], "pid": os.getpid()}))
+        expect(protocol.WEIGHTS, version=0)
+        for version in (0, 1):  # two on-policy batches: steps 1 and 2
+            send_group(version, 0)
+            send_group(version, 1)
+            expect(protocol.WEIGHTS, version=version + 1)
+        send_group(0, 2)  # two versions behind at version 2: stale
+        send_group(0, 3)
+        expect(protocol.CREDIT, groups_consumed=6)  # dropped groups are consumed, too
+        send_group(2, 4)
+        send_group(2, 5)
+        expect(protocol.STOP)
+        assert learner.wait(60) == 0
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+        sock.close(linger=0)
+        ctx.term()
+    last = read_metrics(run)[-1]
+    assert last["step"] == 3 and last["groups_trained"] == 6
+    assert last["dropped_reasons"] == {"stale": 2}
+    assert "dropped group v0-2: stale" in (run / "learner.log").read_text()
+
+
+def test_actor_runs_ahead_with_max_staleness_one(tmp_path):
+    code, out = run_up(write_config(tmp_path, "[train]\nmax_staleness = 1", steps=6))
+    assert code == 0, out
+    metrics = read_metrics(tmp_path / "run")
+    lags = [m["version_lag_mean"] for m in metrics]
+    assert all(0 <= lag <= 1 for lag in lags)
+    assert any(lag > 0 for lag in lags)  # some batches were sampled a version behind
+    assert metrics[-1]["groups_received"] == (metrics[-1]["groups_trained"] + metrics[-1]["groups_dropped"]
+                                              + metrics[-1]["groups_queued"])
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["max_staleness"] == 1
