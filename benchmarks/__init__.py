@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m benchmarks.run` (see benchmarks/README.md)."""

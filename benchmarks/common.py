@@ -1,0 +1,41 @@
+"""Paths, the tiny default's settings and small timing helpers shared by the sections."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+MODEL_DIR = EXAMPLES / "tiny-model"
+PROMPTS = EXAMPLES / "tiny_prompts.jsonl"
+TINY_TOML = EXAMPLES / "tiny.toml"
+# The LoRA settings the brief fixes for the rollout comparison (also tiny.toml's).
+LORA = {"rank": 8, "scale": 20.0}
+
+
+def log(text: str) -> None:
+    """Progress goes to stderr, so stdout holds only the final table."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def tiny_config() -> dict:
+    """examples/tiny.toml, validated exactly as `orchestrator up` reads it, so the
+    benchmark follows the default shape if the file changes."""
+    from protocol.config import load_config
+
+    return load_config(TINY_TOML)

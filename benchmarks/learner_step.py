@@ -1,0 +1,103 @@
+"""Row 2: learner seconds per optimizer step on the tiny default's shape.
+
+The batch is built from real samples of the tiny model (batch_size groups x G completions,
+max_tokens from examples/tiny.toml), scored with the default task's reward, and then
+`prepare` + `optimizer_step` are timed together, as the learner runs them once per step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from benchmarks.common import EXAMPLES, log, median, timed, tiny_config
+
+
+@dataclass
+class LearnerResult:
+    batch_size: int
+    group_size: int
+    max_tokens: int
+    reps: int
+    step_s: float  # median of prepare + optimizer_step
+    prepare_s: float
+    optimizer_step_s: float
+    tokens: int  # completion tokens in the batch
+    raw: dict = field(default_factory=dict)
+
+
+def _tiny_reward():
+    """The default task's reward function, loaded from examples/ like the learner does."""
+    spec = importlib.util.spec_from_file_location("tiny_task", EXAMPLES / "tiny_task.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.reward
+
+
+def _real_batch(model, tokenizer, cfg: dict):
+    """Sample batch_size groups with our sampler and score them: (samples, rewards)."""
+    import mlx.core as mx
+
+    import actor.sampler as sampler
+    from actor.data import load_prompts
+    from learner.step import Sample
+
+    s, batch_size = cfg["sampling"], cfg["train"]["batch_size"]
+    params = sampler.SamplingParams(s["temperature"], s["top_p"], s["top_k"], s["min_p"], s["max_tokens"])
+    prompts = load_prompts(cfg["data"]["prompts"], tokenizer, s["max_prompt_tokens"])[:batch_size]
+    reward = _tiny_reward()
+    eos_ids = set(tokenizer.eos_token_ids)
+    if hasattr(sampler, "sample_groups"):  # the batched sampler, as the actor uses it
+        groups = sampler.sample_groups(model, [p.prompt_ids for p in prompts], s["group_size"], params,
+                                       eos_ids, s["seed"])
+    else:
+        mx.random.seed(s["seed"])
+        groups = [sampler.sample_group(model, p.prompt_ids, s["group_size"], params, eos_ids)
+                  for p in prompts]
+    samples, rewards = [], []
+    for p, group in zip(prompts, groups):
+        ids = [c.token_ids for c in group]
+        texts = [tokenizer.decode(t, skip_special_tokens=True) for t in ids]
+        columns = {k: [v] * len(group) for k, v in p.columns.items()}
+        rewards.append(reward([p.prompt] * len(group), texts, ids, **columns))
+        samples += [Sample(np.array(p.prompt_ids, np.int32), np.array(c.token_ids, np.int32),
+                           np.array(c.logprobs, np.float32), c.finish_reason) for c in group]
+    return samples, np.array(rewards, dtype=np.float64)
+
+
+def run(reps: int) -> LearnerResult:
+    import mlx.optimizers as optim
+
+    from learner.algorithms import make_algorithm
+    from learner.step import Correction, make_batch, optimizer_step, prepare
+    from policy.model import load_policy
+
+    cfg = tiny_config()
+    s, t, a = cfg["sampling"], cfg["train"], cfg["algorithm"]
+    model, tokenizer, _ = load_policy(cfg["model"]["path"], cfg["lora"])
+    samples, rewards = _real_batch(model, tokenizer, cfg)
+    model.train()
+    algorithm = make_algorithm(a["name"], beta=a["beta"], epsilon=a["epsilon"],
+                               epsilon_high=a["epsilon_high"], scale_rewards=a["scale_rewards"],
+                               max_tokens=s["max_tokens"])
+    correction = Correction(a["is_correction"], a["is_level"], a["is_cap"])
+    advantages = algorithm.advantages(rewards)
+    batch = make_batch(samples, tokenizer.pad_token_id or 0)
+    optimizer = optim.Adam(learning_rate=t["learning_rate"])
+    log(f"learner step: {t['batch_size']} groups x G {s['group_size']}, {reps} timed steps")
+    prep_times, step_times = [], []
+    for i in range(reps + 1):  # the first step is a warm-up (allocations, optimizer state)
+        prepared, prep_s = timed(lambda: prepare(model, batch, s["temperature"], a["beta"], correction))
+        _, opt_s = timed(lambda p=prepared: optimizer_step(
+            model, optimizer, algorithm, batch, p, advantages, s["temperature"], t["max_grad_norm"],
+            t["micro_batch_size"]))
+        if i > 0:
+            prep_times.append(prep_s)
+            step_times.append(opt_s)
+    totals = [p + o for p, o in zip(prep_times, step_times)]
+    return LearnerResult(
+        t["batch_size"], s["group_size"], s["max_tokens"], reps, median(totals), median(prep_times),
+        median(step_times), sum(len(x.completion_ids) for x in samples),
+        raw={"step_s": totals, "prepare_s": prep_times, "optimizer_step_s": step_times})
