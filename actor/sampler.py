@@ -12,14 +12,12 @@ distribution, computed as in policy/logprobs.py (which explains why untruncated)
 
 Randomness. Sampling is Gumbel-max: token = argmax(truncate(logprobs) + g) over the tokens
 that top-k/top-p/min-p keep, a draw from the truncated, renormalized distribution. The
-noise of row r at step t is
-
-    g = mx.random.gumbel(shape=(V,), key=mx.random.key(_mix(_mix(_mix(seed) ^ r) ^ t)))
-
-where r is the row's id (row_offset + prompt position * group_size + sample index), so a
-row's tokens depend only on (seed, r, t) and its own logits, never on which other rows
-share the batch. `reference_sample` draws the same noise one row at a time without a KV
-cache; tests check both give the same tokens.
+noise g of row r at step t for token v is -log(-log(u)), u a hash of (seed, r, t, v)
+(`_noise`), where r is the row's id (row_offset + prompt position * group_size + sample
+index). So a row's tokens depend only on (seed, r) and its own logits, never on which
+other rows share the batch, and the whole batch's noise is a few array operations.
+`reference_sample` draws the same noise one row at a time without a KV cache; tests check
+both give the same tokens.
 """
 
 from __future__ import annotations
@@ -67,33 +65,39 @@ def truncate(logprobs: mx.array, p: SamplingParams) -> mx.array:
     return logprobs
 
 
-_M64 = 2**64 - 1
+def _fmix32(h: mx.array) -> mx.array:
+    """murmur3's 32-bit finalizer: a cheap bijection that scatters nearby integers."""
+    h = h ^ (h >> 16)
+    h = h * mx.array(0x85EBCA6B, dtype=mx.uint32)
+    h = h ^ (h >> 13)
+    h = h * mx.array(0xC2B2AE35, dtype=mx.uint32)
+    return h ^ (h >> 16)
 
 
-def _mix(x: int) -> int:
-    """splitmix64's finalizer: scatters nearby integers over 64 bits (seeds, row ids and
-    steps are small consecutive numbers; mx.random.key would just copy them)."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
+def _row_keys(seed: int, rows: list[int]) -> mx.array:
+    """Each row's 32-bit stream id, from (seed, row id)."""
+    u32 = mx.uint32
+    return _fmix32(mx.array(rows, dtype=u32) ^ _fmix32(mx.array(seed & 0xFFFFFFFF, dtype=u32)))
 
 
-def _key(seed: int, row: int, t: int) -> mx.array:
-    return mx.random.key(_mix(_mix(_mix(seed) ^ row) ^ t))
+def _noise(row_keys: mx.array, t: int, vocab: int) -> mx.array:
+    """[rows, vocab] Gumbel noise, a pure function of (row key, step, token).
 
-
-def _noise(seed: int, rows: list[int], t: int, vocab: int) -> mx.array:
-    """[len(rows), vocab] Gumbel noise; vmap gives each row exactly what
-    mx.random.gumbel(shape=(vocab,), key=_key(seed, row, t)) gives, the reference
-    sampler's draw (tests compare the two samplers)."""
-    keys = mx.stack([_key(seed, r, t) for r in rows])
-    return mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))(keys)
+    Counter-based: hashing the integers gives a uniform for every (row, token), so the
+    noise of the whole batch is a few array operations (no per-row keys, no sync), and
+    one row's noise does not depend on the others."""
+    u32 = mx.uint32
+    step = _fmix32(row_keys ^ _fmix32(mx.array(t + 0x9E3779B9, dtype=u32)))
+    bits = _fmix32(step[:, None] ^ (mx.arange(vocab, dtype=u32) * mx.array(0x9E3779B1, dtype=u32))[None])
+    u = ((bits >> 8).astype(mx.float32) + 0.5) / float(1 << 24)  # in (0, 1)
+    return -mx.log(-mx.log(u))
 
 
 def _sample(logits: mx.array, noise: mx.array, p: SamplingParams) -> tuple[mx.array, mx.array]:
     """Gumbel-max over the truncated distribution; the logprob is of the untruncated one."""
-    scaled = logits.astype(mx.float32) / p.temperature
+    scaled = logits.astype(mx.float32)
+    if p.temperature != 1.0:
+        scaled = scaled / p.temperature
     logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
     tokens = mx.argmax(truncate(logprobs, p) + noise, axis=-1)
     picked = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
@@ -103,32 +107,43 @@ def _sample(logits: mx.array, noise: mx.array, p: SamplingParams) -> tuple[mx.ar
 def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
             params: SamplingParams, eos_ids: set[int], seed: int) -> list[Completion]:
     """Decode the batch whose next-token logits are `logits` ([len(rows), V]); row i has id
-    rows[i]. Each row stops at its first EOS; finished rows leave the batch if the cache
-    can `filter`, else they decode on and what they sample is ignored."""
+    rows[i]. Each row stops at its first EOS.
+
+    Pipelined: the forward of step t+1 is queued (async_eval) before the tokens of step t
+    are read back, so the device never waits for Python. A row that finished at step t is
+    dropped from the batch (cache `filter`) after step t+1 was queued for it; that one
+    extra step is ignored."""
     n = len(rows)
     tokens: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[float]] = [[] for _ in range(n)]
     done = [False] * n
     live = list(range(n))  # which row each batch position holds
     can_filter = all(hasattr(c, "filter") for c in cache)
+    vocab = logits.shape[-1]
+    keys = _row_keys(seed, rows)  # filtered along with the batch
+    sampled, picked = _sample(logits, _noise(keys, 0, vocab), params)
+    mx.async_eval(sampled, picked)
     for t in range(params.max_tokens):
-        noise = _noise(seed, [rows[i] for i in live], t, logits.shape[-1])
-        sampled, picked = _sample(logits, noise, params)
-        mx.eval(sampled, picked)
+        last = t + 1 == params.max_tokens
+        if not last:
+            logits = model(sampled[:, None], cache=cache)[:, -1, :]
+            nxt = _sample(logits, _noise(keys, t + 1, vocab), params)
+            mx.async_eval(*nxt)
         for i, tok, lp in zip(live, sampled.tolist(), picked.tolist()):
             if not done[i]:
                 tokens[i].append(tok)
                 lps[i].append(lp)
                 done[i] = tok in eos_ids
-        if all(done):
+        if all(done) or last:
             break
+        sampled, picked = nxt
         keep = [k for k, i in enumerate(live) if not done[i]]
         if can_filter and len(keep) < len(live):
             for c in cache:
                 c.filter(keep)
-            sampled = sampled[mx.array(keep)]
+            index = mx.array(keep)
+            sampled, picked, keys = sampled[index], picked[index], keys[index]
             live = [live[k] for k in keep]
-        logits = model(sampled[:, None], cache=cache)[:, -1, :]
     return [Completion(ts, lp, "stop" if d else "length") for ts, lp, d in zip(tokens, lps, done)]
 
 
@@ -183,8 +198,8 @@ def reference_sample(model: nn.Module, prompt_ids: list[int], group_size: int,
         ids, lps, stop = list(prompt_ids), [], False
         for t in range(params.max_tokens):
             logits = model(mx.array(ids)[None])[:, -1, :]
-            noise = mx.random.gumbel(shape=logits.shape[-1:], key=_key(seed, row_offset + j, t))
-            tok, lp = _sample(logits, noise[None], params)
+            noise = _noise(_row_keys(seed, [row_offset + j]), t, logits.shape[-1])
+            tok, lp = _sample(logits, noise, params)
             ids.append(tok.item())
             lps.append(lp.item())
             if stop := ids[-1] in eos_ids:

@@ -1,6 +1,8 @@
 """Row 1: rollout tokens/s of our actor sampler against mlx-lm's `batch_generate`.
 
-Same model files, same prompts, same G, max_tokens and temperature. Tokens are counted
+The same model object (the policy: base model with LoRA attached, as the actor runs it),
+the same prompts, G, max_tokens and temperature: the comparison is between the two
+decoding engines, not between a LoRA model and a plain one (LoRA layers cost ~10% here). Tokens are counted
 as the tokens each sequence actually produced, EOS included on both sides: our sampler
 keeps a sampled EOS as the last ID, while `batch_generate` drops it from `token_ids`, so
 a sequence it returns shorter than max_tokens produced one more token (its EOS).
@@ -90,7 +92,8 @@ def run(num_prompts: int, group_sizes: tuple[int, ...], max_tokens: int, reps: i
     from policy.model import load_policy
 
     ours, tokenizer, _ = load_policy(str(MODEL_DIR), LORA)
-    theirs, their_tokenizer = load(str(MODEL_DIR))
+    _, their_tokenizer = load(str(MODEL_DIR))
+    theirs = ours
     # Tokenized exactly as the actor does it (same tokenizer files on both sides).
     prompt_ids = [p.prompt_ids for p in load_prompts(PROMPTS, tokenizer, 1024)[:num_prompts]]
     eos_ids = set(tokenizer.eos_token_ids)

@@ -168,3 +168,22 @@ def test_caches_that_cannot_batch_decode_per_prompt(policy, monkeypatch):
     eos = {*tok.eos_token_ids, tok.encode("f")[0]}
     assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, SamplingParams(max_tokens=8),
                              eos, seed=1)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.8)])
+def test_gumbel_sampling_draws_from_the_truncated_distribution(params):
+    """20,000 rows, one step: token frequencies match the tempered, truncated, renormalised
+    distribution within 4 standard errors, and the reported logprobs are the untruncated."""
+    from actor.sampler import _noise, _row_keys, _sample
+
+    probs = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
+    n = 20_000
+    logits = mx.broadcast_to(mx.array(np.log(probs), dtype=mx.float32), (n, 5))
+    tokens, picked = _sample(logits, _noise(_row_keys(7, list(range(n))), 0, 5), params)
+    tempered = probs ** (1 / params.temperature)
+    tempered /= tempered.sum()
+    keep = np.array(truncate(mx.log(mx.array(tempered, dtype=mx.float32))[None], params))[0] > -np.inf
+    expected = np.where(keep, tempered, 0) / tempered[keep].sum()
+    freq = np.bincount(np.array(tokens), minlength=5) / n
+    np.testing.assert_allclose(freq, expected, atol=4 * np.sqrt(0.25 / n))
+    np.testing.assert_allclose(np.array(picked), np.log(tempered)[np.array(tokens)], atol=1e-5)
