@@ -69,7 +69,7 @@ class Actor:
         """Keep the newest weights message; never raise on a bad message."""
         while self.sock.poll(timeout_ms):
             timeout_ms = 0
-            frames = self.sock.recv_multipart()
+            frames = [f.buffer for f in self.sock.recv_multipart(copy=False)]
             try:
                 msg = protocol.decode(frames)
             except protocol.ProtocolError as e:

@@ -46,13 +46,14 @@ def serve(endpoint: str) -> None:
     sock.bind(endpoint)
     received, nbytes = 0, 0
     while True:
-        identity, *frames = sock.recv_multipart()
-        if frames[0] != CTL:
+        identity, *frames = (f.buffer for f in sock.recv_multipart(copy=False))
+        identity = bytes(identity)
+        if bytes(frames[0]) != CTL:
             protocol.decode(frames)  # payload: validate and unpack, as the learner does
             received += 1
             nbytes += sum(len(f) for f in frames)
             continue
-        cmd = msgpack.unpackb(frames[1])
+        cmd = msgpack.unpackb(bytes(frames[1]))
         if cmd["cmd"] == "count":
             sock.send_multipart([identity, CTL, msgpack.packb({"received": received, "bytes": nbytes})])
             received, nbytes = 0, 0
@@ -155,7 +156,8 @@ def _weights(sock: zmq.Socket, shapes: dict[str, tuple], reps: int) -> list[floa
     """Receive and decode `reps` + 1 weights messages from the peer; return its timings."""
     sock.send_multipart([CTL, msgpack.packb({"cmd": "weights", "shapes": shapes, "reps": reps})])
     for _ in range(reps + 1):
-        msg = protocol.decode(sock.recv_multipart())
+        # as the actor receives: frames are zmq buffers, decoded without copying
+        msg = protocol.decode([f.buffer for f in sock.recv_multipart(copy=False)])
         if msg.kind != protocol.WEIGHTS or set(msg.arrays) != set(shapes):
             raise RuntimeError("the peer sent an unexpected weights message")
         sock.send_multipart([CTL, b""])

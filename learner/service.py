@@ -136,7 +136,8 @@ class Learner:
         """Handle every message that arrives within `timeout_ms`; never raise on bad input."""
         while self.sock.poll(timeout_ms):
             timeout_ms = 0
-            identity, *frames = self.sock.recv_multipart()
+            identity, *frames = (f.buffer for f in self.sock.recv_multipart(copy=False))
+            identity = bytes(identity)
             try:
                 msg = protocol.decode(frames)
             except protocol.ProtocolError as e:

@@ -92,8 +92,10 @@ _ARRAYS: dict[str, dict[str, tuple[str, int]]] = {
 }
 
 
-def encode(kind: str, header: dict[str, Any] | None = None, arrays: dict | None = None) -> list[bytes]:
-    """Build the frames of one message. Arrays are sent C-contiguous, little-endian."""
+def encode(kind: str, header: dict[str, Any] | None = None, arrays: dict | None = None) -> list:
+    """Build the frames of one message: the header's bytes, then each array's raw bytes as
+    a uint8 view of the (C-contiguous, little-endian) array, so sending with copy=False
+    copies nothing. Do not modify the arrays until the message is sent."""
     head = dict(header or {}, protocol=PROTOCOL_VERSION, kind=kind)
     specs, frames = [], []
     for name, value in (arrays or {}).items():
@@ -103,13 +105,16 @@ def encode(kind: str, header: dict[str, Any] | None = None, arrays: dict | None 
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         specs.append({"name": name, "dtype": a.dtype.name, "shape": list(a.shape)})
-        frames.append(a.tobytes())
+        frames.append(a.reshape(-1).view(np.uint8))  # the array's own bytes, not a copy
     head["arrays"] = specs
     return [msgpack.packb(head, use_bin_type=True), *frames]
 
 
-def decode(frames: list[bytes], max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
-    """Parse and validate a multipart message; raise ProtocolError naming the problem."""
+def decode(frames: list, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Parse and validate a multipart message; raise ProtocolError naming the problem.
+
+    Frames are bytes-like (bytes, memoryview of a zmq.Frame); arrays are read-only views
+    of them, not copies."""
     if not frames:
         raise ProtocolError("empty message")
     total = sum(len(f) for f in frames)
