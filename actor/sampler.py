@@ -1,11 +1,12 @@
 """Batched grouped sampling with behavior logprobs, reproducible by seed.
 
-Each prompt is prefilled once (batch 1) and its KV cache copied to its G rows. The rows of
-all prompts then decode as one batch: mlx-lm's cache `merge` (BatchKVCache for plain KV
-caches) left-pads the prompts to a common length and masks the padding, the same machinery
-mlx-lm's own batch_generate uses. Rows that sampled an EOS are dropped from the batch
-(cache `filter`) so they stop costing compute. A model whose caches cannot be merged
-(e.g. ChunkedKVCache, QuantizedKVCache) decodes one prompt's G rows at a time instead.
+All prompts are prefilled once, together (left-padded and masked in mlx-lm's
+BatchKVCache, the machinery of its own batch_generate), and each prompt's cache rows are
+repeated for its G samples. All rows then decode as one batch. Rows that sampled an EOS
+are dropped from the batch (cache `filter`) so they stop costing compute. Models with
+other cache types prefill each prompt alone and `merge` the caches; a model whose caches
+cannot be merged (e.g. ChunkedKVCache, QuantizedKVCache) decodes one prompt's G rows at a
+time.
 
 For every sampled token we keep its logprob under the temperature-scaled, untruncated
 distribution, computed as in policy/logprobs.py (which explains why untruncated).
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,19 @@ def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
     if not prompts:
         return []
     rows = [row_offset + r for r in range(len(prompts) * group_size)]
-    if all(hasattr(c, "merge") for c in make_prompt_cache(model)):
+    layers = make_prompt_cache(model)
+    if all(type(c) is KVCache for c in layers):
+        # One prefill for all prompts, left-padded and masked as mlx-lm's batch_generate
+        # does it; then each prompt's cache rows are repeated G times (filter takes indices).
+        pads = [max(map(len, prompts)) - len(p) for p in prompts]
+        cache = [BatchKVCache(pads) for _ in layers]
+        padded = mx.array([[0] * pad + p for p, pad in zip(prompts, pads)])
+        logits = model(padded, cache=cache)[:, -1, :]
+        repeat = mx.repeat(mx.arange(len(prompts)), group_size)
+        for c in cache:
+            c.filter(repeat)
+        flat = _decode(model, cache, logits[repeat], rows, params, eos_ids, seed)
+    elif all(hasattr(c, "merge") for c in layers):
         caches, logits = [], []
         for p in prompts:
             cache = make_prompt_cache(model)

@@ -170,6 +170,20 @@ def test_caches_that_cannot_batch_decode_per_prompt(policy, monkeypatch):
                              eos, seed=1)
 
 
+def test_caches_that_merge_but_are_not_plain_kv_caches_sample_the_same(policy, monkeypatch):
+    """Other mergeable caches (a KVCache subclass here) prefill per prompt and merge."""
+    from mlx_lm.models.cache import KVCache
+
+    class OtherKVCache(KVCache):
+        pass
+
+    model, tok = policy
+    monkeypatch.setattr(model, "make_cache", lambda: [OtherKVCache() for _ in model.layers])
+    eos = {*tok.eos_token_ids, tok.encode("f")[0]}
+    assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, SamplingParams(max_tokens=8),
+                             eos, seed=2)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.8)])
 def test_gumbel_sampling_draws_from_the_truncated_distribution(params):
     """20,000 rows, one step: token frequencies match the tempered, truncated, renormalised
