@@ -91,17 +91,18 @@ class Learner:
         shares = json.loads(plan.read_text())["shares_mb"] if plan.exists() else {}
         self.shares = {f"{k}_share_mb": v for k, v in shares.items()}
         self.data_cursor: list[int] | None = None  # after the newest consumed group's prompt
-        self.resumed_from = self.resume() if resume else None
+        if resume:
+            self.resume()
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
 
-    def resume(self) -> int | None:
+    def resume(self) -> None:
         """Continue from the newest checkpoint; metrics of later steps are discarded, so
         no step number ever appears twice."""
         path = latest_checkpoint(self.run_dir)
         if path is None:
             log.info("no checkpoint to resume from; starting at step 0")
             keep_metrics_until(self.run_dir / "metrics.jsonl", 0)
-            return None
+            return
         state = load_checkpoint(path, self.model, self.optimizer)
         self.step, self.version = state["step"], state["version"]
         self.data_cursor = state["data_cursor"]
@@ -109,7 +110,6 @@ class Learner:
         self.dropped.update(state["dropped"])
         keep_metrics_until(self.run_dir / "metrics.jsonl", self.step)
         log.info("resumed from %s: step %d, adapters %s", path.name, self.step, state["adapters_digest"])
-        return self.step
 
     # -- messages ---------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -245,14 +244,11 @@ class Supervisor:
 
 
 def up(cfg: dict, out: IO[str] = sys.stdout, resume: bool = False,
-       shares_mb: dict[str, float] | None = None,
-       on_start: Callable[[Supervisor], None] | None = None) -> int:
+       shares_mb: dict[str, float] | None = None) -> int:
     """Run training to the end. Returns the process exit code for the CLI."""
     sup = Supervisor(cfg, out, resume, shares_mb)
     sup.start()
     try:
-        if on_start:
-            on_start(sup)
         sup.watch()
     except RunFailed as e:
         sup.say(f"error: {e}")
