@@ -186,3 +186,17 @@ def test_ratio_is_one_at_step_zero_with_temperature_and_top_p(tmp_path):
     first = read_metrics(tmp_path / "run")[0]
     assert abs(first["is_ratio_min"] - 1) < 1e-4 and abs(first["is_ratio_max"] - 1) < 1e-4
     assert first["mismatch_kl"] < 1e-8
+
+
+def test_tcp_transport_binds_loopback(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a free port pair, most likely
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\nport = {port}", steps=2)
+    code, out = run_up(cfg)
+    assert code == 0, out
+    endpoints = json.loads((tmp_path / "run" / "endpoints.json").read_text())
+    assert endpoints == {"learner": f"tcp://127.0.0.1:{port}", "reward": f"tcp://127.0.0.1:{port + 1}"}
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
