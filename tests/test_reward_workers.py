@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -86,6 +87,8 @@ def test_a_killed_worker_loses_no_group(tmp_path):
     # The doomed worker answers one request, takes the next and dies holding it.
     doomed = start_worker(run, "--hang-after", "1", stdout=subprocess.PIPE)
     survivor = start_worker(run)
+    ready, _, _ = select.select([doomed.stdout], [], [], 120)
+    assert ready, "the doomed worker never took a second request"
     assert doomed.stdout.readline().startswith("holding request")
     doomed.send_signal(signal.SIGKILL)
     finish(proc, [doomed, survivor])
