@@ -48,8 +48,14 @@ def check_plan(cfg: dict, available_gb: float | None, show: bool = False) -> dic
     try:
         plan, model, shape = plan_for(cfg, available_gb)
     except PlanError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        if show:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        # A hub model not downloaded yet: mlx-lm fetches it when the processes start, so
+        # the run can go on; it just cannot be planned (or held to shares) beforehand.
+        typer.echo(f"warning: no memory check: {e}. Run `orchestrator plan` once it is "
+                   "downloaded.", err=True)
+        return {}
     if show or not plan.fits:
         typer.echo(render(plan))
     if not plan.fits:

@@ -136,3 +136,19 @@ def test_each_process_stays_under_its_share_on_the_default_run(default_run):
         assert m["learner_share_mb"] == shares["learner"] and m["actor_share_mb"] == shares["actor"]
         assert 0 < m["learner_peak_mb"] < m["learner_share_mb"]
         assert 0 < m["actor_peak_mb"] < m["actor_share_mb"]
+
+
+def test_up_goes_on_without_a_plan_for_a_hub_model_not_downloaded_yet(capsys):
+    """`up` warns and returns no shares (mlx-lm will download the model); `plan` refuses."""
+    import typer
+
+    from orchestrator.cli import check_plan
+    from protocol.config import load_config
+
+    cfg = load_config(EXAMPLES / "tiny.toml")
+    cfg["model"]["path"] = "nobody/not-a-downloaded-model"
+    assert check_plan(cfg, None) == {}
+    assert "warning: no memory check" in capsys.readouterr().err
+    with pytest.raises(typer.Exit) as e:
+        check_plan(cfg, None, show=True)
+    assert e.value.exit_code == 2
