@@ -35,10 +35,6 @@ from protocol.heartbeat import start_heartbeat
 log = logging.getLogger("actor")
 
 
-class LearnerGone(RuntimeError):
-    pass
-
-
 class Actor:
     def __init__(self, run_dir: Path) -> None:
         self.cfg = read_run_config(run_dir)
