@@ -328,6 +328,7 @@ class Learner:
             "groups_dropped": sum(self.dropped.values()),
             "dropped_reasons": dict(self.dropped),
             "messages_rejected": self.counts["messages_rejected"],
+            **self.scorer.worker_stats(),
         }
 
     def phase(self) -> str:

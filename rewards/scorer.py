@@ -49,6 +49,13 @@ class Scorer:
         d = self.dispatcher
         return d is not None and d.pending > 0 and d.n_workers == 0
 
+    def worker_stats(self) -> dict[str, int]:
+        """The reward socket's retries and rejected or late replies, for the metrics."""
+        if self.dispatcher is None:
+            return {}
+        stats = self.dispatcher.stats
+        return {f"reward_{k}": stats[k] for k in ("retries", "rejected_replies", "late_replies")}
+
     def submit(self, key: str, prompt: Any, texts: list[str], completion_ids: list,
                columns: dict[str, Any]) -> Scored | None:
         """Score in-process at once; returns None while an external score is awaited.

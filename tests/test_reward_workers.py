@@ -57,6 +57,7 @@ def test_a_worker_from_protocol_md_alone_trains_a_run(tmp_path):
     metrics = read_metrics(run)
     assert_nothing_lost(metrics, 4, 2)
     assert metrics[-1]["groups_dropped"] == 0
+    assert metrics[-1]["reward_rejected_replies"] == 0
     for m in metrics:
         assert m["reward/worker"] == pytest.approx(m["reward_mean"])
         assert m["reward/worker:digits"] == pytest.approx(m["reward_mean"])
@@ -106,6 +107,8 @@ def test_garbage_replies_are_logged_and_survived(tmp_path):
     finish(proc, [worker])
     metrics = read_metrics(run)
     assert_nothing_lost(metrics, 3, 2)
+    # four broken replies, each rejected and its request sent out again
+    assert metrics[-1]["reward_rejected_replies"] == 4 and metrics[-1]["reward_retries"] == 4
     log = (run / "learner.log").read_text()
     assert "bad reply from reward worker" in log
     assert "not valid msgpack" in log
