@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +25,37 @@ def tiny():
 
     model, tokenizer, _ = load_policy(str(TINY_MODEL), {"rank": 8, "scale": 20.0})
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def peer(run: Path, role: str):
+    """A real `role` process ("actor" or "learner") for `run`, with this test's socket at
+    the other end of the rollout socket: a ROUTER bound where the learner would be (the
+    test plays the learner) or a DEALER connected to it (the test plays an actor). Yields
+    (process, socket); the process is killed if still running, the socket closed."""
+    import zmq
+
+    import protocol
+
+    ctx = zmq.Context()
+    endpoint = protocol.read_endpoints(run)["learner"]
+    if role == "actor":
+        sock = ctx.socket(zmq.ROUTER)
+        sock.bind(endpoint)
+    else:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(endpoint)
+    args = ["actor", "run"] if role == "actor" else ["learner"]
+    proc = subprocess.Popen([sys.executable, "-m", *args, "--run-dir", str(run)], cwd=ROOT,
+                            stdout=open(run / f"{role}.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        yield proc, sock
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        sock.close(linger=0)
+        ctx.term()
 
 
 def write_config(tmp_path: Path, extra: str = "", steps: int = 3, reward: str = "tiny_task:reward") -> Path:

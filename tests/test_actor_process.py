@@ -7,20 +7,17 @@ the actor reports must be those of the weights we sent, version by version.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import mlx.core as mx
 import numpy as np
-import zmq
 
 import protocol
 from orchestrator.supervisor import prepare_run_dir
 from policy.logprobs import sequence_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights, tokenizer_fingerprint
 from protocol.config import load_config
-from tests.conftest import ROOT, write_config
+from tests.conftest import peer, write_config
 
 
 def recv(sock, timeout_s: float = 60) -> tuple[bytes, protocol.Message]:
@@ -44,12 +41,7 @@ def group_logprobs(model, msg: protocol.Message, temperature: float) -> tuple[np
 def test_actor_applies_each_weight_version_it_receives(tmp_path):
     cfg = load_config(write_config(tmp_path, "[sampling]\ntemperature = 0.7\ntop_p = 0.9"))
     run = prepare_run_dir(cfg)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.bind(protocol.read_endpoints(run)["learner"])
-    actor = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(run)], cwd=ROOT,
-                             stdout=open(run / "actor.log", "w"), stderr=subprocess.STDOUT)
-    try:
+    with peer(run, "actor") as (actor, sock):
         model, tok, _ = load_policy(cfg["model"]["path"], cfg["lora"])
         identity, hello = recv(sock)
         assert hello.kind == protocol.HELLO and hello["role"] == "actor"
@@ -93,11 +85,6 @@ def test_actor_applies_each_weight_version_it_receives(tmp_path):
         assert not sock.poll(1500)
         send(protocol.STOP, {"reason": "test over"})
         assert actor.wait(30) == 0
-    finally:
-        if actor.poll() is None:
-            actor.kill()
-        sock.close(linger=0)
-        ctx.term()
     log = (run / "actor.log").read_text()
     assert "dropped a malformed message" in log
 
@@ -106,12 +93,7 @@ def test_actor_waits_for_weights_before_sampling(tmp_path):
     """A (re)started actor samples nothing until it holds the learner's weights."""
     cfg = load_config(write_config(tmp_path))
     run = prepare_run_dir(cfg)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.bind(protocol.read_endpoints(run)["learner"])
-    actor = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(run)], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
+    with peer(run, "actor") as (actor, sock):
         identity, hello = recv(sock)
         assert hello.kind == protocol.HELLO
         t0 = time.monotonic()
@@ -119,8 +101,3 @@ def test_actor_waits_for_weights_before_sampling(tmp_path):
         assert time.monotonic() - t0 >= 1.9
         sock.send_multipart([identity, *protocol.encode(protocol.STOP, {"reason": "done"})])
         assert actor.wait(30) == 0
-    finally:
-        if actor.poll() is None:
-            actor.kill()
-        sock.close(linger=0)
-        ctx.term()

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
-import zmq
 
 import protocol
 from orchestrator.supervisor import prepare_run_dir
 from policy.model import tokenizer_fingerprint
 from protocol.config import load_config
-from tests.conftest import ROOT, write_config
+from tests.conftest import peer, write_config
 from tests.test_e2e import read_metrics, run_up
 
 
@@ -22,31 +19,26 @@ def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):
     _, tok = tiny
     cfg = load_config(write_config(tmp_path, steps=3))  # max_staleness = 0, batch 2, G 4
     run = prepare_run_dir(cfg)
-    learner = subprocess.Popen([sys.executable, "-m", "learner", "--run-dir", str(run)], cwd=ROOT,
-                               stdout=open(run / "learner.log", "w"), stderr=subprocess.STDOUT)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(protocol.read_endpoints(run)["learner"])
     rng = np.random.default_rng(0)
 
-    def send_group(version: int, n: int) -> None:
-        ids = rng.integers(5, 40, 4 * 3).astype(np.int32)
-        sock.send_multipart(protocol.encode(protocol.ROLLOUT, {
-            "group_id": f"v{version}-{n}", "policy_version": version, "prompt": "repeat 1",
-            "columns": {"target": "1"}, "texts": ["111", "123", "abc", "1a1"],
-            "finish_reasons": ["length"] * 4}, {
-            "prompt_ids": np.array(tok.encode("repeat 1"), np.int32), "completion_ids": ids,
-            "completion_lens": np.array([3, 3, 3, 3], np.int32),
-            "logprobs": np.full(12, -3.0, np.float32)}))
+    with peer(run, "learner") as (learner, sock):
+        def send_group(version: int, n: int) -> None:
+            ids = rng.integers(5, 40, 4 * 3).astype(np.int32)
+            sock.send_multipart(protocol.encode(protocol.ROLLOUT, {
+                "group_id": f"v{version}-{n}", "policy_version": version, "prompt": "repeat 1",
+                "columns": {"target": "1"}, "texts": ["111", "123", "abc", "1a1"],
+                "finish_reasons": ["length"] * 4}, {
+                "prompt_ids": np.array(tok.encode("repeat 1"), np.int32), "completion_ids": ids,
+                "completion_lens": np.array([3, 3, 3, 3], np.int32),
+                "logprobs": np.full(12, -3.0, np.float32)}))
 
-    def expect(kind: str, **fields) -> protocol.Message:
-        while True:
-            assert sock.poll(120_000), f"no {kind} from the learner"
-            msg = protocol.decode(sock.recv_multipart())
-            if msg.kind == kind and all(msg.header.get(k) == v for k, v in fields.items()):
-                return msg
+        def expect(kind: str, **fields) -> protocol.Message:
+            while True:
+                assert sock.poll(120_000), f"no {kind} from the learner"
+                msg = protocol.decode(sock.recv_multipart())
+                if msg.kind == kind and all(msg.header.get(k) == v for k, v in fields.items()):
+                    return msg
 
-    try:
         sock.send_multipart(protocol.encode(protocol.HELLO, {
             "role": "actor", "model": cfg["model"]["path"], "tokenizer": tokenizer_fingerprint(tok),
             "lora": cfg["lora"], "pid": os.getpid()}))
@@ -62,11 +54,6 @@ def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):
         send_group(2, 5)
         expect(protocol.STOP)
         assert learner.wait(60) == 0
-    finally:
-        if learner.poll() is None:
-            learner.kill()
-        sock.close(linger=0)
-        ctx.term()
     last = read_metrics(run)[-1]
     assert last["step"] == 3 and last["groups_trained"] == 6
     assert last["dropped_reasons"] == {"stale": 2}
