@@ -40,14 +40,20 @@ def assert_steps_once_and_nothing_lost(metrics: list[dict], steps: int) -> None:
     assert metrics[-1]["groups_trained"] == steps * 2
 
 
-def test_a_killed_actor_is_restarted_and_the_run_completes(tmp_path):
-    steps = 8
+def kill_mid_run(tmp_path: Path, role: str, at_step: int, steps: int) -> tuple[Path, str]:
+    """Start a run, SIGKILL `role` once `at_step` is done, and let the run finish."""
     proc = orchestrator("up", "--config", str(write_config(tmp_path, CHECKPOINTS, steps=steps)))
     run = tmp_path / "run"
-    wait_for_step(run, 2, proc)
-    os.kill(pid_of(run, "actor"), signal.SIGKILL)
+    wait_for_step(run, at_step, proc)
+    os.kill(pid_of(run, role), signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
+    return run, out
+
+
+def test_a_killed_actor_is_restarted_and_the_run_completes(tmp_path):
+    steps = 8
+    run, out = kill_mid_run(tmp_path, "actor", 2, steps)
     assert "actor exited with code -9; restarting it (1/3)" in out
     metrics = read_metrics(run)
     assert_steps_once_and_nothing_lost(metrics, steps)
@@ -58,12 +64,7 @@ def test_a_killed_actor_is_restarted_and_the_run_completes(tmp_path):
 
 def test_a_killed_learner_resumes_from_its_checkpoint(tmp_path):
     steps = 8
-    proc = orchestrator("up", "--config", str(write_config(tmp_path, CHECKPOINTS, steps=steps)))
-    run = tmp_path / "run"
-    wait_for_step(run, 5, proc)
-    os.kill(pid_of(run, "learner"), signal.SIGKILL)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    run, out = kill_mid_run(tmp_path, "learner", 5, steps)
     assert "learner exited with code -9; restarting it (1/3)" in out
     log = (run / "learner.log").read_text()
     resumed = re.search(r"resumed from (step_\d+): step (\d+), adapters (\w+)", log)
