@@ -19,10 +19,8 @@ from typing import IO
 
 import protocol
 from orchestrator.plan import thread_count
-from protocol.config import write_run_config
+from protocol.config import MEMORY_SHARE_ENV, write_run_config
 from protocol.heartbeat import heartbeat_path, seconds_since_beat
-
-MEMORY_ENV = "MLXRL_MEMORY_LIMIT_MB"  # read by policy/memory.py
 
 STOP_TIMEOUT_S = 30.0
 
@@ -62,10 +60,9 @@ def prepare_run_dir(cfg: dict, resume: bool = False) -> Path:
 
 def spawn(name: str, args: list[str], run_dir: Path, share_mb: float | None = None) -> Child:
     log_path = run_dir / f"{name}.log"
-    log_file = open(log_path, "a")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if share_mb is not None:
-        env[MEMORY_ENV] = f"{share_mb:.0f}"
+        env[MEMORY_SHARE_ENV] = f"{share_mb:.0f}"
     if sys.platform.startswith("linux"):
         # Two processes on one CPU: give each half of the cores' BLAS threads.
         threads = str(thread_count())
@@ -73,9 +70,10 @@ def spawn(name: str, args: list[str], run_dir: Path, share_mb: float | None = No
     # Our packages live beside this one; a source checkout works without installing.
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", *args, "--run-dir", str(run_dir)],
-                            stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    with open(log_path, "a") as log_file:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-m", *args, "--run-dir", str(run_dir)],
+                                stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
     return Child(name, proc, log_path)
 
 

@@ -12,12 +12,12 @@ import os
 
 import mlx.core as mx
 
-ENV = "MLXRL_MEMORY_LIMIT_MB"
+from protocol.config import MEMORY_SHARE_ENV
 
 
 def apply_memory_share() -> int | None:
     """Apply the share from the environment; returns it in bytes, or None if unset."""
-    value = os.environ.get(ENV)
+    value = os.environ.get(MEMORY_SHARE_ENV)
     if not value:
         return None
     limit = int(float(value) * (1 << 20))

@@ -16,6 +16,9 @@ from typing import Any
 
 REQUIRED = object()
 
+# The orchestrator hands each process its memory share (MB) in this variable.
+MEMORY_SHARE_ENV = "MLXRL_MEMORY_LIMIT_MB"
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
