@@ -40,7 +40,6 @@ class Actor:
         self.cfg = read_run_config(run_dir)
         s = self.cfg["sampling"]
         self.params = SamplingParams(s["temperature"], s["top_p"], s["top_k"], s["min_p"], s["max_tokens"])
-        mx.random.seed(s["seed"])
         log.info("loading %s", self.cfg["model"]["path"])
         self.model, self.tokenizer, _ = load_policy(self.cfg["model"]["path"], self.cfg["lora"])
         self.eos_ids = set(self.tokenizer.eos_token_ids)
