@@ -6,7 +6,7 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from actor.sampler import SamplingParams, sample_group
+from actor.sampler import SamplingParams, sample_groups
 from learner.algorithms import ALGORITHMS, make_algorithm
 from learner.step import Correction, Sample, correction_weights, make_batch, optimizer_step, prepare
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
@@ -29,14 +29,11 @@ def perturbed(weights, seed, sd=0.3):
 
 
 def sampled_batch(model, tok, groups=2, g=4, temperature=1.0, seed=0):
-    mx.random.seed(seed)
-    samples = []
-    for i in range(groups):
-        prompt = tok.encode(f"repeat {i}")
-        for c in sample_group(model, prompt, g, SamplingParams(temperature=temperature, max_tokens=6),
-                              set(tok.eos_token_ids)):
-            samples.append(Sample(np.array(prompt), np.array(c.token_ids), np.array(c.logprobs),
-                                  c.finish_reason))
+    prompts = [tok.encode(f"repeat {i}") for i in range(groups)]
+    sampled = sample_groups(model, prompts, g, SamplingParams(temperature=temperature, max_tokens=6),
+                            set(tok.eos_token_ids), seed=seed)
+    samples = [Sample(np.array(p), np.array(c.token_ids), np.array(c.logprobs), c.finish_reason)
+               for p, group in zip(prompts, sampled) for c in group]
     return make_batch(samples, 0)
 
 
