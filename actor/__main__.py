@@ -12,11 +12,28 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 @app.command()
 def run(run_dir: str = typer.Option(..., help="Run directory written by `orchestrator up`.")) -> None:
-    """Connect to the run's learner and stream rollout groups until it says stop."""
+    """Connect to the run's learner and stream rollout groups until it says stop.
+
+    Exit codes (protocol.lifecycle): 0 told to stop by the learner, 4 a user error (the
+    data file does not parse, a prompt does not fit the model, the learner refused our
+    model or LoRA config), 128 + N stopped by signal N, 1 anything unexpected."""
+    import sys
+
+    from actor.data import DataError
+    from protocol import lifecycle
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger("actor")
     from actor.service import main
 
-    main(run_dir)
+    try:
+        sys.exit(main(run_dir))
+    except DataError as e:
+        log.error("user error, not retried: %s", e)
+        sys.exit(lifecycle.EXIT_USER_ERROR)
+    except lifecycle.ForcedStop as e:
+        log.error("%s again: stopping now", e)
+        sys.exit(lifecycle.signal_exit_code(e.signum))
 
 
 @app.command()

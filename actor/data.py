@@ -76,6 +76,18 @@ def load_prompts(path: str | Path, tokenizer: Any, max_prompt_tokens: int) -> li
     return prompts
 
 
+def check_context(prompts: list[Prompt], context: int | None, max_tokens: int) -> None:
+    """A prompt plus `max_tokens` must fit the model's context (`max_position_embeddings`);
+    past it RoPE positions are untrained and the completion is garbage. Names the row."""
+    if not context:
+        return
+    for p in prompts:
+        if len(p.prompt_ids) + max_tokens > context:
+            raise DataError(f"data row {p.index}: {len(p.prompt_ids)} prompt tokens + "
+                            f"sampling.max_tokens {max_tokens} exceed the model's context of "
+                            f"{context}; lower sampling.max_prompt_tokens or sampling.max_tokens")
+
+
 class PromptStream:
     """Endless iteration over prompts, reshuffled each epoch with a seeded RNG.
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -25,10 +24,11 @@ import numpy as np
 import zmq
 
 import protocol
-from actor.data import PromptStream, load_prompts
+from actor.data import PromptStream, check_context, load_prompts
 from actor.sampler import SamplingParams, sample_groups
 from policy.memory import apply_memory_share
 from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint
+from protocol import lifecycle
 from protocol.config import read_run_config
 from protocol.heartbeat import start_heartbeat
 
@@ -36,8 +36,9 @@ log = logging.getLogger("actor")
 
 
 class Actor:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, signals: lifecycle.StopSignals | None = None) -> None:
         self.cfg = read_run_config(run_dir)
+        self.signals = signals or lifecycle.StopSignals()
         s = self.cfg["sampling"]
         self.params = SamplingParams(s["temperature"], s["top_p"], s["top_k"], s["min_p"], s["max_tokens"])
         log.info("loading %s", self.cfg["model"]["path"])
@@ -45,13 +46,16 @@ class Actor:
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         data = self.cfg["data"]
         prompts = load_prompts(data["prompts"], self.tokenizer, s["max_prompt_tokens"])
+        check_context(prompts, getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
+                      s["max_tokens"])
         self.stream = PromptStream(prompts, data["shuffle"], data["seed"])
         self.version: int | None = None
         self.pending: protocol.Message | None = None  # newest weights not yet applied
         self.groups_sent = 0
         self.groups_consumed = 0
         self.timings: dict[str, float] = {}  # newest weight-sync times, sent with rollouts
-        self.stopping = False
+        self.told_to_stop = False
+        self.refused = False  # the learner refused our handshake
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
@@ -81,7 +85,8 @@ class Actor:
                 self.groups_consumed = max(self.groups_consumed, msg["groups_consumed"])
             elif msg.kind == protocol.STOP:
                 log.info("learner says stop: %s", msg["reason"])
-                self.stopping = True
+                self.told_to_stop = True
+                self.refused = msg["reason"].startswith("incompatible")
             elif msg.kind == protocol.HELLO:
                 log.info("learner pid %s accepted the handshake", msg["pid"])
                 cursor = msg.header.get("data_cursor")
@@ -125,6 +130,7 @@ class Actor:
             header = {
                 "group_id": str(self.groups_sent),
                 "cursor": cursor,
+                "row": prompt.index,
                 **self.timings,
                 "policy_version": self.version,
                 "prompt": prompt.prompt,
@@ -149,7 +155,7 @@ class Actor:
                                    "lora": self.cfg["lora"], "pid": os.getpid()})
         batch_size = self.cfg["train"]["batch_size"]
         max_in_flight = (self.cfg["train"]["max_staleness"] + 1) * batch_size
-        while not self.stopping:
+        while not (self.told_to_stop or self.signals.requested):
             self.receive(0)
             self.apply_pending()
             room = max_in_flight - (self.groups_sent - self.groups_consumed)
@@ -164,17 +170,20 @@ class Actor:
         self.ctx.term()
 
 
-def main(run_dir: str) -> None:
+def main(run_dir: str) -> int:
+    """Stream rollouts until the learner says stop or a stop signal arrives; returns the
+    exit code (protocol.lifecycle)."""
+    signals = lifecycle.StopSignals().install()
+    lifecycle.watch_lifeline()
     start_heartbeat(run_dir, "actor")
     apply_memory_share()
-    actor = Actor(Path(run_dir))
-
-    def stop(signum, frame):
-        actor.stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    actor = Actor(Path(run_dir), signals)
     try:
         actor.run()
     finally:
         actor.close()
+    if actor.refused:
+        return lifecycle.EXIT_USER_ERROR  # another model or LoRA config: a restart won't help
+    if signals.requested:
+        return lifecycle.signal_exit_code(signals.signum)
+    return lifecycle.EXIT_OK

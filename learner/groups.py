@@ -25,6 +25,7 @@ class Group:
     gen_s: float
     actor_peak_mb: float | None
     cursor: list[int] | None = None  # the actor's data cursor just after this prompt
+    row: int | None = None  # the prompt's row in the data file, for error messages
     timings: dict[str, float] = field(default_factory=dict)  # the actor's weight-sync times
     rewards: np.ndarray | None = None  # [G] weighted sum, set when scored
     rewards_by_function: dict[str, list] = field(default_factory=dict)
@@ -63,6 +64,7 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
         gen_s=float(gen_s) if isinstance(gen_s, (int, float)) else 0.0,
         actor_peak_mb=float(peak) if isinstance(peak, (int, float)) else None,
         cursor=cursor,
+        row=row if type(row := msg.header.get("row")) is int else None,
         timings={k: float(v) for k in ("weights_transfer_s", "weights_apply_s")
                  if isinstance(v := msg.header.get(k), (int, float)) and not isinstance(v, bool)},
     )

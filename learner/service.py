@@ -12,7 +12,6 @@ import collections
 import json
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from learner.groups import Group, group_from_message
 from learner.step import Correction, Sample, make_batch, optimizer_step, prepare
 from policy.memory import apply_memory_share
 from policy.model import adapter_weights_numpy, load_policy, tokenizer_fingerprint
+from protocol import lifecycle
 from protocol.config import read_run_config
 from protocol.heartbeat import start_heartbeat
 from rewards.functions import RewardError
@@ -37,12 +37,11 @@ from rewards.scorer import Scored, Scorer
 log = logging.getLogger("learner")
 
 MB = 1 << 20
-# A reward function that fails this many batches in a row is broken, not flaky.
-MAX_REWARD_FAILURES = 3
 
 
 class Learner:
-    def __init__(self, run_dir: Path, resume: bool = False) -> None:
+    def __init__(self, run_dir: Path, resume: bool = False,
+                 signals: lifecycle.StopSignals | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.cfg = read_run_config(run_dir)
         train = self.cfg["train"]
@@ -80,8 +79,7 @@ class Learner:
         # Groups trained or dropped, per actor: the credit that lets an actor sample more.
         self.consumed: collections.Counter[bytes] = collections.Counter()
         self.credited: dict[bytes, int] = {}
-        self.reward_failures = 0
-        self.stopping = False
+        self.signals = signals or lifecycle.StopSignals()
         self.weight_sync: dict[str, float] = {}
 
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -223,15 +221,13 @@ class Learner:
     def intake(self) -> None:
         """Send every new group to the rewards, and take in the groups whose rewards are
         complete; keep those the algorithm wants (DAPO filters equal-reward groups)."""
-        groups, self.unscored = self.unscored, []
-        for g in groups:
+        while self.unscored:
+            g = self.unscored.pop(0)
             key = f"{g.sender.hex()}/{g.group_id}"
             try:
                 scored = self.scorer.submit(key, g.prompt, g.texts, g.completion_ids, g.columns)
             except RewardError as e:
                 self.reward_failed(g, e)
-                continue
-            self.reward_failures = 0
             if scored is None:
                 self.awaiting[key] = g
             else:
@@ -244,11 +240,11 @@ class Learner:
             self.drop(reason, g.group_id, g.sender, g.cursor)
 
     def reward_failed(self, g: Group, error: RewardError) -> None:
-        self.reward_failures += 1
-        log.error("%s", error)
+        """A reward function that raises (or returns garbage) on a group will do so again:
+        count the group as dropped and end the run, naming the function and the row."""
         self.drop("reward error", g.group_id, g.sender, g.cursor)
-        if self.reward_failures >= MAX_REWARD_FAILURES:
-            raise error
+        where = f"data row {g.row}" if g.row is not None else f"group {g.group_id}"
+        raise RewardError(f"{error} (on {where}, prompt {str(g.prompt)[:80]!r})") from error
 
     def accept(self, g: Group, scored: Scored) -> None:
         if self.algorithm.keep_group(scored.total):
@@ -274,7 +270,7 @@ class Learner:
         shared = {
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
-            **reward_means(groups),
+            **reward_means(groups, self.scorer.metric_name),
             "advantage_mean": float(advantages.mean()),
             "advantage_std": float(advantages.std()),
             **prepared.stats,
@@ -310,7 +306,7 @@ class Learner:
                 **self.group_counts(),
             })
             t0 = time.perf_counter()
-            if self.step >= train["steps"]:
+            if self.step >= train["steps"] or self.signals.requested:
                 break
 
     def write_metrics(self, metrics: dict) -> None:
@@ -356,25 +352,32 @@ class Learner:
                         self.cfg["train"]["keep_checkpoints"])
 
     def run(self) -> None:
+        """Train until the last step or a stop signal, then checkpoint. A user error
+        (RewardError) checkpoints too, so the run resumes once it is fixed."""
         steps = self.cfg["train"]["steps"]
         self.write_status("waiting_for_actor")
         last_status = 0.0
-        while self.step < steps and not self.stopping:
-            self.receive(100)
-            self.intake()
-            batch = self.next_batch()
-            if batch is not None:
-                self.learn(batch)
-            self.send_credits()
-            if time.time() - last_status > 0.5 or batch is not None:
-                self.write_status(self.phase())
-                last_status = time.time()
+        try:
+            while self.step < steps and not self.signals.requested:
+                self.receive(100)
+                self.intake()
+                batch = self.next_batch()
+                if batch is not None:
+                    self.learn(batch)
+                self.send_credits()
+                if time.time() - last_status > 0.5 or batch is not None:
+                    self.write_status(self.phase())
+                    last_status = time.time()
+        except RewardError:
+            self.checkpoint()
+            self.write_status("failed")
+            raise
         self.checkpoint()
         self.write_status("done" if self.step >= steps else "stopped")
 
-    def close(self) -> None:
+    def close(self, reason: str = "training finished") -> None:
         for identity in self.actors:
-            self.send(identity, protocol.STOP, {"reason": "training finished"})
+            self.send(identity, protocol.STOP, {"reason": reason})
         self.metrics_file.close()
         self.scorer.close()
         self.sock.close()
@@ -386,12 +389,12 @@ def newest(groups: list[Group], key: str) -> float | None:
     return values[-1] if values else None
 
 
-def reward_means(groups: list[Group]) -> dict[str, float | None]:
+def reward_means(groups: list[Group], metric_name) -> dict[str, float | None]:
     """Each reward function's mean over the batch, None values left out."""
     out = {}
-    for name in groups[0].rewards_by_function:
-        values = [v for g in groups for v in g.rewards_by_function.get(name, []) if v is not None]
-        out[f"reward/{name}"] = float(np.mean(values)) if values else None
+    for key in groups[0].rewards_by_function:
+        values = [v for g in groups for v in g.rewards_by_function.get(key, []) if v is not None]
+        out[f"reward/{metric_name(key)}"] = float(np.mean(values)) if values else None
     return out
 
 
@@ -414,19 +417,20 @@ def keep_metrics_until(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def main(run_dir: str, resume: bool = False) -> None:
+def main(run_dir: str, resume: bool = False) -> int:
+    """Run the learner to the end; returns the exit code (protocol.lifecycle)."""
+    signals = lifecycle.StopSignals().install()
+    lifecycle.watch_lifeline()
+    lifecycle.hold_run_lock(run_dir)  # before the heartbeat: a refused learner touches nothing
     start_heartbeat(run_dir, "learner")
     apply_memory_share()
-    learner = Learner(Path(run_dir), resume)
-
-    def stop(signum, frame):
-        log.info("signal %d: checkpointing and stopping", signum)
-        learner.stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    learner = Learner(Path(run_dir), resume, signals)
+    reason = "the learner failed"
     try:
         learner.run()
+        reason = f"learner stopped by {signals.name}" if signals.requested else "training finished"
     finally:
-        learner.close()
-    log.info("finished at step %d; adapters in %s", learner.step, learner.run_dir / "adapters")
+        learner.close(reason)
+    log.info("%s at step %d; adapters in %s", "stopped" if signals.requested else "finished",
+             learner.step, learner.run_dir / "adapters")
+    return lifecycle.signal_exit_code(signals.signum) if signals.requested else lifecycle.EXIT_OK

@@ -6,6 +6,7 @@ import sys
 
 import typer
 
+from protocol import lifecycle
 from protocol.config import ConfigError, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -42,11 +43,16 @@ def up(
 
 
 def check_plan(cfg: dict, available_gb: float | None, show: bool = False) -> dict[str, float]:
-    """Refuse (exit 3) a run that does not fit, naming the knob; else return the shares."""
+    """Refuse (exit 3) a run that does not fit, naming the knob, and (exit 4) data that
+    does not parse or fit the model's context; else return the shares."""
+    from actor.data import DataError
     from orchestrator.plan import MB, PlanError, plan_for, render, suggestion
 
     try:
         plan, model, shape = plan_for(cfg, available_gb)
+    except DataError as e:
+        typer.echo(f"data error: {e}", err=True)
+        raise typer.Exit(lifecycle.EXIT_USER_ERROR) from None
     except PlanError as e:
         if show:
             typer.echo(f"error: {e}", err=True)

@@ -53,6 +53,7 @@ class ModelShape:
     vocab: int
     act_bytes: int  # bytes per activation value (float16/bfloat16: 2, float32: 4)
     lora_in_out: dict[str, tuple[int, int]]  # per linear of a block: (in, out) features
+    context: int | None = None  # max_position_embeddings, when config.json says
 
 
 def _safetensors_header(path: Path) -> dict:
@@ -106,7 +107,8 @@ def read_shape(path: str) -> ModelShape:
         layers=cfg["num_hidden_layers"], hidden=hidden, intermediate=cfg["intermediate_size"],
         heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg["vocab_size"],
-        act_bytes=2 if dtype in ("float16", "bfloat16") else 4, lora_in_out=lora)
+        act_bytes=2 if dtype in ("float16", "bfloat16") else 4, lora_in_out=lora,
+        context=cfg.get("max_position_embeddings"))
 
 
 @dataclass(frozen=True)
@@ -265,22 +267,24 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def prompt_tokens(cfg: dict) -> int:
+def prompt_tokens(cfg: dict, context: int | None = None) -> int:
     """The longest prompt of the data, in tokens (capped at max_prompt_tokens). Loads
-    only the tokenizer."""
+    only the tokenizer. Raises DataError for a row that does not parse or does not fit
+    the model's context, so a run stops on it before any process starts."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch not found" notice
     from transformers import AutoTokenizer
 
-    from actor.data import load_prompts
+    from actor.data import check_context, load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir(cfg["model"]["path"])))
     prompts = load_prompts(cfg["data"]["prompts"], tokenizer, cfg["sampling"]["max_prompt_tokens"])
+    check_context(prompts, context, cfg["sampling"]["max_tokens"])
     return max(len(p.prompt_ids) for p in prompts)
 
 
 def plan_for(cfg: dict, available_gb: float | None = None) -> tuple[Plan, ModelShape, Shape]:
     m = read_shape(cfg["model"]["path"])
-    s = shape_from_config(cfg, prompt_tokens(cfg))
+    s = shape_from_config(cfg, prompt_tokens(cfg, m.context))
     if available_gb is not None:
         budget, source = available_gb * GB, "--available-memory-gb"
     else:

@@ -2,6 +2,8 @@
 
 The learner writes `status.json` and `metrics.jsonl`; the supervisor only reads those
 files and the processes' exit codes, so a slow terminal can never stall training.
+Every child holds the orchestrator's lifeline and run lock (`protocol.lifecycle`): it
+stops when the orchestrator dies, and no other run can take the directory while it lives.
 """
 
 from __future__ import annotations
@@ -19,14 +21,20 @@ from typing import IO
 
 import protocol
 from orchestrator.plan import thread_count
+from protocol import lifecycle
 from protocol.config import MEMORY_SHARE_ENV, write_run_config
 from protocol.heartbeat import heartbeat_path, seconds_since_beat
 
 STOP_TIMEOUT_S = 30.0
+# How long a new run waits for the orphans of a killed orchestrator to stop (they get
+# lifecycle.LIFELINE_GRACE_S to checkpoint and exit).
+ORPHAN_WAIT_S = 3 * lifecycle.LIFELINE_GRACE_S
 
 
 class RunFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, code: int = lifecycle.EXIT_CRASH) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -58,9 +66,14 @@ def prepare_run_dir(cfg: dict, resume: bool = False) -> Path:
     return run_dir
 
 
-def spawn(name: str, args: list[str], run_dir: Path, share_mb: float | None = None) -> Child:
+def spawn(name: str, args: list[str], run_dir: Path, lifeline: lifecycle.Lifeline, lock_fd: int,
+          share_mb: float | None = None) -> Child:
+    """Start `python -m ARGS --run-dir RUN` holding the lifeline and the run lock. It runs
+    in a session of its own, so a terminal's Ctrl-C reaches only the orchestrator, which
+    then stops the children in order (learner checkpoint first)."""
     log_path = run_dir / f"{name}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **lifeline.child_env())
+    env[lifecycle.RUN_LOCK_ENV] = str(lock_fd)
     if share_mb is not None:
         env[MEMORY_SHARE_ENV] = f"{share_mb:.0f}"
     if sys.platform.startswith("linux"):
@@ -73,7 +86,7 @@ def spawn(name: str, args: list[str], run_dir: Path, share_mb: float | None = No
     with open(log_path, "a") as log_file:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen([sys.executable, "-m", *args, "--run-dir", str(run_dir)],
                                 stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, pass_fds=(lifeline.read_fd, lock_fd))
     return Child(name, proc, log_path)
 
 
@@ -96,11 +109,17 @@ class Supervisor:
     """
 
     def __init__(self, cfg: dict, out: IO[str] = sys.stdout, resume: bool = False,
-                 shares_mb: dict[str, float] | None = None) -> None:
+                 shares_mb: dict[str, float] | None = None,
+                 signals: lifecycle.StopSignals | None = None) -> None:
         self.cfg = cfg
         self.out = out
         self.resume = resume
         self.shares_mb = shares_mb or {}
+        self.signals = signals or lifecycle.StopSignals()
+        # The lock comes before anything in the directory is touched: a live run's
+        # metrics must never be cleared by a second `up`.
+        self.lock_fd = lifecycle.acquire_run_lock(cfg["run"]["dir"], ORPHAN_WAIT_S, self.say)
+        self.lifeline = lifecycle.Lifeline()
         self.run_dir = prepare_run_dir(cfg, resume)
         (self.run_dir / "plan.json").write_text(json.dumps({"shares_mb": self.shares_mb}) + "\n")
         self.warned: set[str] = set()
@@ -120,7 +139,8 @@ class Supervisor:
     def start_child(self, name: str, resume: bool = False) -> None:
         heartbeat_path(self.run_dir, name).unlink(missing_ok=True)
         args = ["learner", *(["--resume"] if resume else [])] if name == "learner" else ["actor", "run"]
-        child = spawn(name, args, self.run_dir, self.shares_mb.get(name))
+        child = spawn(name, args, self.run_dir, self.lifeline, self.lock_fd,
+                      self.shares_mb.get(name))
         self.children[name] = child
         self.say(f"started {name} (pid {child.proc.pid}), log: {child.log_path}")
 
@@ -179,9 +199,15 @@ class Supervisor:
                          f"{share:.0f} MB share; see `orchestrator plan`")
 
     def failure(self, name: str) -> str | None:
-        """Why `name` needs a restart (exited, or its heartbeat stopped), or None."""
+        """Why `name` needs a restart (it crashed, or its heartbeat stopped), or None.
+        Raises RunFailed for an exit that a restart cannot fix."""
         child = self.children[name]
         code = child.proc.poll()
+        if code == lifecycle.EXIT_OK:
+            return None  # the learner finished, or told the actor to stop: never restarted
+        if code in lifecycle.FINAL_EXITS:
+            raise RunFailed(f"{name} stopped the run ({lifecycle.FINAL_EXITS[code]}, exit code "
+                            f"{code}):\n{child.tail(8)}", code)
         if code is not None:
             return f"exited with code {code}"
         age = seconds_since_beat(self.run_dir, name)
@@ -207,11 +233,11 @@ class Supervisor:
             self.start_child("actor")
 
     def watch(self, poll_s: float = 0.5) -> None:
-        """Return when the learner finishes; raise RunFailed when restarts run out."""
-        while True:
+        """Return when the learner finishes or a stop signal arrives; raise RunFailed when
+        a process ends the run or its restarts run out."""
+        while not self.signals.requested:
             self.poll_progress()
-            learner = self.children["learner"].proc
-            if learner.poll() == 0:
+            if self.children["learner"].proc.poll() == lifecycle.EXIT_OK:
                 break
             for name in ("learner", "actor"):
                 why = self.failure(name)
@@ -233,29 +259,59 @@ class Supervisor:
             child.proc.wait()
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Ask every live child to stop (SIGTERM), then kill what is left after the timeout."""
+        """Ask every live child to stop (SIGTERM: the learner checkpoints), then kill what
+        is left after the timeout."""
         for c in self.children.values():
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
         for name in self.children:
             self.stop_child(name, timeout_s)
 
+    def kill(self) -> None:
+        for c in self.children.values():
+            if c.proc.poll() is None:
+                c.proc.kill()
+            c.proc.wait()
+
+    def close(self) -> None:
+        """Let go of the lifeline and the lock; call only once no child is alive."""
+        self.lifeline.close()
+        os.close(self.lock_fd)
+
 
 def up(cfg: dict, out: IO[str] = sys.stdout, resume: bool = False,
        shares_mb: dict[str, float] | None = None) -> int:
-    """Run training to the end. Returns the process exit code for the CLI."""
-    sup = Supervisor(cfg, out, resume, shares_mb)
-    sup.start()
+    """Run training to the end. Returns the process exit code for the CLI: 0 done, 1 the
+    run failed (restarts used up), 4 a user error, 5 the run directory is busy, 128 + N
+    stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
+    signals = lifecycle.StopSignals().install()
+    say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     try:
-        sup.watch()
-    except RunFailed as e:
-        sup.say(f"error: {e}")
+        sup = Supervisor(cfg, out, resume, shares_mb, signals)
+    except lifecycle.RunBusy as e:
+        say(f"error: {e}")
+        return lifecycle.EXIT_BUSY
+    try:
+        try:
+            sup.start()
+            sup.watch()
+        except RunFailed as e:
+            sup.say(f"error: {e}")
+            sup.stop()
+            return e.code
+        if signals.requested:
+            sup.say(f"{signals.name}: asking the learner to checkpoint and every process to stop "
+                    "(send it again to kill them now)")
+            sup.stop()
+            sup.say(f"stopped; resume with `orchestrator up --resume {sup.run_dir}`")
+            return lifecycle.signal_exit_code(signals.signum)
         sup.stop()
-        return 1
-    except KeyboardInterrupt:
-        sup.say("interrupted: asking the learner to checkpoint and both processes to stop")
-        sup.stop()
-        return 130
-    sup.stop()
+    except lifecycle.ForcedStop as e:
+        sup.say(f"{signal.Signals(e.signum).name} again: killing every process of the run now")
+        sup.kill()
+        return lifecycle.signal_exit_code(e.signum)
+    finally:
+        if all(c.proc.poll() is not None for c in sup.children.values()):
+            sup.close()
     sup.say(f"done: adapters in {sup.run_dir / 'adapters'}, metrics in {sup.run_dir / 'metrics.jsonl'}")
-    return 0
+    return lifecycle.EXIT_OK

@@ -45,8 +45,8 @@ def _reward_functions(v: list) -> str | None:
         module, _, fn = spec.partition(":") if isinstance(spec, str) else ("", "", "")
         if spec != "worker" and not (module and fn):
             return f"entries must be 'module:function' or 'worker' ({spec!r} is neither)"
-    if v.count("worker") > 1:
-        return "may name 'worker' once"
+    if len(set(v)) < len(v):
+        return "may name each function (and 'worker') once"
     return None
 
 

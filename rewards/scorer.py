@@ -7,6 +7,7 @@ TRL, a None reward is left out of the weighted sum (a completion no function sco
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +25,12 @@ class Scored:
     by_function: dict[str, list[float | None]] = field(default_factory=dict)
 
 
-def function_name(spec: str) -> str:
-    return spec if spec == WORKER else spec.partition(":")[2]
+def short_names(specs: list[str]) -> dict[str, str]:
+    """Each spec's name in metrics: the function's name, or the whole `module:function`
+    where two modules have a function of that name (their scores must not merge)."""
+    counts = Counter(s.partition(":")[2] for s in specs if s != WORKER)
+    return {s: s if s == WORKER or counts[s.partition(":")[2]] > 1 else s.partition(":")[2]
+            for s in specs}
 
 
 class Scorer:
@@ -34,8 +39,10 @@ class Scorer:
         specs = reward_cfg["functions"]
         weights = reward_cfg["weights"] or [1.0] * len(specs)
         search_path = reward_cfg.get("search_path")
-        self.entries = [(function_name(s), None if s == WORKER else load_reward_function(s, search_path), w)
+        # Keyed by the whole `module:function`: two modules may both have a `correct`.
+        self.entries = [(s, None if s == WORKER else load_reward_function(s, search_path), w)
                         for s, w in zip(specs, weights)]
+        self.names = short_names(specs)
         self.dispatcher = None
         if WORKER in specs:
             if ctx is None or endpoint is None:
@@ -43,6 +50,10 @@ class Scorer:
             self.dispatcher = RewardDispatcher(ctx, endpoint, reward_cfg["timeout_s"],
                                                reward_cfg["max_attempts"])
         self.partial: dict[str, dict[str, list]] = {}
+
+    def metric_name(self, key: str) -> str:
+        """`reward/<this>` in metrics; names a worker reports (`worker:NAME`) pass through."""
+        return self.names.get(key, key)
 
     @property
     def waiting_for_workers(self) -> bool:

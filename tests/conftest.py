@@ -1,11 +1,15 @@
-"""Shared fixtures: the committed tiny model, and small run configs for end-to-end tests."""
+"""Shared fixtures: the committed tiny model, small run configs for end-to-end tests, and
+the guard that fails the suite if any process it started outlives it."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,56 @@ TINY_MODEL = EXAMPLES / "tiny-model"
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+# Every process the suite starts, and every process those start, inherits this variable.
+SESSION_ENV = "MLXRL_TEST_SESSION"
+
+
+def processes_of_session(marker: str) -> list[int]:
+    """Live processes (other than this one) whose environment carries the session marker:
+    /proc on Linux, `ps -E` (environment after the command) on macOS."""
+    needle = f"{SESSION_ENV}={marker}"
+    pids = []
+    if Path("/proc/self/environ").exists():
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if needle.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue  # gone meanwhile, or a zombie
+        return pids
+    out = subprocess.run(["ps", "-E", "-ww", "-ax", "-o", "pid=,command="], capture_output=True,
+                         text=True).stdout
+    for line in out.splitlines():
+        pid, _, command = line.strip().partition(" ")
+        if needle in command.split() and int(pid) != os.getpid():
+            pids.append(int(pid))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs. A zombie (exited, not yet reaped by a parent such as a
+    container's init) counts as dead."""
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout
+    return bool(out.strip()) and not out.strip().startswith("Z")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_outlives_the_suite():
+    """Fails the session if a process started by a test (or by what a test started: a
+    learner under an orchestrator) is still alive at the end; kills it by pid."""
+    marker = uuid.uuid4().hex
+    os.environ[SESSION_ENV] = marker
+    yield
+    left = processes_of_session(marker)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if left:
+        pytest.fail(f"processes started by the suite were still alive at its end (killed): {left}")
 
 
 @pytest.fixture(scope="session")

@@ -275,7 +275,9 @@ def test_reward_function_list_problems_are_named(tmp_path):
     assert error_of(write_config(tmp_path, reward={"functions": "[]"})) == (
         "reward.functions must name at least one reward, got []")
     msg = error_of(write_config(tmp_path, reward={"functions": '["worker", "worker"]'}))
-    assert msg.startswith("reward.functions may name 'worker' once")
+    assert msg.startswith("reward.functions may name each function (and 'worker') once")
+    msg = error_of(write_config(tmp_path, reward={"functions": '["a:b", "a:b"]'}))
+    assert msg.startswith("reward.functions may name each function (and 'worker') once")
     msg = error_of(write_config(tmp_path, reward={"functions": '["a:b", "worker"]', "weights": "[1.0]"}))
     assert msg == "reward.weights has 1 entries for 2 reward.functions"
     msg = error_of(write_config(tmp_path, reward={"functions": '["a:b"]', "weights": '["x"]'}))

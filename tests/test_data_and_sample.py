@@ -86,7 +86,23 @@ def test_weighted_rewards_leave_none_out_like_trl(tmp_path):
     scorer = Scorer({"functions": ["two:a", "two:b"], "weights": [1.0, 0.5], "search_path": str(tmp_path)})
     scored = scorer.submit("k", "q", ["x", "y", "z"], [[1], [2], [3]], {})
     np.testing.assert_allclose(scored.total, [1.0 + 1.0, 1.5, 0.5])
-    assert scored.by_function == {"a": [1.0, None, 0.5], "b": [2.0, 3.0, None]}
+    assert scored.by_function == {"two:a": [1.0, None, 0.5], "two:b": [2.0, 3.0, None]}
+    assert [scorer.metric_name(k) for k in scored.by_function] == ["a", "b"]
+
+
+def test_reward_functions_of_the_same_name_in_two_modules_do_not_collide(tmp_path):
+    """`math_rewards:correct` and `code_rewards:correct` are two functions: both count in
+    the total with their own weights, and each keeps its own column in the metrics."""
+    for module, value in (("math_rewards", 1.0), ("code_rewards", 0.25)):
+        (tmp_path / f"{module}.py").write_text(
+            f"def correct(completions, **kw):\n    return [{value}] * len(completions)\n")
+    scorer = Scorer({"functions": ["math_rewards:correct", "code_rewards:correct"], "weights": [1.0, 2.0],
+                     "search_path": str(tmp_path)})
+    scored = scorer.submit("k", "q", ["x", "y"], [[1], [2]], {})
+    np.testing.assert_allclose(scored.total, [1.0 + 2 * 0.25] * 2)
+    assert scored.by_function == {"math_rewards:correct": [1.0, 1.0], "code_rewards:correct": [0.25, 0.25]}
+    assert {scorer.metric_name(k) for k in scored.by_function} == {"math_rewards:correct",
+                                                                   "code_rewards:correct"}
 
 
 def test_chat_prompts_train_end_to_end_and_rewards_read_the_answer_column(tmp_path):

@@ -1,0 +1,215 @@
+"""How the processes of a run live and die: exit codes, stop signals, the lifeline that
+ties a child to its orchestrator, and the lock that gives a run directory one owner.
+
+- **Exit codes** say what kind of end it was, so the orchestrator restarts only crashes:
+  a user error (a reward function that raises, a data file that does not parse) would
+  only happen again.
+- **Stop signals**: SIGINT, SIGTERM and SIGHUP all mean "stop cleanly"; a second one
+  forces the stop. Handlers are installed explicitly, so a process started with SIGINT
+  ignored (a background job of a script) still stops on it. An *inherited ignored*
+  SIGHUP is kept: that is what `nohup` asks for.
+- **Lifeline**: the orchestrator holds the write end of a pipe and never writes; each
+  child holds the read end. When the orchestrator dies, by any means including SIGKILL,
+  the kernel closes the write end and the child reads EOF. That works on macOS and Linux
+  alike (no `PR_SET_PDEATHSIG`, no polling of the parent pid).
+- **Run lock**: `RUN/run.lock` is `flock`ed by the orchestrator and handed to its
+  children as an open descriptor. The lock lives while any of them is alive, so a second
+  orchestrator, or a learner started by hand, cannot take a run whose processes still
+  run, and a resumed run waits for the orphans of a killed one to go.
+
+No MLX here: reward workers and the orchestrator use it too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("lifecycle")
+
+EXIT_OK = 0
+EXIT_CRASH = 1  # an unexpected exception: the orchestrator restarts the process
+EXIT_CONFIG = 2  # a bad config or command line
+EXIT_NO_FIT = 3  # the memory plan does not fit
+EXIT_USER_ERROR = 4  # a reward function, data row or prompt that will fail again
+EXIT_BUSY = 5  # the run directory belongs to live processes of another run
+
+# Exit codes a restart cannot fix.
+FINAL_EXITS = {EXIT_USER_ERROR: "user error", EXIT_BUSY: "run directory in use"}
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+LIFELINE_ENV = "MLXRL_LIFELINE_FD"
+RUN_LOCK_ENV = "MLXRL_RUN_LOCK_FD"
+# After the orchestrator is gone a child stops cleanly (checkpoint included); past this
+# many seconds it exits anyway, so nothing of a dead run lingers.
+LIFELINE_GRACE_S = 10.0
+
+
+def signal_exit_code(signum: int) -> int:
+    """The shell's convention for "ended by signal N": 128 + N (130 for SIGINT)."""
+    return 128 + signum
+
+
+class ForcedStop(BaseException):
+    """A second stop signal: stop now, skipping the clean-up that the first one started."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """Turns the first SIGINT/SIGTERM/SIGHUP into a request (`requested`, `signum`) that the
+    process's loop acts on, and a second one into ForcedStop in the main thread."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> StopSignals:
+        for sig in STOP_SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started under nohup: the user asked to outlive the terminal
+            signal.signal(sig, self._handle)
+        return self
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            raise ForcedStop(signum)
+        self.signum = signum
+
+
+# -- the lifeline ---------------------------------------------------------------------
+
+class Lifeline:
+    """The orchestrator's end: a pipe whose read end every child inherits. Keep this
+    object (and so the write end) alive as long as the children should live."""
+
+    def __init__(self) -> None:
+        # os.pipe() descriptors are not inherited by default; only pass_fds hands the
+        # read end to a child, so no child ever holds a write end.
+        self.read_fd, self.write_fd = os.pipe()
+
+    def child_env(self) -> dict[str, str]:
+        return {LIFELINE_ENV: str(self.read_fd)}
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def watch_lifeline(grace_s: float = LIFELINE_GRACE_S) -> bool:
+    """In a child: when the orchestrator that started this process dies, stop cleanly
+    (as on SIGTERM), and exit after `grace_s` whatever happens. Returns whether this
+    process has a lifeline (it was started by an orchestrator)."""
+    value = os.environ.pop(LIFELINE_ENV, None)  # not for our own children
+    if value is None:
+        return False
+    fd = int(value)
+
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(fd, 1):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        log.error("the orchestrator is gone; stopping (exit within %.0f s)", grace_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        log.error("still running %.0f s after the orchestrator died; exiting now", grace_s)
+        os._exit(EXIT_CRASH)
+
+    threading.Thread(target=watch, name="lifeline", daemon=True).start()
+    return True
+
+
+# -- the run lock ---------------------------------------------------------------------
+
+class RunBusy(RuntimeError):
+    """The run directory is held by live processes of another run."""
+
+
+def lock_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "run.lock"
+
+
+def _holder(run_dir: str | Path) -> int | None:
+    try:
+        return int(lock_path(run_dir).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def acquire_run_lock(run_dir: str | Path, wait_s: float = 0.0, say=None) -> int:
+    """Take `RUN/run.lock` for this process and return its descriptor (inheritable, to be
+    passed to children). If the process that took it is dead but its children still hold
+    it (orphans stopping after a crash), wait up to `wait_s` for them. Raise RunBusy."""
+    path = lock_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + wait_s
+    announced = False
+    while not _try_lock(fd):
+        holder = _holder(run_dir)
+        if _alive(holder) or time.monotonic() >= deadline:
+            os.close(fd)
+            who = f"pid {holder}" if holder else "another process"
+            raise RunBusy(f"run directory {Path(run_dir)} is in use by {who} and its processes "
+                          f"({path} is locked); stop that run first, or use another run directory")
+        if not announced and say is not None:
+            say(f"waiting for the processes of an earlier run in {Path(run_dir)} to exit "
+                f"(started by pid {holder}, now gone)")
+            announced = True
+        time.sleep(0.2)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    os.set_inheritable(fd, True)
+    return fd
+
+
+def hold_run_lock(run_dir: str | Path) -> int:
+    """In a learner: keep the lock inherited from the orchestrator, or take it when
+    started by hand. Raise RunBusy when another run's processes hold it."""
+    inherited = os.environ.pop(RUN_LOCK_ENV, None)
+    if inherited is not None and _try_lock(int(inherited)):
+        return int(inherited)  # our own orchestrator's lock: already ours
+    return acquire_run_lock(run_dir)
