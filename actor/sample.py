@@ -45,9 +45,9 @@ def wait_for_scores(scorer: Scorer, n: int, err: IO[str]) -> dict[str, object]:
             print(f"\nwaiting for reward workers: orchestrator reward-worker module:function "
                   f"--connect {scorer.dispatcher.endpoint}", file=err, flush=True)
             said = True
-        done, failed = scorer.poll(200)
+        done, failed, errors = scorer.poll(200)
         results.update({s.key: s for s in done})
-        results.update({key: RewardError(reason) for key, reason in failed})
+        results.update({key: RewardError(reason) for key, reason in failed + errors})
     return results
 
 

@@ -59,7 +59,11 @@ class Actor:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
+        # Under an orchestrator the lifeline ends us; started by hand, we end when the
+        # learner has been unreachable for good.
+        self.watch = lifecycle.ConnectionWatch(self.sock)
         self.sock.connect(protocol.read_endpoints(run_dir)["learner"])
+        self.learner_lost = False
 
     def send(self, kind: str, header: dict, arrays: dict | None = None) -> None:
         self.sock.send_multipart(protocol.encode(kind, header, arrays), copy=False)
@@ -156,6 +160,10 @@ class Actor:
         batch_size = self.cfg["train"]["batch_size"]
         max_in_flight = (self.cfg["train"]["max_staleness"] + 1) * batch_size
         while not (self.told_to_stop or self.signals.requested):
+            if self.watch.down_for() > lifecycle.LEARNER_TIMEOUT_S:
+                log.error("no learner for %.0f s; it is gone, stopping", lifecycle.LEARNER_TIMEOUT_S)
+                self.learner_lost = True
+                return
             self.receive(0)
             self.apply_pending()
             room = max_in_flight - (self.groups_sent - self.groups_consumed)
@@ -166,6 +174,7 @@ class Actor:
             self.sample_groups(min(room, batch_size))
 
     def close(self) -> None:
+        self.watch.close()
         self.sock.close()
         self.ctx.term()
 
@@ -184,6 +193,8 @@ def main(run_dir: str) -> int:
         actor.close()
     if actor.refused:
         return lifecycle.EXIT_USER_ERROR  # another model or LoRA config: a restart won't help
+    if actor.learner_lost:
+        return lifecycle.EXIT_CRASH
     if signals.requested:
         return lifecycle.signal_exit_code(signals.signum)
     return lifecycle.EXIT_OK

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 
 import mlx.core as mx
@@ -47,8 +48,11 @@ class Learner:
         train = self.cfg["train"]
         endpoints = protocol.read_endpoints(run_dir)
         self.ctx = zmq.Context()
+        # A new id per process: a reward worker that sees it change knows the learner
+        # restarted and attaches again (PROTOCOL.md, "Liveness").
+        self.instance = uuid.uuid4().hex[:12]
         # Reward functions load (and fail) before the model does.
-        self.scorer = Scorer(self.cfg["reward"], self.ctx, endpoints["reward"])
+        self.scorer = Scorer(self.cfg["reward"], self.ctx, endpoints["reward"], self.instance)
         self.awaiting: dict[str, Group] = {}  # waiting for an external reward
         algo = self.cfg["algorithm"]
         self.algorithm = make_algorithm(
@@ -106,13 +110,14 @@ class Learner:
         self.data_cursor = state["data_cursor"]
         self.counts.update(state["counts"])
         self.dropped.update(state["dropped"])
+        self.scorer.restore_stats(state.get("reward_stats", {}))
         keep_metrics_until(self.run_dir / "metrics.jsonl", self.step)
         log.info("resumed from %s: step %d, adapters %s", path.name, self.step, state["adapters_digest"])
 
     # -- messages ---------------------------------------------------------------------
 
     def hello(self) -> dict:
-        return {"role": "learner", "model": self.cfg["model"]["path"],
+        return {"role": "learner", "model": self.cfg["model"]["path"], "instance": self.instance,
                 "tokenizer": self.fingerprint, "lora": self.cfg["lora"], "pid": os.getpid(),
                 "data_cursor": self.data_cursor}
 
@@ -232,12 +237,14 @@ class Learner:
                 self.awaiting[key] = g
             else:
                 self.accept(g, scored)
-        done, failed = self.scorer.poll(0)
+        done, failed, errors = self.scorer.poll(0)
         for scored in done:
             self.accept(self.awaiting.pop(scored.key), scored)
         for key, reason in failed:
             g = self.awaiting.pop(key)
             self.drop(reason, g.group_id, g.sender, g.cursor)
+        for key, error in errors:
+            self.reward_failed(self.awaiting.pop(key), RewardError(error))
 
     def reward_failed(self, g: Group, error: RewardError) -> None:
         """A reward function that raises (or returns garbage) on a group will do so again:
@@ -346,7 +353,8 @@ class Learner:
         # to data_cursor and samples those prompts again.
         state = {"step": self.step, "version": self.version, "data_cursor": self.data_cursor,
                  "counts": {k: self.counts[k] for k in ("groups_trained", "messages_rejected")},
-                 "dropped": dict(self.dropped), "config": self.cfg}
+                 "dropped": dict(self.dropped), "reward_stats": self.scorer.worker_stats(),
+                 "config": self.cfg}
         state["counts"]["groups_received"] = state["counts"]["groups_trained"] + sum(self.dropped.values())
         save_checkpoint(self.run_dir, self.model, self.optimizer, self.adapter_config, state,
                         self.cfg["train"]["keep_checkpoints"])
@@ -379,7 +387,7 @@ class Learner:
         for identity in self.actors:
             self.send(identity, protocol.STOP, {"reason": reason})
         self.metrics_file.close()
-        self.scorer.close()
+        self.scorer.close(reason)
         self.sock.close()
         self.ctx.term()
 

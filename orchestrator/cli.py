@@ -115,8 +115,11 @@ def reward_worker(
     function: str = typer.Argument(..., help="Reward function as module:function (TRL signature)."),
     run_dir: str | None = typer.Option(None, help="Attach to this run's reward socket."),
     connect: str | None = typer.Option(None, help="Or attach to this endpoint."),
+    learner_timeout: float = typer.Option(
+        lifecycle.LEARNER_TIMEOUT_S, help="Exit when the learner has been unreachable this many seconds."),
 ) -> None:
-    """Serve a Python reward function to a run. Start as many as you like."""
+    """Serve a Python reward function to a run. Start as many as you like; each survives
+    learner restarts and exits when the run ends."""
     import logging
     import os
 
@@ -134,11 +137,15 @@ def reward_worker(
         typer.echo(f"error: {run_dir} has no endpoints.json with a reward socket; "
                    "is the run started?", err=True)
         raise typer.Exit(2) from None
+    signals = lifecycle.StopSignals().install()
     try:
-        serve(function, endpoint, search_path=os.getcwd())
+        code = serve(function, endpoint, os.getcwd(), learner_timeout, signals)
     except RewardError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    except lifecycle.ForcedStop as e:
+        code = lifecycle.signal_exit_code(e.signum)
+    raise typer.Exit(code)
 
 
 @app.callback()

@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+import zmq
+
 log = logging.getLogger("lifecycle")
 
 EXIT_OK = 0
@@ -49,6 +51,14 @@ RUN_LOCK_ENV = "MLXRL_RUN_LOCK_FD"
 # After the orchestrator is gone a child stops cleanly (checkpoint included); past this
 # many seconds it exits anyway, so nothing of a dead run lingers.
 LIFELINE_GRACE_S = 10.0
+
+# Reward socket liveness (PROTOCOL.md, "Liveness"): a worker beats every HEARTBEAT_S and
+# is taken for gone after HEARTBEAT_TIMEOUT_S of silence.
+HEARTBEAT_S = 1.0
+HEARTBEAT_TIMEOUT_S = 3.0
+# A peer whose learner has been unreachable this long stops waiting for it: long enough
+# for the orchestrator to restart a learner that loads a large model.
+LEARNER_TIMEOUT_S = 120.0
 
 
 def signal_exit_code(signum: int) -> int:
@@ -213,3 +223,35 @@ def hold_run_lock(run_dir: str | Path) -> int:
     if inherited is not None and _try_lock(int(inherited)):
         return int(inherited)  # our own orchestrator's lock: already ours
     return acquire_run_lock(run_dir)
+
+
+# -- the connection watch -------------------------------------------------------------
+
+class ConnectionWatch:
+    """Whether a connecting socket has a live peer, from libzmq's monitor events. Over TCP
+    it also turns on ZMTP heartbeats, which libzmq's I/O thread answers even while the
+    learner is busy in a long step, so only a dead or unreachable learner drops."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(5 * HEARTBEAT_S * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # find a restarted learner within a second
+        self.sock = sock
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.down_since: float | None = time.monotonic()  # not connected yet
+
+    def down_for(self) -> float:
+        """Seconds without a connected peer (0 while connected)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.down_since = None
+            elif event == zmq.EVENT_DISCONNECTED and self.down_since is None:
+                self.down_since = time.monotonic()
+        return 0.0 if self.down_since is None else time.monotonic() - self.down_since
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)

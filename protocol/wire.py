@@ -78,7 +78,7 @@ _SCHEMA: dict[str, dict[str, Any]] = {
     SCORE_REPLY: {"request_id": str, "rewards": list},
 }
 
-# A model-running peer must also say what it runs, so the other side can refuse a mismatch.
+# An actor must also say what it runs, so the learner can refuse a mismatch.
 _HELLO_MODEL_FIELDS = {"model": str, "tokenizer": str, "lora": dict}
 
 # Arrays each kind must carry, with their dtype and rank.
@@ -135,14 +135,15 @@ def decode(frames: list, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     if not isinstance(kind, str) or kind not in _SCHEMA:
         raise ProtocolError(f"unknown message kind {kind!r}")
     _check_fields(kind, head)
-    arrays = _decode_arrays(kind, head.get("arrays"), frames[1:])
+    # A message without arrays may leave the field out (senders should write []).
+    arrays = _decode_arrays(kind, head.get("arrays", []), frames[1:])
     msg = Message(kind, head, arrays)
     if kind == ROLLOUT:
         _check_rollout(msg)
     elif kind == HELLO:
         if head["role"] not in ROLES:
             raise ProtocolError(f"hello: unknown role {head['role']!r}")
-        if head["role"] in ("actor", "learner"):
+        if head["role"] == "actor":
             _check_fields(kind, head, _HELLO_MODEL_FIELDS)
     elif kind == SCORE_REPLY:
         _check_score_reply(head)
@@ -212,6 +213,11 @@ def _is_reward(v: Any) -> bool:
 
 
 def _check_score_reply(head: dict) -> None:
+    error = head.get("error")
+    if error is not None:
+        if not isinstance(error, str):
+            raise ProtocolError("score_reply: field 'error' must be a string")
+        return  # the function failed: the rewards are not used
     if not all(_is_reward(v) for v in head["rewards"]):
         raise ProtocolError("score_reply: every reward must be a finite number or nil")
     by_fn = head.get("rewards_by_function")

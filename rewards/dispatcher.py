@@ -1,10 +1,19 @@
 """The reward socket: scoring requests handed to external reward workers.
 
 The owner (learner, or `actor sample`) binds a ROUTER socket; workers connect a DEALER,
-say hello, then `ready`. Each worker holds at most one request at a time; a reply makes it
-ready again. A request whose worker misses the deadline, or answers with a malformed or
-mismatched reply, goes to another worker; a late reply to a request already handed on is
-ignored, so nothing is scored twice. After `max_attempts` a request fails with a reason.
+say hello, then `ready`, and send a heartbeat every second (PROTOCOL.md, "The reward
+socket"). Each worker holds at most one request at a time; a reply makes it ready again.
+
+A request goes to another worker when its worker misses the deadline, answers with a
+malformed or mismatched reply, says `stop`, or falls silent (no heartbeat for
+HEARTBEAT_TIMEOUT_S; while it scores, only if it promised to beat while scoring). A late
+reply to a request already handed on is ignored, so nothing is scored twice; a worker
+taken for gone that speaks again is taken back. After `max_attempts` a request fails
+with a reason.
+
+Every socket owner has an `instance` id, sent in its hello. A peer that speaks without
+having said hello to this instance (a worker of a learner that was restarted) is
+answered with our hello, and re-attaches with hello + ready.
 """
 
 from __future__ import annotations
@@ -13,11 +22,13 @@ import collections
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 
 import zmq
 
 import protocol
+from protocol.lifecycle import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S
 
 log = logging.getLogger("rewards")
 
@@ -28,8 +39,16 @@ class Request:
     header: dict
     n: int
     attempts: int = 0
-    worker: bytes | None = None
+    worker: bytes | None = None  # who holds it: the one assignment table is `assigned`
     deadline: float = 0.0
+
+
+@dataclass
+class Worker:
+    pid: int
+    beats_while_scoring: bool  # promised a heartbeat every second even while scoring
+    last_seen: float
+    alive: bool = True
 
 
 @dataclass
@@ -37,99 +56,160 @@ class Reply:
     request_id: str
     rewards: list[float | None]
     by_function: dict[str, list[float | None]]
+    error: str | None = None  # the worker's function failed on this request
 
 
 class RewardDispatcher:
-    def __init__(self, ctx: zmq.Context, endpoint: str, timeout_s: float, max_attempts: int) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, timeout_s: float, max_attempts: int,
+                 instance: str | None = None) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.LINGER, 1000)  # so the closing `stop` reaches the workers
         self.sock.bind(endpoint)
         self.endpoint = endpoint
+        self.instance = instance or uuid.uuid4().hex[:12]
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
-        self.workers: dict[bytes, dict] = {}
-        self.known: set[bytes] = set()  # every worker that ever said hello
+        self.workers: dict[bytes, Worker] = {}  # every worker that said hello to this instance
+        self.greeted: set[bytes] = set()  # unknown peers we told who we are
         self.ready: collections.deque[bytes] = collections.deque()
         self.waiting: collections.deque[Request] = collections.deque()
         self.assigned: dict[str, Request] = {}
-        self.busy: dict[bytes, str] = {}  # worker -> request id
         self.stats = collections.Counter()
+        self.last_beat = 0.0
 
     @property
     def n_workers(self) -> int:
-        return len(self.workers)
+        return sum(w.alive for w in self.workers.values())
 
     @property
     def pending(self) -> int:
         return len(self.waiting) + len(self.assigned)
 
+    def hello(self) -> dict:
+        return {"role": "learner", "pid": os.getpid(), "instance": self.instance, "heartbeat_s": HEARTBEAT_S}
+
     def submit(self, request_id: str, header: dict, n: int) -> None:
         self.waiting.append(Request(request_id, header, n))
 
     def poll(self, timeout_ms: int = 0) -> tuple[list[Reply], list[tuple[str, str]]]:
-        """Handle worker messages, deadlines and dispatch. Returns (replies, failures)."""
+        """Handle worker messages, deadlines, silence and dispatch. Returns (replies, failures)."""
         done: list[Reply] = []
         failed: list[tuple[str, str]] = []
         while self.sock.poll(timeout_ms):
             timeout_ms = 0
             identity, *frames = self.sock.recv_multipart()
+            self.seen(identity)
             try:
                 msg = protocol.decode(frames)
             except protocol.ProtocolError as e:
                 self.reject(identity, f"malformed message: {e}", failed)
                 continue
             self.handle(identity, msg, done, failed)
-        self.expire(failed)
+        self.check_workers(failed)
         self.dispatch()
+        self.beat()
         return done, failed
 
     def handle(self, identity: bytes, msg: protocol.Message, done: list, failed: list) -> None:
         if msg.kind == protocol.HELLO:
-            if msg["role"] != "reward_worker":
-                log.error("refused a %s on the reward socket", msg["role"])
-                self.send(identity, protocol.STOP, {"reason": "only reward workers attach here"})
-                return
-            self.workers[identity] = msg.header
-            self.known.add(identity)
-            log.info("reward worker pid %s attached (%d attached)", msg["pid"], len(self.workers))
-            self.send(identity, protocol.HELLO, {"role": "learner", "pid": os.getpid()})
-        elif msg.kind == protocol.READY:
+            self.attach(identity, msg, failed)
+            return
+        worker = self.workers.get(identity)
+        if worker is None:
+            self.greet(identity, msg)
+            return
+        if msg.kind == protocol.READY:
             self.mark_ready(identity)
         elif msg.kind == protocol.SCORE_REPLY:
-            request = self.assigned.get(msg["request_id"])
-            if (request is None or request.worker != identity) and identity in self.busy:
-                self.reject(identity, f"reply names request {msg['request_id']!r}, "
-                            f"the worker holds {self.busy[identity]!r}", failed)
-                return
-            if request is None or request.worker != identity:
-                self.stats["late_replies"] += 1
-                log.warning("ignored a reply to request %s: not (or no longer) assigned to "
-                            "that worker", msg["request_id"])
-                self.mark_ready(identity)
-                return
-            rewards = msg["rewards"]
-            by_fn = msg.header.get("rewards_by_function") or {}
-            if len(rewards) != request.n:
-                self.reject(identity, f"{len(rewards)} rewards for {request.n} completions", failed)
-                return
-            del self.assigned[request.request_id]
-            self.busy.pop(identity, None)
-            self.mark_ready(identity)
-            done.append(Reply(request.request_id, rewards, by_fn))
+            self.take_reply(identity, msg, done, failed)
         elif msg.kind == protocol.STOP:
-            log.info("reward worker leaves: %s", msg["reason"])
-            self.forget(identity)
+            log.info("reward worker pid %d leaves: %s", worker.pid, msg["reason"])
+            self.lose(identity, "the worker left", failed)
+        # A heartbeat is only for last_seen; other kinds mean nothing here.
+
+    def seen(self, identity: bytes) -> None:
+        """Any message, even a malformed one, shows that an attached worker is alive."""
+        worker = self.workers.get(identity)
+        if worker is None:
+            return
+        worker.last_seen = time.monotonic()
+        if not worker.alive:
+            log.info("reward worker pid %d is back; taking it again", worker.pid)
+            worker.alive = True
+
+    def attach(self, identity: bytes, msg: protocol.Message, failed: list) -> None:
+        if msg["role"] != "reward_worker":
+            log.error("refused a %s on the reward socket", msg["role"])
+            self.send(identity, protocol.STOP, {"reason": "only reward workers attach here"})
+            return
+        if identity in self.workers:  # said hello again: it forgot what it held
+            self.lose(identity, "the worker said hello again", failed)
+        self.workers[identity] = Worker(msg["pid"], msg.header.get("beats_while_scoring") is True,
+                                        time.monotonic())
+        log.info("reward worker pid %s attached (%d attached)", msg["pid"], self.n_workers)
+        self.send(identity, protocol.HELLO, self.hello())
+
+    def greet(self, identity: bytes, msg: protocol.Message) -> None:
+        """A peer that never said hello to this instance: most likely a worker of a learner
+        that was restarted. Tell it who we are, once; it answers with hello + ready."""
+        if msg.kind == protocol.SCORE_REPLY:
+            self.stats["late_replies"] += 1  # to a request of a previous instance
+        if identity not in self.greeted:
+            self.greeted.add(identity)
+            log.info("a peer that has not said hello to this learner sent %r; sending it our hello",
+                     msg.kind)
+            self.send(identity, protocol.HELLO, self.hello())
+
+    def take_reply(self, identity: bytes, msg: protocol.Message, done: list, failed: list) -> None:
+        request = self.assigned.get(msg["request_id"])
+        if request is None or request.worker != identity:
+            held = self.holding(identity)
+            if held is not None:
+                self.reject(identity, f"reply names request {msg['request_id']!r}, "
+                            f"the worker holds {held.request_id!r}", failed)
+                return
+            self.stats["late_replies"] += 1
+            log.warning("ignored a reply to request %s: not (or no longer) assigned to "
+                        "that worker", msg["request_id"])
+            self.mark_ready(identity)
+            return
+        error = msg.header.get("error")
+        if error is None and len(msg["rewards"]) != request.n:
+            self.reject(identity, f"{len(msg['rewards'])} rewards for {request.n} completions", failed)
+            return
+        del self.assigned[request.request_id]
+        self.mark_ready(identity)
+        if error is not None:
+            done.append(Reply(request.request_id, [], {},
+                              f"reward worker pid {self.workers[identity].pid}: {error}"))
+        else:
+            done.append(Reply(request.request_id, msg["rewards"],
+                              msg.header.get("rewards_by_function") or {}))
+
+    def holding(self, identity: bytes) -> Request | None:
+        return next((r for r in self.assigned.values() if r.worker == identity), None)
 
     def reject(self, identity: bytes, reason: str, failed: list) -> None:
         """A bad reply: log it, hand the worker's request to another worker."""
         self.stats["rejected_replies"] += 1
-        request_id = self.busy.pop(identity, None)
         log.error("bad reply from reward worker %s: %s", identity.hex(), reason)
-        if request_id is not None:
-            self.retry(self.assigned.pop(request_id), reason, failed)
+        self.requeue(identity, reason, failed)
         if identity in self.workers:
             self.mark_ready(identity)
 
-    def retry(self, request: Request, reason: str, failed: list) -> None:
+    def lose(self, identity: bytes, why: str, failed: list) -> None:
+        """The worker is gone (it left, fell silent, or missed a deadline): stop sending
+        it requests and hand on the one it holds."""
+        self.workers[identity].alive = False
+        self.stats["lost_workers"] += 1
+        if identity in self.ready:
+            self.ready.remove(identity)
+        self.requeue(identity, why, failed)
+
+    def requeue(self, identity: bytes, reason: str, failed: list) -> None:
+        request = self.holding(identity)
+        if request is None:
+            return
+        del self.assigned[request.request_id]
         request.worker = None
         if request.attempts >= self.max_attempts:
             failed.append((request.request_id, f"reward worker: {reason}"))
@@ -137,29 +217,24 @@ class RewardDispatcher:
         self.stats["retries"] += 1
         self.waiting.appendleft(request)
 
-    def expire(self, failed: list) -> None:
+    def check_workers(self, failed: list) -> None:
         now = time.monotonic()
         for request in [r for r in self.assigned.values() if r.deadline < now]:
-            log.error("reward worker %s missed the %.0f s deadline for request %s; "
-                      "sending it elsewhere", request.worker.hex(), self.timeout_s, request.request_id)
-            self.forget(request.worker)
-            del self.assigned[request.request_id]
-            self.retry(request, "deadline missed", failed)
-
-    def forget(self, identity: bytes) -> None:
-        self.workers.pop(identity, None)
-        self.busy.pop(identity, None)
-        if identity in self.ready:
-            self.ready.remove(identity)
+            log.error("reward worker pid %d missed the %.0f s deadline for request %s; sending it "
+                      "elsewhere", self.workers[request.worker].pid, self.timeout_s, request.request_id)
+            self.lose(request.worker, "deadline missed", failed)
+        for identity, w in self.workers.items():
+            silent = now - w.last_seen
+            if not w.alive or silent <= HEARTBEAT_TIMEOUT_S:
+                continue
+            held = self.holding(identity)
+            if held is None or w.beats_while_scoring:
+                log.error("reward worker pid %d sent nothing for %.1f s: taking it for gone%s",
+                          w.pid, silent, f"; request {held.request_id} goes elsewhere" if held else "")
+                self.lose(identity, "the worker fell silent", failed)
 
     def mark_ready(self, identity: bytes) -> None:
-        if identity not in self.known:
-            log.error("ignored a peer on the reward socket that never said hello")
-            return
-        if identity not in self.workers:
-            # A worker we gave up on (deadline) that turns out alive: take it back.
-            self.workers[identity] = {"role": "reward_worker", "pid": -1}
-        if identity not in self.ready and identity not in self.busy:
+        if identity not in self.ready and self.holding(identity) is None:
             self.ready.append(identity)
 
     def dispatch(self) -> None:
@@ -170,13 +245,21 @@ class RewardDispatcher:
             request.worker = identity
             request.deadline = time.monotonic() + self.timeout_s
             self.assigned[request.request_id] = request
-            self.busy[identity] = request.request_id
             self.send(identity, protocol.SCORE, {"request_id": request.request_id, **request.header})
+
+    def beat(self) -> None:
+        """Heartbeats to the attached workers, while this process's loop runs."""
+        if time.monotonic() - self.last_beat < HEARTBEAT_S:
+            return
+        self.last_beat = time.monotonic()
+        for identity, w in self.workers.items():
+            if w.alive:
+                self.send(identity, protocol.HEARTBEAT, {"role": "learner", "time": time.time()})
 
     def send(self, identity: bytes, kind: str, header: dict) -> None:
         self.sock.send_multipart([identity, *protocol.encode(kind, header)])
 
-    def close(self) -> None:
-        for identity in list(self.workers):
-            self.send(identity, protocol.STOP, {"reason": "run finished"})
+    def close(self, reason: str = "run finished") -> None:
+        for identity in self.workers:
+            self.send(identity, protocol.STOP, {"reason": reason})
         self.sock.close()

@@ -25,6 +25,9 @@ class Scored:
     by_function: dict[str, list[float | None]] = field(default_factory=dict)
 
 
+WORKER_STATS = ("retries", "rejected_replies", "late_replies", "lost_workers")
+
+
 def short_names(specs: list[str]) -> dict[str, str]:
     """Each spec's name in metrics: the function's name, or the whole `module:function`
     where two modules have a function of that name (their scores must not merge)."""
@@ -35,7 +38,7 @@ def short_names(specs: list[str]) -> dict[str, str]:
 
 class Scorer:
     def __init__(self, reward_cfg: dict, ctx: zmq.Context | None = None,
-                 endpoint: str | None = None) -> None:
+                 endpoint: str | None = None, instance: str | None = None) -> None:
         specs = reward_cfg["functions"]
         weights = reward_cfg["weights"] or [1.0] * len(specs)
         search_path = reward_cfg.get("search_path")
@@ -48,7 +51,7 @@ class Scorer:
             if ctx is None or endpoint is None:
                 raise ValueError("a 'worker' reward needs a reward socket")
             self.dispatcher = RewardDispatcher(ctx, endpoint, reward_cfg["timeout_s"],
-                                               reward_cfg["max_attempts"])
+                                               reward_cfg["max_attempts"], instance)
         self.partial: dict[str, dict[str, list]] = {}
 
     def metric_name(self, key: str) -> str:
@@ -61,11 +64,17 @@ class Scorer:
         return d is not None and d.pending > 0 and d.n_workers == 0
 
     def worker_stats(self) -> dict[str, int]:
-        """The reward socket's retries and rejected or late replies, for the metrics."""
+        """The reward socket's counters for the metrics: retries, rejected and late
+        replies, workers taken for gone."""
         if self.dispatcher is None:
             return {}
         stats = self.dispatcher.stats
-        return {f"reward_{k}": stats[k] for k in ("retries", "rejected_replies", "late_replies")}
+        return {f"reward_{k}": stats[k] for k in WORKER_STATS}
+
+    def restore_stats(self, saved: dict[str, int]) -> None:
+        """Continue the counters of a checkpoint (a restarted learner's metrics go on)."""
+        if self.dispatcher is not None:
+            self.dispatcher.stats.update({k: saved.get(f"reward_{k}", 0) for k in WORKER_STATS})
 
     def submit(self, key: str, prompt: Any, texts: list[str], completion_ids: list,
                columns: dict[str, Any]) -> Scored | None:
@@ -79,20 +88,25 @@ class Scorer:
         self.dispatcher.submit(key, inputs_for_wire(inputs), len(texts))
         return None
 
-    def poll(self, timeout_ms: int = 0) -> tuple[list[Scored], list[tuple[str, str]]]:
-        """External replies that completed a group, and groups that could not be scored."""
+    def poll(self, timeout_ms: int = 0) -> tuple[list[Scored], list[tuple[str, str]], list[tuple[str, str]]]:
+        """External replies that completed a group; groups that could not be scored (key,
+        reason: drop them); groups whose worker's function failed (key, error: a user
+        error, as when an in-process function raises)."""
         if self.dispatcher is None:
-            return [], []
+            return [], [], []
         replies, failures = self.dispatcher.poll(timeout_ms)
-        done = []
+        done, errors = [], []
         for r in replies:
             by_fn = self.partial.pop(r.request_id)
+            if r.error is not None:
+                errors.append((r.request_id, r.error))
+                continue
             by_fn[WORKER] = r.rewards
             by_fn.update({f"{WORKER}:{k}": v for k, v in r.by_function.items()})
             done.append(self.combine(r.request_id, by_fn))
         for key, _ in failures:
             self.partial.pop(key, None)
-        return done, failures
+        return done, failures, errors
 
     def combine(self, key: str, by_fn: dict[str, list]) -> Scored:
         n = len(next(iter(by_fn.values())))
@@ -102,9 +116,10 @@ class Scorer:
             total += np.nan_to_num(weight * values, nan=0.0)
         return Scored(key, total, by_fn)
 
-    def close(self) -> None:
+    def close(self, reason: str = "run finished") -> None:
+        """Tell attached workers to exit, with the reason, and close the reward socket."""
         if self.dispatcher is not None:
-            self.dispatcher.close()
+            self.dispatcher.close(reason)
 
 
 def inputs_for_wire(inputs: dict[str, list]) -> dict:

@@ -18,6 +18,7 @@ from protocol import (
     HELLO,
     PROTOCOL_VERSION,
     ROLLOUT,
+    SCORE_REPLY,
     STOP,
     WEIGHTS,
     Message,
@@ -342,9 +343,25 @@ def test_arrays_field_not_a_list(arrays):
         decode(forge({"kind": STOP, "reason": "x"}, arrays=arrays))
 
 
-def test_arrays_field_missing():
-    with pytest.raises(ProtocolError, match="field 'arrays' must be a list"):
-        decode([pack({"protocol": 1, "kind": STOP, "reason": "x"})])
+def test_arrays_field_may_be_left_out_when_there_are_none():
+    assert decode([pack({"protocol": 1, "kind": "ready"})]).arrays == {}
+    with pytest.raises(ProtocolError, match="header lists 0 arrays but 1 frames follow"):
+        decode([pack({"protocol": 1, "kind": STOP, "reason": "x"}), b"\0"])
+
+
+def test_hello_model_fields_are_required_of_actors_only():
+    """The learner's hello on the reward socket carries no model (PROTOCOL.md, hello)."""
+    learner = {"role": "learner", "pid": 3, "instance": "ab12", "heartbeat_s": 1.0}
+    assert decode(encode(HELLO, learner))["instance"] == "ab12"
+    with pytest.raises(ProtocolError, match="hello: missing field 'model'"):
+        decode(encode(HELLO, {"role": "actor", "pid": 3}))
+
+
+def test_score_reply_with_an_error_needs_no_usable_rewards():
+    msg = decode(encode(SCORE_REPLY, {"request_id": "r", "rewards": [], "error": "KeyError: x"}))
+    assert msg["error"] == "KeyError: x"
+    with pytest.raises(ProtocolError, match="field 'error' must be a string"):
+        decode(encode(SCORE_REPLY, {"request_id": "r", "rewards": [], "error": 3}))
 
 
 def test_frame_count_mismatch():

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import protocol
 from tests.conftest import ROOT, write_config
 from tests.test_e2e import orchestrator, read_metrics, wait_for
+from tests.test_supervision import pid_of, wait_for_step
 
 PLAIN_WORKER = Path(__file__).parent / "workers" / "plain_worker.py"
 WORKER_CONFIG = "[reward]\ntimeout_s = 3.0\nmax_attempts = 10"
@@ -48,6 +48,28 @@ def assert_nothing_lost(metrics: list[dict], steps: int, batch: int) -> None:
         assert m["groups_received"] == m["groups_trained"] + m["groups_dropped"] + m["groups_queued"]
 
 
+class Lines:
+    """A process's stdout lines with the time each arrived, read by a thread."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self.thread = threading.Thread(target=self.read, args=(proc,), daemon=True)
+        self.thread.start()
+
+    def read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.append((time.monotonic(), line.strip()))
+
+    def wait_for(self, prefix: str, timeout: float = 120) -> tuple[float, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, line in list(self.lines):
+                if line.startswith(prefix):
+                    return t, line
+            time.sleep(0.02)
+        raise AssertionError(f"no line {prefix!r} within {timeout} s: {self.lines}")
+
+
 def test_a_worker_from_protocol_md_alone_trains_a_run(tmp_path):
     cfg = write_config(tmp_path, WORKER_CONFIG, steps=4, reward="worker")
     proc = orchestrator("up", "--config", str(cfg))
@@ -67,36 +89,119 @@ def test_progress_says_when_no_worker_is_attached(tmp_path):
     cfg = write_config(tmp_path, WORKER_CONFIG, steps=2, reward="worker")
     proc = orchestrator("up", "--config", str(cfg))
     run = tmp_path / "run"
-    deadline = time.monotonic() + 60
-    while True:
-        status = json.loads((run / "status.json").read_text()) if (run / "status.json").exists() else {}
-        if status.get("phase") == "waiting_for_reward_worker":
-            break
-        assert time.monotonic() < deadline, status
-        time.sleep(0.2)
+    progress = Lines(proc)
+    _, said = progress.wait_for("waiting for a reward worker on ipc://", timeout=60)
+    assert "orchestrator reward-worker module:function" in said
     worker = start_worker(run)
-    out = finish(proc, [worker])
-    assert "waiting for a reward worker on ipc://" in out
-    assert "orchestrator reward-worker module:function" in out
+    proc.wait(300)
+    worker.wait(30)
+    assert proc.returncode == 0, progress.lines
 
 
-def test_a_killed_worker_loses_no_group(tmp_path):
+def test_a_hung_worker_s_request_goes_elsewhere_after_the_deadline(tmp_path):
+    """A worker that is alive (it beats) but never answers: its request waits out the
+    deadline, then the other worker scores it. Nothing is lost."""
     steps, batch = 8, 2
     cfg = write_config(tmp_path, WORKER_CONFIG, steps=steps, reward="worker")
     proc = orchestrator("up", "--config", str(cfg))
     run = tmp_path / "run"
-    # The doomed worker answers one request, takes the next and dies holding it.
-    doomed = start_worker(run, "--hang-after", "1", stdout=subprocess.PIPE)
+    hung = start_worker(run, "--hang-after", "1")
     survivor = start_worker(run)
-    ready, _, _ = select.select([doomed.stdout], [], [], 120)
-    assert ready, "the doomed worker never took a second request"
-    assert doomed.stdout.readline().startswith("holding request")
-    doomed.send_signal(signal.SIGKILL)
-    finish(proc, [doomed, survivor])
+    finish(proc, [hung, survivor])
     metrics = read_metrics(run)
     assert_nothing_lost(metrics, steps, batch)
     assert metrics[-1]["groups_dropped"] == 0  # its request went to the survivor
     assert "missed the 3 s deadline" in (run / "learner.log").read_text()
+
+
+def test_a_killed_worker_s_request_is_scored_by_the_other_within_5_s(tmp_path):
+    """Default deadline (60 s): the learner notices the dead worker by its missing
+    heartbeats, not by the deadline."""
+    cfg = write_config(tmp_path, steps=6, reward="worker")
+    proc = orchestrator("up", "--config", str(cfg))
+    run = tmp_path / "run"
+    doomed = start_worker(run, "--hang-after", "1", stdout=subprocess.PIPE)
+    survivor = start_worker(run, stdout=subprocess.PIPE)
+    doomed_lines, survivor_lines = Lines(doomed), Lines(survivor)
+    _, held = doomed_lines.wait_for("holding request")
+    request_id = held.split()[-1]
+    doomed.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    scored_at, _ = survivor_lines.wait_for(f"scored {request_id}", timeout=30)
+    assert scored_at - killed_at < 5
+    finish(proc, [doomed, survivor])
+    metrics = read_metrics(run)
+    assert_nothing_lost(metrics, 6, 2)
+    assert metrics[-1]["groups_dropped"] == 0 and metrics[-1]["reward_lost_workers"] >= 1
+    assert "sent nothing for" in (run / "learner.log").read_text()
+
+
+def test_a_restarted_learner_keeps_its_reward_worker(tmp_path):
+    """SIGKILL the learner with an `orchestrator reward-worker` attached: the restarted
+    learner trains to the end with that same worker, which attaches again by itself and
+    exits when the run ends."""
+    steps = 8
+    cfg = write_config(tmp_path, "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100", steps=steps,
+                       reward="worker")
+    proc = orchestrator("up", "--config", str(cfg))
+    run = tmp_path / "run"
+    wait_for(run / "endpoints.json")
+    worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
+                               "--run-dir", str(run)], cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        wait_for_step(run, 3, proc)
+        os.kill(pid_of(run, "learner"), signal.SIGKILL)
+        out = finish(proc, [])
+        worker_out, _ = worker.communicate(timeout=30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert "learner exited with code -9; restarting it (1/3)" in out
+    assert worker.returncode == 0, worker_out
+    assert "the learner restarted" in worker_out and "attaching again" in worker_out
+    assert "stopping: training finished" in worker_out
+    assert "malformed" not in worker_out  # the learner's hello is what PROTOCOL.md says
+    assert worker_out.count("serving tiny_task:reward") == 1  # the same worker throughout
+    metrics = read_metrics(run)
+    assert_nothing_lost(metrics, steps, 2)
+    assert metrics[-1]["groups_dropped"] == 0
+    # the socket's counters go on across the restart (restored from the checkpoint)
+    for key in ("reward_retries", "reward_late_replies", "reward_lost_workers"):
+        values = [m[key] for m in metrics]
+        assert values == sorted(values), (key, values)
+
+
+def test_a_worker_exits_when_its_learner_is_gone_for_good(tmp_path):
+    """No stop ever comes (the learner was SIGKILLed and nothing restarts it): the worker
+    waits out --learner-timeout, then exits with an error."""
+    import zmq
+
+    endpoint = f"ipc://{tmp_path}/reward.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    (tmp_path / "r.py").write_text("def reward(completions, **kw):\n    return [0.0] * len(completions)\n")
+    worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "r:reward", "--connect",
+                               endpoint, "--learner-timeout", "2"], cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert router.poll(30_000), "the worker never said hello"
+        assert protocol.decode(router.recv_multipart()[1:]).kind == protocol.HELLO
+        router.close(linger=0)  # the learner is gone, without a word
+        gone_at = time.monotonic()
+        out, _ = worker.communicate(timeout=30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        ctx.term()
+    assert worker.returncode == 1, out
+    assert "it is gone, stopping" in out
+    assert 2 <= time.monotonic() - gone_at < 10
 
 
 def test_garbage_replies_are_logged_and_survived(tmp_path):
@@ -130,5 +235,5 @@ def test_python_reward_worker_command(tmp_path):
     finish(proc, [])
     out, _ = worker.communicate(timeout=30)
     assert worker.returncode == 0, out
-    assert "stopping: run finished" in out
+    assert "stopping: training finished" in out
     assert_nothing_lost(read_metrics(run), 3, 2)

@@ -1,13 +1,15 @@
-"""A reward worker written from PROTOCOL.md alone: pyzmq and msgpack, nothing of ours.
+"""A reward worker with faults to order, written from PROTOCOL.md: pyzmq and msgpack only.
 
 usage: python plain_worker.py ENDPOINT [--garbage N] [--hang-after N]
 Scores "fraction of the completion's characters equal to the target column" (the tiny
 task). --garbage N: answer the first N requests with broken replies of several kinds.
---hang-after N: after N answers, take the next request and never answer it.
+--hang-after N: after N answers, take the next request and never answer it (still
+beating: alive but stuck). Prints `holding request ID` and `scored ID` lines.
 """
 
 import os
 import sys
+import time
 
 import msgpack
 import zmq
@@ -24,18 +26,30 @@ def main():
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(endpoint)
-    sock.send_multipart([header("hello", role="reward_worker", pid=os.getpid())])
+    # Scoring takes microseconds and the loop beats between messages: it beats while scoring.
+    hello = header("hello", role="reward_worker", pid=os.getpid(), beats_while_scoring=True)
+    sock.send_multipart([hello])
     sock.send_multipart([header("ready")])
-    answered = 0
+    answered, instance, last_beat = 0, None, 0.0
     while True:
-        frames = sock.recv_multipart()
-        msg = msgpack.unpackb(frames[0])
+        if time.monotonic() - last_beat >= 1.0:
+            sock.send_multipart([header("heartbeat", role="reward_worker", time=time.time())])
+            last_beat = time.monotonic()
+        if not sock.poll(200):
+            continue
+        msg = msgpack.unpackb(sock.recv_multipart()[0])
         if msg.get("kind") == "stop":
             break
+        if msg.get("kind") == "hello":
+            if instance is not None and msg["instance"] != instance:
+                sock.send_multipart([hello])
+                sock.send_multipart([header("ready")])
+            instance = msg["instance"]
         if msg.get("kind") != "score":
             continue
         if answered == hang:
             print("holding request", msg["request_id"], flush=True)
+            answered += 1
             continue
         texts = msg["completions"]
         rewards = [t.count(c) / max(len(t), 1) for t, c in zip(texts, msg["columns"]["target"])]
@@ -51,6 +65,7 @@ def main():
         else:
             sock.send_multipart([header("score_reply", request_id=rid, rewards=rewards,
                                         rewards_by_function={"digits": rewards})])
+            print("scored", rid, flush=True)
         answered += 1
     sock.close()
     ctx.term()
