@@ -406,6 +406,13 @@ def reward_means(groups: list[Group], metric_name) -> dict[str, float | None]:
     return out
 
 
+def _step_of(line: str) -> int | None:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _looks_like_rollout(frames: list[bytes]) -> bool:
     try:
         head = msgpack.unpackb(bytes(frames[0]), raw=False)
@@ -415,11 +422,12 @@ def _looks_like_rollout(frames: list[bytes]) -> bool:
 
 
 def keep_metrics_until(path: Path, step: int) -> None:
-    """Drop metrics lines of steps after `step` (written after the checkpoint we resume)."""
+    """Drop metrics lines of steps after `step` (written after the checkpoint we resume),
+    and a last line cut short by a kill mid-write."""
     if not path.exists():
         return
     lines = [line for line in path.read_text().splitlines(keepends=True)
-             if line.strip() and json.loads(line)["step"] <= step]
+             if line.endswith("\n") and _step_of(line) is not None and _step_of(line) <= step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(lines))
     os.replace(tmp, path)

@@ -99,6 +99,8 @@ def resume_config(run_dir: str, overrides: list[str], steps: int | None) -> dict
     if not (Path(run_dir) / "config.json").exists():
         raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
     cfg = read_run_config(run_dir)
+    # The directory given is the run, even if it was moved or copied since it started.
+    cfg["run"]["dir"] = str(Path(run_dir).resolve())
     search_path = cfg["reward"].pop("search_path")
     for item in overrides:
         section, key, value = parse_override(item)

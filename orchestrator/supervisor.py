@@ -248,24 +248,48 @@ class Supervisor:
         self.poll_progress()
 
     def stop_child(self, name: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        child = self.children[name]
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-        try:
-            child.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.say(f"{name} did not stop within {timeout_s:.0f} s; killing it")
-            child.proc.kill()
-            child.proc.wait()
+        self.stop_children([name], timeout_s)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Ask every live child to stop (SIGTERM: the learner checkpoints), then kill what
-        is left after the timeout."""
-        for c in self.children.values():
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        for name in self.children:
-            self.stop_child(name, timeout_s)
+        """Ask every live child to stop (the learner checkpoints); kill what is left when
+        `timeout_s` is up."""
+        self.stop_children(list(self.children), timeout_s)
+
+    def stop_children(self, names: list[str], timeout_s: float) -> None:
+        # One SIGTERM each: a second one means "stop now, skip the checkpoint".
+        for name in names:
+            if self.children[name].proc.poll() is None:
+                self.children[name].proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name in names:
+            proc = self.children[name].proc
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(f"{name} did not stop within {timeout_s:.0f} s; killing it")
+                proc.kill()
+                proc.wait()
+
+    def run(self) -> int:
+        """Start, watch and stop the run; returns the exit code (see up())."""
+        try:
+            self.start()
+            self.watch()
+        except RunFailed as e:
+            self.say(f"error: {e}")
+            self.stop()
+            return e.code
+        if self.signals.requested:
+            self.say(f"{self.signals.name}: asking the learner to checkpoint and every process to "
+                     "stop (send it again to kill them now)")
+            self.stop()
+            self.poll_progress()  # the steps finished while stopping
+            self.say(f"stopped; resume with `orchestrator up --resume {self.run_dir}`")
+            return lifecycle.signal_exit_code(self.signals.signum)
+        self.stop()
+        self.say(f"done: adapters in {self.run_dir / 'adapters'}, "
+                 f"metrics in {self.run_dir / 'metrics.jsonl'}")
+        return lifecycle.EXIT_OK
 
     def kill(self) -> None:
         for c in self.children.values():
@@ -285,27 +309,13 @@ def up(cfg: dict, out: IO[str] = sys.stdout, resume: bool = False,
     run failed (restarts used up), 4 a user error, 5 the run directory is busy, 128 + N
     stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
     signals = lifecycle.StopSignals().install()
-    say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     try:
         sup = Supervisor(cfg, out, resume, shares_mb, signals)
     except lifecycle.RunBusy as e:
-        say(f"error: {e}")
+        print(f"error: {e}", file=out, flush=True)
         return lifecycle.EXIT_BUSY
     try:
-        try:
-            sup.start()
-            sup.watch()
-        except RunFailed as e:
-            sup.say(f"error: {e}")
-            sup.stop()
-            return e.code
-        if signals.requested:
-            sup.say(f"{signals.name}: asking the learner to checkpoint and every process to stop "
-                    "(send it again to kill them now)")
-            sup.stop()
-            sup.say(f"stopped; resume with `orchestrator up --resume {sup.run_dir}`")
-            return lifecycle.signal_exit_code(signals.signum)
-        sup.stop()
+        return sup.run()
     except lifecycle.ForcedStop as e:
         sup.say(f"{signal.Signals(e.signum).name} again: killing every process of the run now")
         sup.kill()
@@ -313,5 +323,3 @@ def up(cfg: dict, out: IO[str] = sys.stdout, resume: bool = False,
     finally:
         if all(c.proc.poll() is not None for c in sup.children.values()):
             sup.close()
-    sup.say(f"done: adapters in {sup.run_dir / 'adapters'}, metrics in {sup.run_dir / 'metrics.jsonl'}")
-    return lifecycle.EXIT_OK

@@ -59,7 +59,7 @@ def test_a_stop_signal_checkpoints_and_leaves_no_child(tmp_path, sig, preexec):
     assert f"{signal.Signals(sig).name}: asking the learner to checkpoint" in out
     # checkpoint_every = 0: the only checkpoint is the one the signal asked for
     checkpoints = sorted((run / "checkpoints").glob("step_*"))
-    assert checkpoints, out
+    assert checkpoints, out + (run / "learner.log").read_text()
     state = json.loads((checkpoints[-1] / "state.json").read_text())
     assert state["step"] == read_metrics(run)[-1]["step"] >= 2
     assert json.loads((run / "status.json").read_text())["phase"] == "stopped"

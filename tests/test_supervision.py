@@ -110,3 +110,15 @@ def test_a_resumed_run_repeats_the_uninterrupted_run(tmp_path):
                ["adapters_digest"] for r in (a, b)]
     assert digests[0] == digests[1]
     assert np.isfinite([m["loss"] for m in mb]).all()
+
+
+def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
+    from learner.service import keep_metrics_until
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "los')
+    keep_metrics_until(path, 2)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    path.write_text('{"step": 1}\n{"step": 2, "los')
+    keep_metrics_until(path, 5)
+    assert path.read_text() == '{"step": 1}\n'
