@@ -84,16 +84,15 @@ class RewardWorker:
         if msg.kind == protocol.STOP:
             return msg["reason"]
         if msg.kind == protocol.HELLO:
-            instance = msg.header.get("instance")
-            if self.instance is not None and instance != self.instance:
-                # A new learner (restarted from its checkpoint): what we held belongs to
-                # the old one, which will never read the answer. Attach again.
+            if msg.header.get("attached") is False:
+                # A learner that does not know us (restarted from its checkpoint): what we
+                # hold belongs to the old one, which will never read the answer.
                 log.info("the learner restarted (instance %s -> %s); attaching again",
-                         self.instance, instance)
+                         self.instance, msg.header.get("instance"))
                 self.requests.clear()
                 self.job = None
                 self.attach()
-            self.instance = instance
+            self.instance = msg.header.get("instance")
         elif msg.kind == protocol.SCORE:
             self.requests.append(msg)
         return None  # heartbeats and other kinds need no answer

@@ -13,7 +13,7 @@ with a reason.
 
 Every socket owner has an `instance` id, sent in its hello. A peer that speaks without
 having said hello to this instance (a worker of a learner that was restarted) is
-answered with our hello, and re-attaches with hello + ready.
+answered with our hello marked `attached: false`, and attaches with hello + ready.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Worker:
     beats_while_scoring: bool  # promised a heartbeat every second even while scoring
     last_seen: float
     alive: bool = True
+    idle_when_lost: bool = False  # taken for gone while it held nothing: ready when back
 
 
 @dataclass
@@ -84,8 +85,11 @@ class RewardDispatcher:
     def pending(self) -> int:
         return len(self.waiting) + len(self.assigned)
 
-    def hello(self) -> dict:
-        return {"role": "learner", "pid": os.getpid(), "instance": self.instance, "heartbeat_s": HEARTBEAT_S}
+    def hello(self, attached: bool) -> dict:
+        """`attached` tells a worker whether this answers its hello, or greets a stranger
+        that must say hello (PROTOCOL.md, "Liveness")."""
+        return {"role": "learner", "pid": os.getpid(), "instance": self.instance,
+                "heartbeat_s": HEARTBEAT_S, "attached": attached}
 
     def submit(self, request_id: str, header: dict, n: int) -> None:
         self.waiting.append(Request(request_id, header, n))
@@ -135,6 +139,10 @@ class RewardDispatcher:
         if not worker.alive:
             log.info("reward worker pid %d is back; taking it again", worker.pid)
             worker.alive = True
+            if worker.idle_when_lost:
+                # It was waiting for work when we gave up on it, so it is waiting still. One
+                # lost holding a request is ready again only once it answers (late).
+                self.mark_ready(identity)
 
     def attach(self, identity: bytes, msg: protocol.Message, failed: list) -> None:
         if msg["role"] != "reward_worker":
@@ -146,18 +154,19 @@ class RewardDispatcher:
         self.workers[identity] = Worker(msg["pid"], msg.header.get("beats_while_scoring") is True,
                                         time.monotonic())
         log.info("reward worker pid %s attached (%d attached)", msg["pid"], self.n_workers)
-        self.send(identity, protocol.HELLO, self.hello())
+        self.send(identity, protocol.HELLO, self.hello(attached=True))
 
     def greet(self, identity: bytes, msg: protocol.Message) -> None:
         """A peer that never said hello to this instance: most likely a worker of a learner
-        that was restarted. Tell it who we are, once; it answers with hello + ready."""
+        that was restarted. Tell it, once, that it is not attached; it answers with hello
+        and ready."""
         if msg.kind == protocol.SCORE_REPLY:
             self.stats["late_replies"] += 1  # to a request of a previous instance
         if identity not in self.greeted:
             self.greeted.add(identity)
             log.info("a peer that has not said hello to this learner sent %r; sending it our hello",
                      msg.kind)
-            self.send(identity, protocol.HELLO, self.hello())
+            self.send(identity, protocol.HELLO, self.hello(attached=False))
 
     def take_reply(self, identity: bytes, msg: protocol.Message, done: list, failed: list) -> None:
         request = self.assigned.get(msg["request_id"])
@@ -199,7 +208,9 @@ class RewardDispatcher:
     def lose(self, identity: bytes, why: str, failed: list) -> None:
         """The worker is gone (it left, fell silent, or missed a deadline): stop sending
         it requests and hand on the one it holds."""
-        self.workers[identity].alive = False
+        worker = self.workers[identity]
+        worker.alive = False
+        worker.idle_when_lost = self.holding(identity) is None
         self.stats["lost_workers"] += 1
         if identity in self.ready:
             self.ready.remove(identity)

@@ -18,6 +18,7 @@ from tests.test_e2e import orchestrator, read_metrics, wait_for
 from tests.test_supervision import pid_of, wait_for_step
 
 PLAIN_WORKER = Path(__file__).parent / "workers" / "plain_worker.py"
+CONFORMANCE_WORKER = Path(__file__).parent / "workers" / "conformance_worker.py"
 WORKER_CONFIG = "[reward]\ntimeout_s = 3.0\nmax_attempts = 10"
 
 
@@ -172,6 +173,35 @@ def test_a_restarted_learner_keeps_its_reward_worker(tmp_path):
     for key in ("reward_retries", "reward_late_replies", "reward_lost_workers"):
         values = [m[key] for m in metrics]
         assert values == sorted(values), (key, values)
+
+
+def test_a_minimal_worker_from_the_conformance_section_survives_a_learner_restart(tmp_path):
+    """tests/workers/conformance_worker.py was written from PROTOCOL.md's conformance
+    section alone (pyzmq + msgpack, nothing of ours). It trains a run whose learner is
+    SIGKILLed mid-run: it attaches again by itself and is told to stop at the end."""
+    steps = 8
+    cfg = write_config(tmp_path, "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100", steps=steps,
+                       reward="worker")
+    proc = orchestrator("up", "--config", str(cfg))
+    run = tmp_path / "run"
+    wait_for(run / "endpoints.json")
+    worker = subprocess.Popen([sys.executable, str(CONFORMANCE_WORKER), "--run-dir", str(run)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for_step(run, 3, proc)
+        os.kill(pid_of(run, "learner"), signal.SIGKILL)
+        out = finish(proc, [])
+        worker_out, _ = worker.communicate(timeout=30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert "learner exited with code -9; restarting it (1/3)" in out
+    assert worker.returncode == 0, worker_out
+    assert "reattached" in worker_out and "stopped: training finished" in worker_out
+    metrics = read_metrics(run)
+    assert_nothing_lost(metrics, steps, 2)
+    assert metrics[-1]["groups_dropped"] == 0
 
 
 def test_a_worker_exits_when_its_learner_is_gone_for_good(tmp_path):

@@ -30,7 +30,7 @@ def main():
     hello = header("hello", role="reward_worker", pid=os.getpid(), beats_while_scoring=True)
     sock.send_multipart([hello])
     sock.send_multipart([header("ready")])
-    answered, instance, last_beat = 0, None, 0.0
+    answered, last_beat = 0, 0.0
     while True:
         if time.monotonic() - last_beat >= 1.0:
             sock.send_multipart([header("heartbeat", role="reward_worker", time=time.time())])
@@ -40,11 +40,9 @@ def main():
         msg = msgpack.unpackb(sock.recv_multipart()[0])
         if msg.get("kind") == "stop":
             break
-        if msg.get("kind") == "hello":
-            if instance is not None and msg["instance"] != instance:
-                sock.send_multipart([hello])
-                sock.send_multipart([header("ready")])
-            instance = msg["instance"]
+        if msg.get("kind") == "hello" and msg.get("attached") is False:
+            sock.send_multipart([hello])  # a restarted learner that does not know us
+            sock.send_multipart([header("ready")])
         if msg.get("kind") != "score":
             continue
         if answered == hang:

@@ -1,0 +1,110 @@
+"""The reward socket's rules (PROTOCOL.md, "Liveness" and "What the learner does with
+your messages"), driven message by message: the real dispatcher on a real ROUTER, the
+test as the workers on real DEALERs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+import protocol
+from protocol.lifecycle import HEARTBEAT_TIMEOUT_S
+from rewards.dispatcher import RewardDispatcher
+
+
+@pytest.fixture
+def socket_pair(tmp_path):
+    ctx = zmq.Context()
+    dispatcher = RewardDispatcher(ctx, f"ipc://{tmp_path}/reward.sock", timeout_s=60, max_attempts=5)
+    workers = []
+
+    def worker() -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(dispatcher.endpoint)
+        workers.append(sock)
+        return sock
+
+    yield dispatcher, worker
+    for w in workers:
+        w.close(linger=0)
+    dispatcher.sock.close(linger=0)
+    ctx.term()
+
+
+def send(sock: zmq.Socket, kind: str, **header) -> None:
+    sock.send_multipart(protocol.encode(kind, header))
+
+
+def receive(sock: zmq.Socket, dispatcher: RewardDispatcher, kind: str,
+            timeout: float = 5.0) -> protocol.Message:
+    """Pump the dispatcher until `sock` receives a message of `kind` (others are skipped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dispatcher.poll(10)
+        while sock.poll(0):
+            msg = protocol.decode(sock.recv_multipart())
+            if msg.kind == kind:
+                return msg
+    raise AssertionError(f"no {kind} within {timeout} s")
+
+
+def attach(sock: zmq.Socket, dispatcher: RewardDispatcher) -> protocol.Message:
+    send(sock, protocol.HELLO, role="reward_worker", pid=1)
+    send(sock, protocol.READY)
+    return receive(sock, dispatcher, protocol.HELLO)
+
+
+def request(dispatcher: RewardDispatcher, rid: str) -> None:
+    dispatcher.submit(rid, {"prompts": ["p"], "completions": ["c"], "completion_ids": [[1]],
+                            "columns": {}}, 1)
+
+
+def test_the_answer_to_a_hello_says_attached_and_a_stranger_is_told_it_is_not(socket_pair):
+    dispatcher, worker = socket_pair
+    a = worker()
+    hello = attach(a, dispatcher)
+    assert hello["attached"] is True and hello["instance"] == dispatcher.instance
+    assert hello["heartbeat_s"] == 1.0 and "model" not in hello.header
+    stranger = worker()  # e.g. a worker of the learner before a restart
+    send(stranger, protocol.HEARTBEAT, role="reward_worker", time=1.0)
+    send(stranger, protocol.READY)
+    assert receive(stranger, dispatcher, protocol.HELLO)["attached"] is False
+    dispatcher.poll(50)
+    assert not stranger.poll(100), "the greeting is sent once"
+    request(dispatcher, "r1")
+    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"  # never to the stranger
+
+
+def test_a_worker_that_says_stop_hands_on_its_request_at_once(socket_pair):
+    dispatcher, worker = socket_pair
+    a, b = worker(), worker()
+    attach(a, dispatcher)
+    request(dispatcher, "r1")
+    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"
+    attach(b, dispatcher)
+    send(a, protocol.STOP, reason="leaving")
+    t0 = time.monotonic()
+    assert receive(b, dispatcher, protocol.SCORE)["request_id"] == "r1"
+    assert time.monotonic() - t0 < 1
+    send(b, protocol.SCORE_REPLY, request_id="r1", rewards=[0.5])
+    done, failed = [], []
+    while not done:
+        replies, failures = dispatcher.poll(10)
+        done += replies
+        failed += failures
+    assert [r.request_id for r in done] == ["r1"] and not failed
+
+
+def test_an_idle_worker_taken_for_gone_is_ready_again_when_it_speaks(socket_pair):
+    dispatcher, worker = socket_pair
+    a = worker()
+    attach(a, dispatcher)
+    deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S + 3
+    while dispatcher.n_workers and time.monotonic() < deadline:  # silent: no heartbeats
+        dispatcher.poll(50)
+    assert dispatcher.n_workers == 0 and dispatcher.stats["lost_workers"] == 1
+    send(a, protocol.HEARTBEAT, role="reward_worker", time=1.0)  # it was only slow to beat
+    request(dispatcher, "r1")
+    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"  # no new ready needed
