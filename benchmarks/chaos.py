@@ -35,33 +35,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import EXAMPLES, ROOT, log
+from benchmarks.common import EXAMPLES, ROOT, TINY_TOML, log
 
 KINDS = ("actor", "learner", "worker", "orchestrator")
 RECOVERY_TIMEOUT_S = 180.0
 
-CONFIG = """\
-[model]
-path = "{model}"
-[data]
-prompts = "{prompts}"
-[sampling]
-group_size = 4
-max_tokens = 6
-[train]
-steps = {steps}
-batch_size = 2
-learning_rate = 3e-4
-checkpoint_every = 2
-keep_checkpoints = 3
-[reward]
-functions = ["worker"]
-timeout_s = 10.0
-[run]
-dir = "{run}"
-max_restarts = 1000
-hang_timeout_s = 120.0
-"""
+# examples/tiny.toml with small groups, external rewards and room for a thousand restarts.
+OVERRIDES = {
+    "sampling.group_size": "4", "sampling.max_tokens": "6", "train.batch_size": "2",
+    "train.checkpoint_every": "2", "train.keep_checkpoints": "3", "reward.functions": '["worker"]',
+    "reward.timeout_s": "10.0", "run.max_restarts": "1000", "run.hang_timeout_s": "120.0",
+}
 
 
 def python(*args: str, log_path: Path, cwd: Path = ROOT) -> subprocess.Popen:
@@ -109,13 +93,10 @@ class Chaos:
     def __post_init__(self) -> None:
         self.run = self.work / "run"
         self.rng = random.Random(self.seed)
-        shutil.copy(EXAMPLES / "tiny_task.py", self.work / "tiny_task.py")
 
-    def write_config(self, steps: int) -> Path:
-        cfg = self.work / "chaos.toml"
-        cfg.write_text(CONFIG.format(model=EXAMPLES / "tiny-model", prompts=EXAMPLES / "tiny_prompts.jsonl",
-                                     steps=steps, run=self.run))
-        return cfg
+    def config_args(self, steps: int) -> list[str]:
+        sets = [arg for key, value in OVERRIDES.items() for arg in ("--set", f"{key}={value}")]
+        return ["--config", str(TINY_TOML), "--run-dir", str(self.run), "--steps", str(steps), *sets]
 
     def start_orchestrator(self, *args: str) -> None:
         self.orchestrator = python("-m", "orchestrator", "up", *args, log_path=self.work / "orchestrator.log")
@@ -126,7 +107,7 @@ class Chaos:
         self.workers = [w for w in self.workers if w.poll() is None]
         while len(self.workers) < n and (self.run / "endpoints.json").exists():
             w = python("-m", "orchestrator", "reward-worker", "tiny_task:reward", "--run-dir", str(self.run),
-                       log_path=self.work / "workers.log", cwd=self.work)
+                       log_path=self.work / "workers.log", cwd=EXAMPLES)
             self.workers.append(w)
             self.pids.add(w.pid)
 
@@ -261,7 +242,7 @@ def resume_copy(work: Path, run: Path, name: str, steps: int) -> str:
     while not (copy / "endpoints.json").exists():
         time.sleep(0.05)
     worker = python("-m", "orchestrator", "reward-worker", "tiny_task:reward", "--run-dir", str(copy),
-                    log_path=work / f"{name}-worker.log", cwd=work)
+                    log_path=work / f"{name}-worker.log", cwd=EXAMPLES)
     try:
         code = orch.wait(300)
         worker.wait(30)
@@ -316,7 +297,7 @@ def main() -> int:
     log(f"chaos run in {work}: {steps} steps, {args.kills} kills of each of {', '.join(KINDS)}")
     t0 = time.monotonic()
     try:
-        chaos.start_orchestrator("--config", str(chaos.write_config(steps)))
+        chaos.start_orchestrator(*chaos.config_args(steps))
         chaos.wait_for_progress(0)
         chaos.play()
         code = chaos.finish()

@@ -137,18 +137,16 @@ def test_a_killed_worker_s_request_is_scored_by_the_other_within_5_s(tmp_path):
     assert "sent nothing for" in (run / "learner.log").read_text()
 
 
-def test_a_restarted_learner_keeps_its_reward_worker(tmp_path):
-    """SIGKILL the learner with an `orchestrator reward-worker` attached: the restarted
-    learner trains to the end with that same worker, which attaches again by itself and
-    exits when the run ends."""
-    steps = 8
+def train_through_a_learner_kill(tmp_path: Path, worker_args: list[str], steps: int = 8) -> tuple[Path, str]:
+    """A run scored by one external worker (`python WORKER_ARGS`, started from tmp_path),
+    whose learner is SIGKILLed after step 3. Returns the run directory and the worker's
+    output once the run and the worker have ended; asserts both ended well."""
     cfg = write_config(tmp_path, "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100", steps=steps,
                        reward="worker")
     proc = orchestrator("up", "--config", str(cfg))
     run = tmp_path / "run"
     wait_for(run / "endpoints.json")
-    worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
-                               "--run-dir", str(run)], cwd=tmp_path, text=True,
+    worker = subprocess.Popen([sys.executable, *worker_args, "--run-dir", str(run)], cwd=tmp_path, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -162,14 +160,24 @@ def test_a_restarted_learner_keeps_its_reward_worker(tmp_path):
             worker.wait()
     assert "learner exited with code -9; restarting it (1/3)" in out
     assert worker.returncode == 0, worker_out
-    assert "the learner restarted" in worker_out and "attaching again" in worker_out
-    assert "stopping: training finished" in worker_out
-    assert "malformed" not in worker_out  # the learner's hello is what PROTOCOL.md says
-    assert worker_out.count("serving tiny_task:reward") == 1  # the same worker throughout
     metrics = read_metrics(run)
     assert_nothing_lost(metrics, steps, 2)
     assert metrics[-1]["groups_dropped"] == 0
+    return run, worker_out
+
+
+def test_a_restarted_learner_keeps_its_reward_worker(tmp_path):
+    """SIGKILL the learner with an `orchestrator reward-worker` attached: the restarted
+    learner trains to the end with that same worker, which attaches again by itself and
+    exits when the run ends."""
+    command = ["-m", "orchestrator", "reward-worker", "tiny_task:reward"]
+    run, out = train_through_a_learner_kill(tmp_path, command)
+    assert "the learner restarted" in out and "attaching again" in out
+    assert "stopping: training finished" in out
+    assert "malformed" not in out  # the learner's hello is what PROTOCOL.md says
+    assert out.count("serving tiny_task:reward") == 1  # the same worker throughout
     # the socket's counters go on across the restart (restored from the checkpoint)
+    metrics = read_metrics(run)
     for key in ("reward_retries", "reward_late_replies", "reward_lost_workers"):
         values = [m[key] for m in metrics]
         assert values == sorted(values), (key, values)
@@ -179,29 +187,8 @@ def test_a_minimal_worker_from_the_conformance_section_survives_a_learner_restar
     """tests/workers/conformance_worker.py was written from PROTOCOL.md's conformance
     section alone (pyzmq + msgpack, nothing of ours). It trains a run whose learner is
     SIGKILLed mid-run: it attaches again by itself and is told to stop at the end."""
-    steps = 8
-    cfg = write_config(tmp_path, "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100", steps=steps,
-                       reward="worker")
-    proc = orchestrator("up", "--config", str(cfg))
-    run = tmp_path / "run"
-    wait_for(run / "endpoints.json")
-    worker = subprocess.Popen([sys.executable, str(CONFORMANCE_WORKER), "--run-dir", str(run)], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        wait_for_step(run, 3, proc)
-        os.kill(pid_of(run, "learner"), signal.SIGKILL)
-        out = finish(proc, [])
-        worker_out, _ = worker.communicate(timeout=30)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
-    assert "learner exited with code -9; restarting it (1/3)" in out
-    assert worker.returncode == 0, worker_out
-    assert "reattached" in worker_out and "stopped: training finished" in worker_out
-    metrics = read_metrics(run)
-    assert_nothing_lost(metrics, steps, 2)
-    assert metrics[-1]["groups_dropped"] == 0
+    _, out = train_through_a_learner_kill(tmp_path, [str(CONFORMANCE_WORKER)])
+    assert "reattached" in out and "stopped: training finished" in out
 
 
 def test_a_worker_exits_when_its_learner_is_gone_for_good(tmp_path):
