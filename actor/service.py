@@ -61,8 +61,7 @@ class Actor:
         self.sock.setsockopt(zmq.LINGER, 2000)
         # Under an orchestrator the lifeline ends us; started by hand, we end when the
         # learner has been unreachable for good.
-        self.watch = lifecycle.ConnectionWatch(self.sock)
-        self.sock.connect(protocol.read_endpoints(run_dir)["learner"])
+        self.watch = lifecycle.ConnectionWatch(self.sock, protocol.read_endpoints(run_dir)["learner"])
         self.learner_lost = False
 
     def send(self, kind: str, header: dict, arrays: dict | None = None) -> None:

@@ -36,8 +36,7 @@ class RewardWorker:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 1000)
-        self.watch = lifecycle.ConnectionWatch(self.sock)
-        self.sock.connect(endpoint)
+        self.watch = lifecycle.ConnectionWatch(self.sock, endpoint)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self.instance: str | None = None  # the learner we are attached to
         self.requests: collections.deque[protocol.Message] = collections.deque()

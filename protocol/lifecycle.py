@@ -228,17 +228,21 @@ def hold_run_lock(run_dir: str | Path) -> int:
 # -- the connection watch -------------------------------------------------------------
 
 class ConnectionWatch:
-    """Whether a connecting socket has a live peer, from libzmq's monitor events. Over TCP
-    it also turns on ZMTP heartbeats, which libzmq's I/O thread answers even while the
-    learner is busy in a long step, so only a dead or unreachable learner drops."""
+    """Connects `sock` to `endpoint` and tells whether it has a live peer, from libzmq's
+    monitor events. Over `ipc://` a peer's death closes the connection at once. Over
+    `tcp://` ZMTP heartbeats find a dead or unreachable host; libzmq's I/O thread answers
+    them even while the learner is busy in a long step, so the timeout is generous: a
+    dropped connection comes back under a new identity, which the learner must re-greet."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(5 * HEARTBEAT_S * 1000))
+    def __init__(self, sock: zmq.Socket, endpoint: str) -> None:
+        if endpoint.startswith("tcp://"):
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # find a restarted learner within a second
         self.sock = sock
         self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self.down_since: float | None = time.monotonic()  # not connected yet
+        sock.connect(endpoint)
 
     def down_for(self) -> float:
         """Seconds without a connected peer (0 while connected)."""
