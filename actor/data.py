@@ -24,7 +24,6 @@ class Prompt:
     prompt: Any  # as written: a string or a list of chat messages
     prompt_ids: list[int]
     columns: dict[str, Any]
-    truncated: bool
 
 
 def _check_messages(prompt: Any, where: str) -> None:
@@ -69,8 +68,7 @@ def load_prompts(path: str | Path, tokenizer: Any, max_prompt_tokens: int) -> li
             ids = encode_prompt(tokenizer, prompt)
             if not ids:
                 raise DataError(f"{where}: the prompt encodes to no tokens")
-            truncated = len(ids) > max_prompt_tokens
-            prompts.append(Prompt(len(prompts), prompt, ids[-max_prompt_tokens:], row, truncated))
+            prompts.append(Prompt(len(prompts), prompt, ids[-max_prompt_tokens:], row))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts

@@ -195,12 +195,6 @@ def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
     return [flat[i:i + group_size] for i in range(0, len(flat), group_size)]
 
 
-def sample_group(model: nn.Module, prompt_ids: list[int], group_size: int,
-                 params: SamplingParams, eos_ids: set[int], seed: int = 0) -> list[Completion]:
-    """Sample `group_size` completions of one prompt; stop each row at its first EOS."""
-    return sample_groups(model, [prompt_ids], group_size, params, eos_ids, seed)[0]
-
-
 def reference_sample(model: nn.Module, prompt_ids: list[int], group_size: int,
                      params: SamplingParams, eos_ids: set[int], seed: int,
                      row_offset: int = 0) -> list[Completion]:

@@ -14,7 +14,7 @@ EXAMPLES = ROOT / "examples"
 MODEL_DIR = EXAMPLES / "tiny-model"
 PROMPTS = EXAMPLES / "tiny_prompts.jsonl"
 TINY_TOML = EXAMPLES / "tiny.toml"
-# The LoRA settings the brief fixes for the rollout comparison (also tiny.toml's).
+# The LoRA settings of the rollout comparison (also tiny.toml's).
 LORA = {"rank": 8, "scale": 20.0}
 
 

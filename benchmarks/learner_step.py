@@ -38,7 +38,6 @@ def _tiny_reward():
 
 def _real_batch(model, tokenizer, cfg: dict):
     """Sample batch_size groups with our sampler and score them: (samples, rewards)."""
-    import mlx.core as mx
 
     import actor.sampler as sampler
     from actor.data import load_prompts
@@ -49,13 +48,8 @@ def _real_batch(model, tokenizer, cfg: dict):
     prompts = load_prompts(cfg["data"]["prompts"], tokenizer, s["max_prompt_tokens"])[:batch_size]
     reward = _tiny_reward()
     eos_ids = set(tokenizer.eos_token_ids)
-    if hasattr(sampler, "sample_groups"):  # the batched sampler, as the actor uses it
-        groups = sampler.sample_groups(model, [p.prompt_ids for p in prompts], s["group_size"], params,
-                                       eos_ids, s["seed"])
-    else:
-        mx.random.seed(s["seed"])
-        groups = [sampler.sample_group(model, p.prompt_ids, s["group_size"], params, eos_ids)
-                  for p in prompts]
+    groups = sampler.sample_groups(model, [p.prompt_ids for p in prompts], s["group_size"], params,
+                                   eos_ids, s["seed"])
     samples, rewards = [], []
     for p, group in zip(prompts, groups):
         ids = [c.token_ids for c in group]

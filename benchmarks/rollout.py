@@ -34,25 +34,12 @@ class RolloutResult:
         return None
 
 
-def our_sampler_name() -> str:
-    import actor.sampler as sampler
-
-    # Another developer is adding a batched sampler; use it as soon as it exists.
-    return "sample_groups" if hasattr(sampler, "sample_groups") else "sample_group per prompt"
-
-
 def sample_ours(model, prompt_ids: list[list[int]], group_size: int, params, eos_ids: set[int],
                 seed: int) -> int:
-    """Sample every prompt's group with our sampler; return the tokens produced."""
-    import mlx.core as mx
+    """Sample every prompt's group with our sampler, as the actor does; return the tokens produced."""
+    from actor.sampler import sample_groups
 
-    import actor.sampler as sampler
-
-    if hasattr(sampler, "sample_groups"):
-        groups = sampler.sample_groups(model, prompt_ids, group_size, params, eos_ids, seed)
-    else:
-        mx.random.seed(seed)
-        groups = [sampler.sample_group(model, p, group_size, params, eos_ids) for p in prompt_ids]
+    groups = sample_groups(model, prompt_ids, group_size, params, eos_ids, seed)
     return sum(len(c.token_ids) for group in groups for c in group)
 
 
@@ -104,7 +91,7 @@ def run(num_prompts: int, group_sizes: tuple[int, ...], max_tokens: int, reps: i
         # Decode all rows in one batch, as our batched sampler does; mlx-lm's own default
         # (32 decoding rows, 8 prefilled at a time) is reported beside it for reference.
         whole = {"completion_batch_size": n, "prefill_batch_size": n}
-        r = RolloutResult(g, len(prompt_ids), max_tokens, our_sampler_name(), theirs_kwargs=whole)
+        r = RolloutResult(g, len(prompt_ids), max_tokens, "sample_groups", theirs_kwargs=whole)
         log(f"rollout G={g}: ours ({r.sampler}) vs batch_generate, {len(prompt_ids)} prompts, "
             f"max_tokens {max_tokens}, {reps} interleaved repetitions")
         medians, r.runs = rates({

@@ -53,6 +53,9 @@ def check_plan(cfg: dict, available_gb: float | None, show: bool = False) -> dic
     except DataError as e:
         typer.echo(f"data error: {e}", err=True)
         raise typer.Exit(lifecycle.EXIT_USER_ERROR) from None
+    except ConfigError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(lifecycle.EXIT_CONFIG) from None
     except PlanError as e:
         if show:
             typer.echo(f"error: {e}", err=True)

@@ -16,6 +16,8 @@ import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from protocol.config import ConfigError
+
 MB = 1 << 20
 GB = 1 << 30
 KV_STEP = 256  # mlx-lm grows KV caches in steps of 256 tokens
@@ -30,15 +32,15 @@ HIDDEN_TENSORS, INTERMEDIATE_TENSORS, ATTENTION_MAPS = 14, 5, 2
 CHECKPOINT_BLOCKS = 1.5
 # Float32-sized copies of the logits alive at the learner's peak: the model's logits cast
 # to float32, scaled by 1/temperature, exp() inside logsumexp, and the gradient (about 5;
-# the tiny model's vocabulary is too small to fit this, so it is set by the Qwen3-0.6B
-# check in tests/test_plan.py).
+# tests/test_plan.py measures it on a 16k-vocabulary model where logits are the peak).
 LOGIT_COPIES = 5
 # Estimates run up to 10% low on the measured shapes: a plan must fit with this margin.
 SAFETY = 1.10
 
 
 class PlanError(ValueError):
-    """The model's shape cannot be read."""
+    """The model's shape cannot be read yet (a hub model not downloaded): a run can go on
+    without a plan."""
 
 
 @dataclass(frozen=True)
@@ -63,17 +65,23 @@ def _safetensors_header(path: Path) -> dict:
 
 
 def model_dir(path: str) -> Path:
+    """The model's directory: `path` itself, or its snapshot in the local Hugging Face cache.
+    Raises PlanError when a valid hub id is not downloaded yet, ConfigError when `path`
+    is no valid hub id either; any other failure of the cache is reported as it is."""
     p = Path(path)
     if p.is_dir():
         return p
-    try:
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, LocalEntryNotFoundError
 
+    try:
         return Path(snapshot_download(path, local_files_only=True,
                                       allow_patterns=["*.json", "*.safetensors"]))
-    except Exception:
-        raise PlanError(f"model {path!r} is neither a directory nor in the local Hugging Face "
-                        "cache; the plan needs its config.json and weights on disk") from None
+    except LocalEntryNotFoundError:
+        raise PlanError(f"model {path!r} is not in the local Hugging Face cache yet; the plan "
+                        "needs its config.json and weights on disk") from None
+    except HFValidationError as e:
+        raise ConfigError(f"model.path {path!r} is neither a local directory nor a hub id: {e}") from None
 
 
 def read_shape(path: str) -> ModelShape:
@@ -121,7 +129,6 @@ class Shape:
     max_tokens: int
     micro_batch_size: int
     grad_checkpoint: bool
-    beta: float
     lora_rank: int
     lora_layers: int
     lora_keys: tuple[str, ...]
@@ -153,10 +160,14 @@ def activation_bytes(m: ModelShape, tokens: int, seq: int) -> float:
 def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
     rows = s.batch_size * s.group_size  # every group of a batch decodes together
     ctx = math.ceil(s.tokens / KV_STEP) * KV_STEP
+    kv = rows * ctx * m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes
     return {
         "weights": m.weight_bytes,
         "lora": 4 * lora_params(m, s),
-        "kv_cache": rows * ctx * m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes,
+        "kv_cache": kv,
+        # Dropping finished rows (cache filter) and growing past a 256-token block both
+        # build the new cache while the old one is alive: measured peaks are 1.5x the cache.
+        "kv_copy": kv / 2,
         "prefill": s.prompt_tokens * (m.vocab * 4 + 4 * m.hidden * m.act_bytes),
         "sampling": rows * m.vocab * 4 * 4,  # logits, logprobs, sorted copy, mask
     }
@@ -224,8 +235,8 @@ def detect_budget() -> tuple[float, str]:
 def shape_from_config(cfg: dict, prompt_tokens: int) -> Shape:
     s, t, lora = cfg["sampling"], cfg["train"], cfg["lora"]
     return Shape(s["group_size"], t["batch_size"], prompt_tokens, s["max_tokens"],
-                 t["micro_batch_size"], t["grad_checkpoint"], cfg["algorithm"]["beta"],
-                 lora["rank"], lora["num_layers"], tuple(lora["keys"]))
+                 t["micro_batch_size"], t["grad_checkpoint"], lora["rank"], lora["num_layers"],
+                 tuple(lora["keys"]))
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:

@@ -151,7 +151,8 @@ def numeric_grad(f, x, h=1e-6):
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_matches_numpy_reference_on_ragged_batches(name, beta):
-    rng = np.random.default_rng(hash((name, beta)) % 2**32)
+    # A seed per case that is the same in every process (hash() of a str is salted).
+    rng = np.random.default_rng([sorted(ALGORITHMS).index(name), int(beta * 100)])
     for _ in range(3):
         b, t = 6, 7
         old = rng.normal(-2, 0.5, (b, t))

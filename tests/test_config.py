@@ -402,7 +402,7 @@ def test_load_config_bad_override(item, message):
         load_config(TINY, overrides=[item])
 
 
-# --------------------------------------------------------------------------- known bugs
+# --------------------------------------------------------------------------- non-finite numbers
 
 
 @pytest.mark.parametrize("section,key,literal", [

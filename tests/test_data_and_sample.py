@@ -38,7 +38,7 @@ def test_long_prompts_keep_their_end(tiny, tmp_path):
     _, tok = tiny
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "abcdefghij"}])
     (p,) = load_prompts(path, tok, 4)
-    assert tok.decode(p.prompt_ids) == "ghij" and p.truncated
+    assert tok.decode(p.prompt_ids) == "ghij"
 
 
 @pytest.mark.parametrize("line,problem", [
@@ -60,7 +60,8 @@ def test_prompt_stream_shuffles_by_seed_and_resumes_from_its_cursor(tiny):
     a = PromptStream(prompts, True, seed=3)
     first = [next(a).index for _ in range(25)]
     assert sorted(first[:10]) == list(range(10)) and first[:10] != list(range(10))
-    assert first == [next(PromptStream(prompts, True, seed=3)).index for _ in range(1)] + first[1:]
+    again = PromptStream(prompts, True, seed=3)
+    assert [next(again).index for _ in range(25)] == first  # the same seed, the same order
     assert [next(PromptStream(prompts, True, seed=4)).index for _ in range(10)] != first[:10]
     b = PromptStream(prompts, True, seed=3)
     for _ in range(13):

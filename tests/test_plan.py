@@ -15,9 +15,7 @@ from learner.algorithms import make_algorithm
 from learner.step import Correction, Sample, make_batch, optimizer_step, prepare
 from orchestrator.plan import (
     MB,
-    ModelShape,
     Shape,
-    actor_terms,
     learner_terms,
     make_plan,
     read_shape,
@@ -27,18 +25,10 @@ from policy.model import load_policy
 from tests.conftest import EXAMPLES, ROOT, TINY_MODEL
 from tests.test_e2e import read_metrics
 
-# Qwen3-0.6B (mlx-community 4-bit): the shape the seed's single-process trainer measured.
-QWEN3_06B = ModelShape(
-    weight_bytes=335_000_000, layers=28, hidden=1024, intermediate=3072, heads=16, kv_heads=8,
-    head_dim=128, vocab=151936, act_bytes=2,
-    lora_in_out={"self_attn.q_proj": (1024, 2048), "self_attn.k_proj": (1024, 1024),
-                 "self_attn.v_proj": (1024, 1024), "self_attn.o_proj": (2048, 1024),
-                 "mlp.gate_proj": (1024, 3072), "mlp.up_proj": (1024, 3072), "mlp.down_proj": (3072, 1024)})
-
 
 def shape(**kw) -> Shape:
     base = dict(group_size=8, batch_size=1, prompt_tokens=16, max_tokens=48, micro_batch_size=0,
-                grad_checkpoint=False, beta=0.0, lora_rank=8, lora_layers=-1, lora_keys=())
+                grad_checkpoint=False, lora_rank=8, lora_layers=-1, lora_keys=())
     return Shape(**{**base, **kw})
 
 
@@ -83,13 +73,31 @@ def test_suggestions_follow_the_documented_order():
     assert full > gc
 
 
-@pytest.mark.parametrize("rows,prompt,completion,checkpoint", [
-    (16, 16, 48, False), (64, 16, 112, False), (32, 32, 224, False), (8, 64, 448, False),
-    (32, 32, 224, True),
-])
-def test_learner_estimate_is_within_15_percent_of_measured_peaks(rows, prompt, completion, checkpoint):
+@pytest.fixture(scope="session")
+def wide_vocab_model(tmp_path_factory) -> str:
+    """The tiny model's shape with one layer and a 16,384-token vocabulary: the learner's
+    peak is then mostly logits, so the plan's logits term is measured, not assumed."""
+    import shutil
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from policy.tiny import MODEL_CONFIG
+
+    out = tmp_path_factory.mktemp("wide-vocab")
+    config = dict(MODEL_CONFIG, num_hidden_layers=1, vocab_size=16384, eos_token_id=1)
     mx.random.seed(0)
-    model, _, _ = load_policy(str(TINY_MODEL), {"rank": 8, "scale": 20.0})
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TINY_MODEL / name, out / name)  # ids beyond its 57 tokens are never decoded
+    return str(out)
+
+
+def measured_learner_peak(model_path: str, rows: int, prompt: int, completion: int, checkpoint: bool) -> int:
+    mx.random.seed(0)
+    model, _, _ = load_policy(model_path, {"rank": 8, "scale": 20.0})
     model.train()
     block = type(model.layers[0])
     original = block.__call__
@@ -109,33 +117,56 @@ def test_learner_estimate_is_within_15_percent_of_measured_peaks(rows, prompt, c
         prepared = prepare(model, batch, 1.0, 0.0, Correction())
         optimizer_step(model, optim.Adam(learning_rate=1e-4), alg, batch, prepared,
                        rng.normal(size=rows), 1.0, 1.0)
-        measured = mx.get_peak_memory()
+        return mx.get_peak_memory()
     finally:
         block.__call__ = original  # other tests use the same class
+
+
+@pytest.mark.parametrize("rows,prompt,completion,checkpoint", [
+    (16, 16, 48, False), (64, 16, 112, False), (32, 32, 224, False), (8, 64, 448, False),
+    (32, 32, 224, True),
+])
+def test_learner_estimate_is_within_15_percent_of_measured_peaks(rows, prompt, completion, checkpoint):
+    measured = measured_learner_peak(str(TINY_MODEL), rows, prompt, completion, checkpoint)
     est = sum(learner_terms(read_shape(str(TINY_MODEL)),
                             shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion,
                                   grad_checkpoint=checkpoint)).values())
     assert abs(est / measured - 1) <= 0.15, (est / MB, measured / MB)
 
 
-def test_qwen3_06b_sanity_check_against_the_seeds_measurement():
-    """The seed's single-process trainer measured 6.245 GB for Qwen3-0.6B 4-bit, G=4,
-    prompt ~19 tokens, 256 completion tokens. One process holds one copy of the weights:
-    compare learner + actor terms minus one copy of the weights."""
-    s = shape(group_size=4, prompt_tokens=19, max_tokens=256)
-    learner = sum(learner_terms(QWEN3_06B, s).values())
-    actor = sum(actor_terms(QWEN3_06B, s).values()) - QWEN3_06B.weight_bytes
-    assert abs((learner + actor) / 6.245e9 - 1) <= 0.10, (learner + actor) / 1e9
+@pytest.mark.parametrize("rows,completion", [(4, 48), (8, 112)])
+def test_the_logits_term_holds_where_logits_dominate(wide_vocab_model, rows, completion):
+    """At a 16k vocabulary the logits term is most of the estimate; the total must still be
+    within 15% of the measured peak. (The old check compared the term's coefficient with
+    the seed's Qwen3-0.6B figure that the coefficient had been fitted to.)"""
+    m = read_shape(wide_vocab_model)
+    s = shape(group_size=rows, prompt_tokens=16, max_tokens=completion)
+    terms = learner_terms(m, s)
+    assert terms["logits"] > 0.5 * sum(terms.values())
+    measured = measured_learner_peak(wide_vocab_model, rows, 16, completion, False)
+    assert abs(sum(terms.values()) / measured - 1) <= 0.15, (sum(terms.values()) / MB, measured / MB)
 
 
-def test_each_process_stays_under_its_share_on_the_default_run(default_run):
-    metrics = read_metrics(default_run)
-    shares = json.loads((default_run / "plan.json").read_text())["shares_mb"]
-    assert shares["actor"] > 0 and shares["learner"] > 0
-    for m in metrics:
+def test_each_process_stays_under_its_share_when_the_budget_is_as_small_as_the_plan_allows(tmp_path):
+    """Shares are the budget split by estimate; with the smallest budget the plan accepts
+    (its total plus the 10% margin), a share is ~1.1x its process's estimate, so an
+    estimate that is too low shows as a measured peak above the share. (On a real machine's
+    budget the shares are gigabytes and no peak of the tiny model could come near them.)"""
+    from orchestrator.plan import SAFETY, plan_for
+    from protocol.config import load_config
+
+    plan, _, _ = plan_for(load_config(EXAMPLES / "tiny.toml"), 1.0)
+    budget_gb = plan.total * SAFETY * 1.001 / (1 << 30)
+    command = ["up", "--config", str(EXAMPLES / "tiny.toml"), "--run-dir", str(tmp_path / "run"),
+               "--steps", "6", "--available-memory-gb", f"{budget_gb:.9f}"]
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", *command], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    shares = json.loads((tmp_path / "run" / "plan.json").read_text())["shares_mb"]
+    for m in read_metrics(tmp_path / "run"):
         assert m["learner_share_mb"] == shares["learner"] and m["actor_share_mb"] == shares["actor"]
-        assert 0 < m["learner_peak_mb"] < m["learner_share_mb"]
-        assert 0 < m["actor_peak_mb"] < m["actor_share_mb"]
+        assert 0 < m["learner_peak_mb"] < m["learner_share_mb"], m
+        assert 0 < m["actor_peak_mb"] < m["actor_share_mb"], m
 
 
 def test_up_goes_on_without_a_plan_for_a_hub_model_not_downloaded_yet(capsys):
@@ -152,3 +183,23 @@ def test_up_goes_on_without_a_plan_for_a_hub_model_not_downloaded_yet(capsys):
     with pytest.raises(typer.Exit) as e:
         check_plan(cfg, None, show=True)
     assert e.value.exit_code == 2
+
+
+@pytest.mark.parametrize("path", ["a/b/c/d", "bad repo!!"])
+def test_a_model_path_that_is_no_hub_id_is_a_config_error_not_a_missing_download(path, capsys):
+    """The plan used to call every failure "not in the Hugging Face cache"; an id the hub
+    cannot have is a config error (exit 2) for `up` and `plan` alike, with the real reason."""
+    import typer
+
+    from orchestrator.cli import check_plan
+    from protocol.config import load_config
+
+    cfg = load_config(EXAMPLES / "tiny.toml")
+    cfg["model"]["path"] = path
+    for show in (False, True):
+        with pytest.raises(typer.Exit) as e:
+            check_plan(cfg, None, show=show)
+        assert e.value.exit_code == 2
+        err = capsys.readouterr().err
+        assert "is neither a local directory nor a hub id: Repo id must" in err, err
+        assert "cache" not in err

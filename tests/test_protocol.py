@@ -615,9 +615,9 @@ def test_mutated_messages_only_raise_protocol_error():
     assert outcomes["protocol_error"] > 100
 
 
-# --------------------------------------------------------------------------- known bugs
-# Malformed but well-formed msgpack headers on which decode raises something other than
-# ProtocolError (or accepts a bad value). strict=True: these fail loudly once fixed.
+# --------------------------------------------------------------------------- odd inputs
+# Malformed but well-formed msgpack headers that once made decode raise something other
+# than ProtocolError (or accept a bad value); each must now be a ProtocolError.
 
 ODD_INPUTS = {
     "kind is a list": forge({"kind": [1]}),

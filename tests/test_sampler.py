@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from actor.sampler import SamplingParams, reference_sample, sample_group, sample_groups, truncate
+from actor.sampler import SamplingParams, reference_sample, sample_groups, truncate
 from policy.logprobs import sequence_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
 from tests.conftest import TINY_MODEL
@@ -49,10 +49,9 @@ def test_behavior_logprobs_equal_a_full_forward(tiny, temperature, top_p):
     """At equal weights the learner's recomputation (a full forward, no cache) gives the
     actor's behavior logprobs: the importance ratio is 1 at step 0. Tolerance 1e-4."""
     model, tok = tiny
-    mx.random.seed(3)
     prompt = tok.encode("repeat 5")
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=10)
-    completions = sample_group(model, prompt, 4, params, set(tok.eos_token_ids))
+    (completions,) = sample_groups(model, [prompt], 4, params, set(tok.eos_token_ids), seed=3)
     for c in completions:
         assert len(c.token_ids) == len(c.logprobs) >= 1
         full = sequence_logprobs(model, mx.array([prompt + c.token_ids]), temperature)
@@ -64,13 +63,13 @@ def test_behavior_logprobs_equal_a_full_forward(tiny, temperature, top_p):
 def test_sampling_stops_at_eos_and_reports_why(tiny):
     model, tok = tiny
     eos = set(tok.eos_token_ids)
-    mx.random.seed(0)
     # Every token counts as EOS: each row stops after its first token, finish reason "stop".
     every = set(range(len(tok.get_vocab())))
-    stopped = sample_group(model, tok.encode("repeat 1"), 3, SamplingParams(max_tokens=5), every)
+    prompt = tok.encode("repeat 1")
+    (stopped,) = sample_groups(model, [prompt], 3, SamplingParams(max_tokens=5), every, seed=0)
     assert [len(c.token_ids) for c in stopped] == [1, 1, 1]
     assert {c.finish_reason for c in stopped} == {"stop"}
-    long = sample_group(model, tok.encode("repeat 1"), 3, SamplingParams(max_tokens=4), eos)
+    (long,) = sample_groups(model, [prompt], 3, SamplingParams(max_tokens=4), eos, seed=0)
     for c in long:
         assert c.finish_reason == ("stop" if c.token_ids[-1] in eos else "length")
         assert len(c.token_ids) <= 4
@@ -79,7 +78,7 @@ def test_sampling_stops_at_eos_and_reports_why(tiny):
 def test_top_k_one_is_greedy(tiny):
     model, tok = tiny
     prompt = tok.encode("repeat 2")
-    rows = sample_group(model, prompt, 3, SamplingParams(top_k=1, max_tokens=5), set())
+    (rows,) = sample_groups(model, [prompt], 3, SamplingParams(top_k=1, max_tokens=5), set(), seed=0)
     assert rows[0].token_ids == rows[1].token_ids == rows[2].token_ids
     logits = model(mx.array([prompt]))[0, -1]
     assert rows[0].token_ids[0] == int(mx.argmax(logits).item())
@@ -131,7 +130,7 @@ def test_rows_do_not_depend_on_the_rest_of_the_batch(policy):
     params, eos = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=10), set(tok.eos_token_ids)
     batch = sample_groups(model, prompts, 4, params, eos, seed=3)
     # The same row ids alone, or among fewer or other prompts, give the same tokens.
-    assert_same(sample_group(model, prompts[0], 4, params, eos, seed=3), batch[0])
+    assert_same(sample_groups(model, [prompts[0]], 4, params, eos, seed=3)[0], batch[0])
     assert_same(sample_groups(model, prompts[2:3], 4, params, eos, seed=3, row_offset=8)[0], batch[2])
     others = sample_groups(model, [prompts[1], tok.encode("repeat 9"), prompts[3]], 4, params, eos,
                            seed=3, row_offset=4)
