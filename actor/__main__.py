@@ -17,23 +17,13 @@ def run(run_dir: str = typer.Option(..., help="Run directory written by `orchest
     Exit codes (protocol.lifecycle): 0 told to stop by the learner, 4 a user error (the
     data file does not parse, a prompt does not fit the model, the learner refused our
     model or LoRA config), 128 + N stopped by signal N, 1 anything unexpected."""
-    import sys
-
     from actor.data import DataError
     from protocol import lifecycle
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    log = logging.getLogger("actor")
     from actor.service import main
 
-    try:
-        sys.exit(main(run_dir))
-    except DataError as e:
-        log.error("user error, not retried: %s", e)
-        sys.exit(lifecycle.EXIT_USER_ERROR)
-    except lifecycle.ForcedStop as e:
-        log.error("%s again: stopping now", e)
-        sys.exit(lifecycle.signal_exit_code(e.signum))
+    lifecycle.exit_with(lambda: main(run_dir), logging.getLogger("actor"), (DataError,))
 
 
 @app.command()

@@ -7,7 +7,6 @@ stopped by signal N after a checkpoint, 1 anything unexpected.
 
 import argparse
 import logging
-import sys
 
 from protocol import lifecycle
 from rewards.functions import RewardError
@@ -19,20 +18,9 @@ def cli() -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    log = logging.getLogger("learner")
     from learner.service import main
 
-    try:
-        sys.exit(main(args.run_dir, args.resume))
-    except RewardError as e:
-        log.error("user error, not retried: %s", e)
-        sys.exit(lifecycle.EXIT_USER_ERROR)
-    except lifecycle.RunBusy as e:
-        log.error("%s", e)
-        sys.exit(lifecycle.EXIT_BUSY)
-    except lifecycle.ForcedStop as e:
-        log.error("%s again: stopping without a checkpoint", e)
-        sys.exit(lifecycle.signal_exit_code(e.signum))
+    lifecycle.exit_with(lambda: main(args.run_dir, args.resume), logging.getLogger("learner"), (RewardError,))
 
 
 if __name__ == "__main__":

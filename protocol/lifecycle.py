@@ -26,9 +26,12 @@ import fcntl
 import logging
 import os
 import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import zmq
 
@@ -100,6 +103,24 @@ class StopSignals:
         if self.signum is not None:
             raise ForcedStop(signum)
         self.signum = signum
+
+
+def exit_with(main: Callable[[], int], log: logging.Logger,
+              user_errors: tuple[type[Exception], ...] = ()) -> NoReturn:
+    """Run a process's `main` and exit with the code that says what kind of end it was:
+    its own code, EXIT_USER_ERROR for `user_errors` (logged: they are not retried),
+    EXIT_BUSY, or 128 + N after a second stop signal."""
+    try:
+        sys.exit(main())
+    except user_errors as e:
+        log.error("user error, not retried: %s", e)
+        sys.exit(EXIT_USER_ERROR)
+    except RunBusy as e:
+        log.error("%s", e)
+        sys.exit(EXIT_BUSY)
+    except ForcedStop as e:
+        log.error("%s again: stopping now", e)
+        sys.exit(signal_exit_code(e.signum))
 
 
 # -- the lifeline ---------------------------------------------------------------------
