@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import EXAMPLES, ROOT, TINY_TOML, log
+from protocol.lifecycle import child_env
 
 KINDS = ("actor", "learner", "worker", "orchestrator")
 RECOVERY_TIMEOUT_S = 180.0
@@ -49,11 +50,9 @@ OVERRIDES = {
 
 
 def python(*args: str, log_path: Path, cwd: Path = ROOT) -> subprocess.Popen:
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path)
     with open(log_path, "a") as out:
         return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+                                env=child_env(), start_new_session=True)
 
 
 def steps_done(run: Path) -> list[int]:

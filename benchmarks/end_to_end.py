@@ -10,7 +10,6 @@ model loading, the handshake and the first (warm-up) step are left out.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import ROOT, TINY_TOML, log
+from protocol.lifecycle import child_env
 
 POLL_S = 0.01  # resolution of the line arrival times; runs last tens of seconds
 
@@ -100,8 +100,7 @@ def run_once(staleness: int, steps: int, work_dir: Path, tag: str) -> E2ERun:
     run_dir = work_dir / f"k{staleness}-{tag}"  # short: ipc socket paths must stay < 100 bytes
     cmd = [sys.executable, "-m", "orchestrator", "up", "--config", str(TINY_TOML), "--steps", str(steps),
            "--run-dir", str(run_dir), "--set", f"train.max_staleness={staleness}"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    env = child_env()
     log(f"end-to-end max_staleness={staleness} ({tag}): {steps} steps")
     with open(work_dir / f"k{staleness}-{tag}.out", "w") as out:
         t0 = time.perf_counter()

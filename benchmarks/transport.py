@@ -33,6 +33,7 @@ import zmq
 
 import protocol
 from benchmarks.common import ROOT, log, median
+from protocol.lifecycle import child_env
 
 CTL = b"ctl"
 
@@ -184,10 +185,8 @@ def run(rollout_messages: int, group_size: int, tokens: int, weight_shapes: dict
     with tempfile.TemporaryDirectory(prefix="mlxrl-bench-") as tmp:
         os.chmod(tmp, 0o700)
         endpoint = f"ipc://{tmp}/learner.sock"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
         peer = subprocess.Popen([sys.executable, "-m", "benchmarks.transport", "--endpoint", endpoint],
-                                cwd=ROOT, env=env)
+                                cwd=ROOT, env=child_env())
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)  # zmq connects once the peer has bound; sends queue meanwhile

@@ -344,9 +344,7 @@ class Learner:
     def write_status(self, phase: str) -> None:
         status = {"phase": phase, "step": self.step, "steps": self.cfg["train"]["steps"],
                   "actors": len(self.actors), "time": time.time(), **self.group_counts()}
-        tmp = self.run_dir / "status.json.tmp"
-        tmp.write_text(json.dumps(status) + "\n")
-        os.replace(tmp, self.run_dir / "status.json")
+        lifecycle.write_atomic(self.run_dir / "status.json", json.dumps(status) + "\n")
 
     def checkpoint(self) -> None:
         # Groups still queued are not in the checkpoint: after a restart the actor rewinds
@@ -428,9 +426,7 @@ def keep_metrics_until(path: Path, step: int) -> None:
         return
     lines = [line for line in path.read_text().splitlines(keepends=True)
              if line.endswith("\n") and _step_of(line) is not None and _step_of(line) <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(lines))
-    os.replace(tmp, path)
+    lifecycle.write_atomic(path, "".join(lines))
 
 
 def main(run_dir: str, resume: bool = False) -> int:

@@ -72,17 +72,13 @@ def spawn(name: str, args: list[str], run_dir: Path, lifeline: lifecycle.Lifelin
     in a session of its own, so a terminal's Ctrl-C reaches only the orchestrator, which
     then stops the children in order (learner checkpoint first)."""
     log_path = run_dir / f"{name}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **lifeline.child_env())
-    env[lifecycle.RUN_LOCK_ENV] = str(lock_fd)
+    env = lifecycle.child_env(**lifeline.child_env(), **{lifecycle.RUN_LOCK_ENV: str(lock_fd)})
     if share_mb is not None:
         env[MEMORY_SHARE_ENV] = f"{share_mb:.0f}"
     if sys.platform.startswith("linux"):
         # Two processes on one CPU: give each half of the cores' BLAS threads.
         threads = str(thread_count())
         env.update(OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
-    # Our packages live beside this one; a source checkout works without installing.
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     with open(log_path, "a") as log_file:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen([sys.executable, "-m", *args, "--run-dir", str(run_dir)],
                                 stdout=log_file, stderr=subprocess.STDOUT, env=env,

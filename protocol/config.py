@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from protocol.lifecycle import write_atomic
+
 REQUIRED = object()
 
 # The orchestrator hands each process its memory share (MB) in this variable.
@@ -228,7 +230,7 @@ def resolve_paths(cfg: dict, base: Path) -> dict:
 
 
 def write_run_config(run_dir: Path, cfg: dict) -> None:
-    (Path(run_dir) / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    write_atomic(Path(run_dir) / "config.json", json.dumps(cfg, indent=2) + "\n")
 
 
 def read_run_config(run_dir: str | Path) -> dict:

@@ -7,6 +7,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from protocol.lifecycle import write_atomic
+
 # sockaddr_un.sun_path is 108 bytes on Linux and 104 on macOS, including the NUL.
 _MAX_IPC_PATH = 100
 
@@ -31,10 +33,7 @@ def make_endpoints(run_dir: Path, transport: str = "ipc", host: str = "127.0.0.1
 
 
 def write_endpoints(run_dir: Path, endpoints: dict[str, str]) -> None:
-    path = Path(run_dir) / "endpoints.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(endpoints, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(Path(run_dir) / "endpoints.json", json.dumps(endpoints, indent=2) + "\n")
 
 
 def read_endpoints(run_dir: Path) -> dict[str, str]:

@@ -64,6 +64,27 @@ HEARTBEAT_TIMEOUT_S = 3.0
 LEARNER_TIMEOUT_S = 120.0
 
 
+# The checkout that holds our packages: a child started with it on PYTHONPATH imports them
+# whether or not the project is installed.
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process of ours: this one's, our packages importable,
+    output unbuffered (logs show what happened up to a kill), plus `extra`."""
+    path = os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write a file that readers (and a resume after a kill) see whole or not at all: write
+    a temporary file beside it, then rename it over (atomic within a file system)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def signal_exit_code(signum: int) -> int:
     """The shell's convention for "ended by signal N": 128 + N (130 for SIGINT)."""
     return 128 + signum
