@@ -113,7 +113,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_run(tmp_path):
 
 
 def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
-    from learner.service import keep_metrics_until
+    from learner.metrics import keep_metrics_until
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "los')

@@ -1,0 +1,83 @@
+"""Groups on their way from the rollout socket to a batch: scored by the reward
+functions (in-process at once, external workers when they answer), kept or filtered by
+the algorithm (DAPO drops equal-reward groups), queued, and taken `batch_size` at a time,
+dropping those too stale to train on. Every group leaves through the ledger.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import numpy as np
+
+from learner.groups import Group
+from learner.ledger import Ledger
+from rewards.functions import RewardError
+from rewards.scorer import Scored, Scorer
+
+
+class Intake:
+    def __init__(self, scorer: Scorer, keep_group: Callable[[np.ndarray], bool], ledger: Ledger) -> None:
+        self.scorer = scorer
+        self.keep_group = keep_group
+        self.ledger = ledger
+        self.unscored: list[Group] = []  # received, not yet sent to the rewards
+        self.awaiting: dict[str, Group] = {}  # waiting for an external reward
+        self.queue: collections.deque[Group] = collections.deque()  # scored and kept
+
+    @property
+    def queued(self) -> int:
+        """Groups received and neither trained nor dropped yet."""
+        return len(self.queue) + len(self.unscored) + len(self.awaiting)
+
+    def add(self, groups: list[Group]) -> None:
+        self.unscored += groups
+
+    def score(self) -> None:
+        """Send new groups to the rewards and take in those whose rewards are complete.
+        Raises RewardError (the group counted as dropped) when a reward function fails."""
+        while self.unscored:
+            g = self.unscored.pop(0)
+            key = f"{g.sender.hex()}/{g.group_id}"
+            try:
+                scored = self.scorer.submit(key, g.prompt, g.texts, g.completion_ids, g.columns)
+            except RewardError as e:
+                self.reward_failed(g, e)
+            if scored is None:
+                self.awaiting[key] = g
+            else:
+                self.accept(g, scored)
+        done, failed, errors = self.scorer.poll(0)
+        for scored in done:
+            self.accept(self.awaiting.pop(scored.key), scored)
+        for key, reason in failed:
+            self.drop(self.awaiting.pop(key), reason)
+        for key, error in errors:
+            self.reward_failed(self.awaiting.pop(key), RewardError(error))
+
+    def next_batch(self, version: int, batch_size: int, max_staleness: int) -> list[Group] | None:
+        """`batch_size` groups to train policy `version` on, dropping those more than
+        `max_staleness` versions old; None until there are enough."""
+        while self.queue and version - self.queue[0].policy_version > max_staleness:
+            self.drop(self.queue.popleft(), "stale")
+        if len(self.queue) < batch_size:
+            return None
+        return [self.queue.popleft() for _ in range(batch_size)]
+
+    def accept(self, g: Group, scored: Scored) -> None:
+        if self.keep_group(scored.total):
+            g.rewards, g.rewards_by_function = scored.total, scored.by_function
+            self.queue.append(g)
+        else:
+            self.drop(g, "filtered: equal rewards")
+
+    def reward_failed(self, g: Group, error: RewardError) -> None:
+        """A reward function that raises (or returns garbage) on a group will do so again:
+        count the group as dropped and end the run, naming the function and the row."""
+        self.drop(g, "reward error")
+        where = f"data row {g.row}" if g.row is not None else f"group {g.group_id}"
+        raise RewardError(f"{error} (on {where}, prompt {str(g.prompt)[:80]!r})") from error
+
+    def drop(self, g: Group, reason: str) -> None:
+        self.ledger.drop(reason, g.sender, g.cursor, g.group_id)

@@ -1,0 +1,141 @@
+"""The rollout socket: actors attach, stream groups in, get weights and credit back.
+
+A ZeroMQ ROUTER, so several actors can attach. An actor's hello is checked against what
+the learner runs (model, tokenizer, LoRA config); one that matches gets the learner's
+hello and the current weights before it may sample. Every rollout that arrives is
+counted in the ledger as received, and becomes a Group or is dropped with a reason;
+a message that fails validation is logged and dropped, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+
+import protocol
+from learner.groups import Group
+from learner.ledger import Ledger
+
+log = logging.getLogger("learner")
+
+MB = 1 << 20
+
+
+class RolloutSocket:
+    def __init__(self, ctx: zmq.Context, endpoint: str, ledger: Ledger, identity: dict[str, Any],
+                 check_group: Callable[[bytes, protocol.Message], Group],
+                 weights: Callable[[], dict]) -> None:
+        """`identity`: what this learner runs (model, tokenizer, lora, instance), sent in
+        its hello and checked in actors'. `check_group` turns a rollout into a Group or
+        raises ValueError with the drop reason. `weights()` gives the adapter arrays."""
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.bind(endpoint)
+        self.ledger = ledger
+        self.identity = identity
+        self.check_group = check_group
+        self.weights = weights
+        self.actors: dict[bytes, dict] = {}
+        self.weight_sync: dict[str, float] = {}  # the newest publish's size and serialize time
+
+    def send(self, actor: bytes, kind: str, header: dict | None = None) -> None:
+        self.sock.send_multipart([actor, *protocol.encode(kind, header)], copy=False)
+
+    def receive(self, timeout_ms: int, version: int, hello: dict) -> list[Group]:
+        """The groups that arrive within `timeout_ms`. An actor that attaches gets weights
+        of `version`; `hello` holds this learner's changing hello fields (the data cursor)."""
+        groups = []
+        while self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            actor, *frames = (f.buffer for f in self.sock.recv_multipart(copy=False))
+            actor = bytes(actor)
+            try:
+                msg = protocol.decode(frames)
+            except protocol.ProtocolError as e:
+                self.ledger.reject_message()
+                log.error("dropped a malformed message from %s: %s", actor.hex(), e)
+                if actor in self.actors and _looks_like_rollout(frames):
+                    # An attached actor counts this group as in flight; consume it so the
+                    # actor is not left waiting for credit that would never come.
+                    self.ledger.receive()
+                    self.ledger.drop("malformed", actor)
+                continue
+            if msg.kind == protocol.HELLO:
+                self.attach(actor, msg, version, hello)
+            elif msg.kind == protocol.ROLLOUT:
+                group = self.take_rollout(actor, msg)
+                if group is not None:
+                    groups.append(group)
+            elif msg.kind == protocol.STOP:
+                log.info("peer asked to stop: %s", msg["reason"])
+            # Heartbeats need no answer; other kinds have no meaning for the learner.
+        self.send_credits()
+        return groups
+
+    def attach(self, actor: bytes, msg: protocol.Message, version: int, hello: dict) -> None:
+        problem = self.incompatibility(msg)
+        if problem:
+            log.error("refused %s (pid %s): %s", msg["role"], msg["pid"], problem)
+            self.send(actor, protocol.STOP, {"reason": f"incompatible: {problem}"})
+            return
+        self.actors[actor] = msg.header
+        log.info("actor pid %s attached; sending weights of version %d", msg["pid"], version)
+        self.send(actor, protocol.HELLO, {"role": "learner", "pid": os.getpid(), **self.identity, **hello})
+        self.publish(version, [actor])
+
+    def incompatibility(self, msg: protocol.Message) -> str | None:
+        if msg["role"] != "actor":
+            return f"role {msg['role']!r} cannot attach to the rollout socket"
+        if msg["tokenizer"] != self.identity["tokenizer"]:
+            return "tokenizer fingerprint differs"
+        if msg["lora"] != self.identity["lora"]:
+            return f"LoRA config {msg['lora']} differs from {self.identity['lora']}"
+        if msg["model"] != self.identity["model"]:
+            return f"model {msg['model']!r} differs from {self.identity['model']!r}"
+        return None
+
+    def take_rollout(self, actor: bytes, msg: protocol.Message) -> Group | None:
+        self.ledger.receive()
+        if actor not in self.actors:
+            self.ledger.drop("no handshake", actor, group_id=msg["group_id"])
+            return None
+        try:
+            return self.check_group(actor, msg)
+        except ValueError as e:
+            self.ledger.drop(str(e), actor, group_id=msg["group_id"])
+            return None
+
+    def publish(self, version: int, actors: list[bytes] | None = None) -> None:
+        """Send the adapter weights, as `version`, to `actors` (default: every attached
+        actor), serialised once."""
+        t0 = time.perf_counter()
+        frames = protocol.encode(protocol.WEIGHTS, {"version": version, "sent_at": time.time()},
+                                 self.weights())
+        self.weight_sync = {"weights_mb": sum(len(f) for f in frames) / MB,
+                            "weights_serialize_s": time.perf_counter() - t0}
+        for actor in self.actors if actors is None else actors:
+            self.sock.send_multipart([actor, *frames], copy=False)
+
+    def send_credits(self) -> None:
+        """Tell each attached actor how many of its groups are consumed, when that changed."""
+        for actor, n in self.ledger.credits_due(list(self.actors)):
+            self.send(actor, protocol.CREDIT, {"groups_consumed": n})
+
+    def close(self, reason: str) -> None:
+        for actor in self.actors:
+            self.send(actor, protocol.STOP, {"reason": reason})
+        self.sock.close()
+
+
+def _looks_like_rollout(frames: list) -> bool:
+    try:
+        head = msgpack.unpackb(bytes(frames[0]), raw=False)
+    except Exception:
+        return False
+    return isinstance(head, dict) and head.get("kind") == protocol.ROLLOUT

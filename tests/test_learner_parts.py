@@ -1,0 +1,186 @@
+"""The learner's parts on their own: the ledger, the intake, the rollout socket and the
+metrics file (the process around them is tested end to end elsewhere)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import zmq
+
+import protocol
+from learner.groups import group_from_message
+from learner.intake import Intake
+from learner.ledger import Ledger
+from learner.metrics import MetricsFile
+from learner.rollouts import RolloutSocket
+from rewards.functions import RewardError
+from rewards.scorer import Scorer
+
+A, B = b"actor-a", b"actor-b"
+
+
+def rollout(group_id: str, version: int = 0, row: int = 0, lens=(2, 2), cursor=None) -> protocol.Message:
+    ids = np.arange(1, sum(lens) + 1, dtype=np.int32)
+    frames = protocol.encode(protocol.ROLLOUT, {
+        "group_id": group_id, "policy_version": version, "prompt": "repeat 1", "columns": {"target": "1"},
+        "texts": ["1" * n for n in lens], "finish_reasons": ["length"] * len(lens), "row": row,
+        **({"cursor": cursor} if cursor else {})}, {
+        "prompt_ids": np.array([3, 4], np.int32), "completion_ids": ids,
+        "completion_lens": np.array(lens, np.int32), "logprobs": np.full(len(ids), -1.0, np.float32)})
+    return protocol.decode(frames)
+
+
+# -- the ledger --------------------------------------------------------------------------
+
+def test_the_ledger_accounts_for_every_group_and_the_credit_of_each_actor():
+    ledger = Ledger()
+    for _ in range(5):
+        ledger.receive()
+    ledger.drop("stale", A, [0, 2])
+    ledger.train([(A, [0, 4]), (B, [0, 3])])
+    assert ledger.counts(queued=2) == {"groups_received": 5, "groups_trained": 2, "groups_queued": 2,
+                                       "groups_dropped": 1, "dropped_reasons": {"stale": 1},
+                                       "messages_rejected": 0}
+    assert ledger.data_cursor == [0, 4]  # the newest consumed prompt, not the last one seen
+    assert ledger.credits_due([A, B]) == [(A, 2), (B, 1)]
+    assert ledger.credits_due([A, B]) == []  # told once, until it changes
+    ledger.drop("filtered: equal rewards", B)
+    assert ledger.credits_due([A, B]) == [(B, 2)]
+
+
+def test_a_ledger_from_a_checkpoint_counts_queued_groups_as_not_received():
+    ledger = Ledger()
+    for _ in range(4):
+        ledger.receive()
+    ledger.train([(A, [1, 0])])
+    ledger.drop("stale", A)
+    ledger.reject_message()
+    restored = Ledger.from_state(json.loads(json.dumps(ledger.state())))
+    # two groups were queued: the resumed actor samples their prompts again
+    assert restored.counts(queued=0) == {**ledger.counts(queued=0), "groups_received": 2}
+    assert restored.data_cursor == [1, 0]
+
+
+# -- the intake --------------------------------------------------------------------------
+
+@pytest.fixture
+def scorer(tmp_path):
+    (tmp_path / "r.py").write_text(
+        "def ones(completions, **kw):\n    return [float(c.count('1')) for c in completions]\n"
+        "def fails(completions, **kw):\n    raise ValueError('bad column')\n")
+    return lambda fn: Scorer({"functions": [f"r:{fn}"], "weights": [], "search_path": str(tmp_path)})
+
+
+def group(group_id: str, lens=(2, 2), **kw):
+    return group_from_message(A, rollout(group_id, lens=lens, **kw), vocab_size=100, group_size=len(lens))
+
+
+def test_the_intake_scores_filters_and_batches_dropping_stale_groups(scorer):
+    ledger = Ledger()
+    keep = lambda r: len(set(r.tolist())) > 1  # noqa: E731 - DAPO's filter
+    intake = Intake(scorer("ones"), keep, ledger)
+    intake.add([group("same", (2, 2)), group("old", (1, 3), version=0), group("new", (3, 1), version=2)])
+    assert intake.queued == 3
+    intake.score()
+    assert ledger.dropped == {"filtered: equal rewards": 1} and intake.queued == 2
+    assert intake.next_batch(version=2, batch_size=2, max_staleness=1) is None  # "old" is stale
+    assert ledger.dropped["stale"] == 1
+    intake.add([group("newer", (1, 2), version=2)])
+    intake.score()
+    batch = intake.next_batch(version=2, batch_size=2, max_staleness=1)
+    assert [g.group_id for g in batch] == ["new", "newer"]
+    np.testing.assert_array_equal(batch[0].rewards, [3.0, 1.0])
+
+
+def test_a_failing_reward_function_is_dropped_and_named_with_its_row(scorer):
+    ledger = Ledger()
+    intake = Intake(scorer("fails"), lambda r: True, ledger)
+    intake.add([group("g", row=17)])
+    with pytest.raises(RewardError, match=r"reward function r:fails raised ValueError: bad column "
+                                          r"\(on data row 17, prompt 'repeat 1'\)"):
+        intake.score()
+    assert ledger.dropped == {"reward error": 1} and intake.queued == 0
+
+
+# -- the rollout socket ------------------------------------------------------------------
+
+IDENTITY = {"model": "m", "tokenizer": "t", "lora": {"rank": 8}, "instance": "i1"}
+
+
+@pytest.fixture
+def socket_pair(tmp_path):
+    ctx = zmq.Context()
+    ledger = Ledger()
+    weights = {"w": np.ones(3, np.float32)}
+    sock = RolloutSocket(ctx, f"ipc://{tmp_path}/learner.sock", ledger, IDENTITY,
+                         lambda actor, msg: group_from_message(actor, msg, 100, 2), lambda: weights)
+    actor = ctx.socket(zmq.DEALER)
+    actor.connect(f"ipc://{tmp_path}/learner.sock")
+    yield sock, actor, ledger
+    actor.close(linger=0)
+    sock.sock.close(linger=0)
+    ctx.term()
+
+
+def pump(sock: RolloutSocket, actor: zmq.Socket, n: int) -> tuple[list, list[protocol.Message]]:
+    groups, got = [], []
+    for _ in range(200):
+        groups += sock.receive(10, 5, {"data_cursor": [0, 3]})
+        while actor.poll(0):
+            got.append(protocol.decode(actor.recv_multipart()))
+        if len(got) >= n:
+            break
+    return groups, got
+
+
+def actor_hello(**changes) -> list:
+    return protocol.encode(protocol.HELLO, {"role": "actor", "pid": 1, "model": "m", "tokenizer": "t",
+                                            "lora": {"rank": 8}, **changes})
+
+
+def test_an_actor_that_matches_gets_hello_and_weights_and_one_that_does_not_is_told_why(socket_pair):
+    sock, actor, _ = socket_pair
+    actor.send_multipart(actor_hello(lora={"rank": 16}))
+    _, (stop,) = pump(sock, actor, 1)
+    assert stop.kind == protocol.STOP and stop["reason"].startswith("incompatible: LoRA config")
+    actor.send_multipart(actor_hello())
+    _, (hello, weights, credit) = pump(sock, actor, 3)
+    assert hello["instance"] == "i1" and hello["data_cursor"] == [0, 3]
+    assert credit.kind == protocol.CREDIT and credit["groups_consumed"] == 0
+    assert weights["version"] == 5 and weights.arrays["w"].tolist() == [1, 1, 1]
+    assert sock.weight_sync["weights_mb"] > 0
+
+
+def test_rollouts_become_groups_or_counted_drops_and_credit_flows(socket_pair):
+    sock, actor, ledger = socket_pair
+    frames = protocol.encode(protocol.ROLLOUT, rollout("x").header, rollout("x").arrays)
+    actor.send_multipart(frames)  # before any hello
+    pump(sock, actor, 0)
+    assert ledger.dropped == {"no handshake": 1}
+    actor.send_multipart(actor_hello())
+    pump(sock, actor, 3)
+    actor.send_multipart(frames)
+    actor.send_multipart(frames[:1] + [b"short"] + frames[2:])  # a rollout that fails validation
+    groups, got = pump(sock, actor, 1)
+    assert [g.group_id for g in groups] == ["x"]
+    assert ledger.received == 3 and ledger.rejected == 1 and ledger.dropped["malformed"] == 1
+    credit = [m for m in got if m.kind == protocol.CREDIT]
+    # consumed: the one before its hello and the malformed one (so the actor is not left waiting)
+    assert credit[-1]["groups_consumed"] == 2
+
+
+# -- the metrics file --------------------------------------------------------------------
+
+def test_the_metrics_file_drops_steps_after_the_checkpoint_it_resumes(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    first = MetricsFile(path)
+    for step in (1, 2, 3):
+        first.write({"step": step})
+    first.close()
+    resumed = MetricsFile(path, resume_at=2)
+    resumed.write({"step": 3, "again": True})
+    resumed.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 1}, {"step": 2}, {"step": 3, "again": True}]
