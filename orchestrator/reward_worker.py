@@ -41,7 +41,6 @@ class RewardWorker:
         self.instance: str | None = None  # the learner we are attached to
         self.requests: collections.deque[protocol.Message] = collections.deque()
         self.job: tuple[str | None, str, Future] | None = None  # (instance, request id, result)
-        self.answered = 0
         self.last_beat = 0.0
 
     def send(self, kind: str, header: dict | None = None) -> None:
@@ -118,7 +117,6 @@ class RewardWorker:
             log.error("%s", e)
             reply = {"request_id": request_id, "rewards": [], "error": str(e)}
         self.send(protocol.SCORE_REPLY, reply)
-        self.answered += 1
 
     def beat(self) -> None:
         if time.monotonic() - self.last_beat >= lifecycle.HEARTBEAT_S:
