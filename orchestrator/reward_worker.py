@@ -40,7 +40,7 @@ class RewardWorker:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self.instance: str | None = None  # the learner we are attached to
         self.requests: collections.deque[protocol.Message] = collections.deque()
-        self.job: tuple[str | None, str, Future] | None = None  # (instance, request id, result)
+        self.job: tuple[str, Future] | None = None  # (request id, result) being scored
         self.last_beat = 0.0
 
     def send(self, kind: str, header: dict | None = None) -> None:
@@ -101,15 +101,13 @@ class RewardWorker:
             inputs = {"prompts": msg["prompts"], "completions": msg["completions"],
                       "completion_ids": msg["completion_ids"], **msg["columns"]}
             result = self.pool.submit(call_reward, self.fn, inputs, self.spec)
-            self.job = (self.instance, msg["request_id"], result)
+            self.job = (msg["request_id"], result)
 
     def finish_job(self) -> None:
-        if self.job is None or not self.job[2].done():
+        if self.job is None or not self.job[1].done():
             return
-        instance, request_id, result = self.job
+        request_id, result = self.job
         self.job = None
-        if instance != self.instance:
-            return  # a request of a learner that is gone
         try:
             reply = {"request_id": request_id, "rewards": result.result()}
         except RewardError as e:

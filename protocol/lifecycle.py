@@ -166,13 +166,13 @@ class Lifeline:
                 pass
 
 
-def watch_lifeline(grace_s: float = LIFELINE_GRACE_S) -> bool:
+def watch_lifeline(grace_s: float = LIFELINE_GRACE_S) -> None:
     """In a child: when the orchestrator that started this process dies, stop cleanly
-    (as on SIGTERM), and exit after `grace_s` whatever happens. Returns whether this
-    process has a lifeline (it was started by an orchestrator)."""
+    (as on SIGTERM), and exit after `grace_s` whatever happens. Nothing to watch in a
+    process started by hand."""
     value = os.environ.pop(LIFELINE_ENV, None)  # not for our own children
     if value is None:
-        return False
+        return
     fd = int(value)
 
     def watch() -> None:
@@ -191,7 +191,6 @@ def watch_lifeline(grace_s: float = LIFELINE_GRACE_S) -> bool:
         os._exit(EXIT_CRASH)
 
     threading.Thread(target=watch, name="lifeline", daemon=True).start()
-    return True
 
 
 # -- the run lock ---------------------------------------------------------------------
