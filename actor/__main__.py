@@ -49,7 +49,7 @@ def sample(
     from actor.sample import run_sample
 
     try:
-        summary = run_sample(cfg, prompts or cfg["data"]["prompts"], num_samples, out, adapter, seed, limit)
+        summary = run_sample(cfg, prompts or cfg.data.prompts, num_samples, out, adapter, seed, limit)
     except (DataError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

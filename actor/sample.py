@@ -14,18 +14,20 @@ import numpy as np
 import zmq
 
 from actor.data import load_prompts
-from actor.sampler import SamplingParams, sample_groups
+from actor.sampler import sample_groups
 from policy.model import load_policy
+from protocol.config import Config, LoraConfig
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
 
 
-def adapter_lora(adapter: str | Path) -> dict:
+def adapter_lora(adapter: str | Path) -> LoraConfig:
     """The [lora] settings an mlx-lm adapter directory was trained with."""
-    cfg = json.loads((Path(adapter) / "adapter_config.json").read_text())
-    params = cfg["lora_parameters"]
-    return {"rank": params["rank"], "scale": params["scale"], "dropout": params.get("dropout", 0.0),
-            "num_layers": cfg.get("num_layers", -1), "keys": params.get("keys", [])}
+    saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    params = saved["lora_parameters"]
+    return LoraConfig(rank=params["rank"], scale=float(params["scale"]),
+                      dropout=float(params.get("dropout", 0.0)), num_layers=saved.get("num_layers", -1),
+                      keys=tuple(params.get("keys") or ()))
 
 
 def pass_at_k(rewards: list[list[float]]) -> float | None:
@@ -51,18 +53,17 @@ def wait_for_scores(scorer: Scorer, n: int, err: IO[str]) -> dict[str, object]:
     return results
 
 
-def run_sample(cfg: dict, prompts_path: str, num_samples: int, out_path: str,
+def run_sample(cfg: Config, prompts_path: str, num_samples: int, out_path: str,
                adapter: str | None = None, seed: int = 0, limit: int | None = None,
                err: IO[str] = sys.stderr) -> dict:
     """Sample, score and write rows; return (and print) the summary."""
-    lora = adapter_lora(adapter) if adapter else cfg["lora"]
-    model, tok, _ = load_policy(cfg["model"]["path"], lora, adapter_path=adapter)
-    s = cfg["sampling"]
-    params = SamplingParams(s["temperature"], s["top_p"], s["top_k"], s["min_p"], s["max_tokens"])
-    prompts = load_prompts(prompts_path, tok, s["max_prompt_tokens"])[:limit]
+    lora = adapter_lora(adapter) if adapter else cfg.lora
+    model, tok, _ = load_policy(cfg.model.path, lora, adapter_path=adapter)
+    params = cfg.sampling
+    prompts = load_prompts(prompts_path, tok, params.max_prompt_tokens)[:limit]
     ctx = zmq.Context()
     endpoint = f"ipc://{tempfile.mkdtemp(prefix='mlxrl-sample-')}/reward.sock"
-    scorer = Scorer(cfg["reward"], ctx, endpoint) if cfg.get("reward") else None
+    scorer = Scorer(cfg.reward, ctx, endpoint)
     rows, rewards, tokens, t0 = [], [], 0, time.perf_counter()
     for start in range(0, len(prompts), 8):  # up to 8 prompts decode as one batch
         batch = prompts[start:start + 8]
@@ -77,7 +78,7 @@ def run_sample(cfg: dict, prompts_path: str, num_samples: int, out_path: str,
         print(f"\rsampling {len(rows)}/{len(prompts)} prompts  {rate:.0f} tok/s", end="", file=err,
               flush=True)
     gen_s = time.perf_counter() - t0
-    scores = score_all(scorer, rows, err) if scorer else {}
+    scores = score_all(scorer, rows, err)
     with open(out_path, "w") as f:
         for p, completions, texts in rows:
             scored = scores.get(str(p.index))
@@ -91,8 +92,7 @@ def run_sample(cfg: dict, prompts_path: str, num_samples: int, out_path: str,
                     "reward": reward}) + "\n")
             if scored is not None:
                 rewards.append(row_rewards)
-    if scorer:
-        scorer.close()
+    scorer.close()
     ctx.term()
     flat = [r for row in rewards for r in row]
     summary = {
@@ -100,7 +100,7 @@ def run_sample(cfg: dict, prompts_path: str, num_samples: int, out_path: str,
         "mean_reward": float(np.mean(flat)) if flat else None,
         f"pass@{num_samples}": pass_at_k(rewards),
         "tokens_per_s": tokens / gen_s if gen_s > 0 else None,
-        "unscored_prompts": len(prompts) - len(rewards) if scorer else len(prompts),
+        "unscored_prompts": len(prompts) - len(rewards),
     }
     print(file=err)
     return summary

@@ -29,14 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    max_tokens: int = 64
+from protocol.config import SamplingConfig
 
 
 @dataclass
@@ -46,7 +39,7 @@ class Completion:
     finish_reason: str  # "stop" when an EOS token was sampled (and kept), else "length"
 
 
-def truncate(logprobs: mx.array, p: SamplingParams) -> mx.array:
+def truncate(logprobs: mx.array, p: SamplingConfig) -> mx.array:
     """Mask (to -inf) the tokens that top-k, top-p and min-p exclude from sampling."""
     neg_inf = mx.array(-float("inf"), dtype=logprobs.dtype)
     if p.top_k > 0 and p.top_k < logprobs.shape[-1]:
@@ -94,7 +87,7 @@ def _noise(row_keys: mx.array, t: int, vocab: int) -> mx.array:
     return -mx.log(-mx.log(u))
 
 
-def _sample(logits: mx.array, noise: mx.array, p: SamplingParams) -> tuple[mx.array, mx.array]:
+def _sample(logits: mx.array, noise: mx.array, p: SamplingConfig) -> tuple[mx.array, mx.array]:
     """Gumbel-max over the truncated distribution; the logprob is of the untruncated one."""
     scaled = logits.astype(mx.float32)
     if p.temperature != 1.0:
@@ -106,7 +99,7 @@ def _sample(logits: mx.array, noise: mx.array, p: SamplingParams) -> tuple[mx.ar
 
 
 def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
-            params: SamplingParams, eos_ids: set[int], seed: int) -> list[Completion]:
+            params: SamplingConfig, eos_ids: set[int], seed: int) -> list[Completion]:
     """Decode the batch whose next-token logits are `logits` ([len(rows), V]); row i has id
     rows[i]. Each row stops at its first EOS.
 
@@ -149,7 +142,7 @@ def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
 
 
 def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
-                  params: SamplingParams, eos_ids: set[int], seed: int,
+                  params: SamplingConfig, eos_ids: set[int], seed: int,
                   row_offset: int = 0) -> list[list[Completion]]:
     """`group_size` completions of each prompt, all rows decoding as one batch.
 
@@ -196,7 +189,7 @@ def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
 
 
 def reference_sample(model: nn.Module, prompt_ids: list[int], group_size: int,
-                     params: SamplingParams, eos_ids: set[int], seed: int,
+                     params: SamplingConfig, eos_ids: set[int], seed: int,
                      row_offset: int = 0) -> list[Completion]:
     """The plain sampler sample_groups must agree with: one row at a time, no KV cache (a
     full forward over prompt + generated tokens every step), the same noise per row id."""

@@ -25,11 +25,11 @@ import zmq
 
 import protocol
 from actor.data import PromptStream, check_context, load_prompts
-from actor.sampler import SamplingParams, sample_groups
+from actor.sampler import sample_groups
 from policy.memory import apply_memory_share
 from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint
 from protocol import lifecycle
-from protocol.config import read_run_config
+from protocol.config import as_dict, read_run_config
 from protocol.heartbeat import start_heartbeat
 
 log = logging.getLogger("actor")
@@ -39,16 +39,15 @@ class Actor:
     def __init__(self, run_dir: Path, signals: lifecycle.StopSignals | None = None) -> None:
         self.cfg = read_run_config(run_dir)
         self.signals = signals or lifecycle.StopSignals()
-        s = self.cfg["sampling"]
-        self.params = SamplingParams(s["temperature"], s["top_p"], s["top_k"], s["min_p"], s["max_tokens"])
-        log.info("loading %s", self.cfg["model"]["path"])
-        self.model, self.tokenizer, _ = load_policy(self.cfg["model"]["path"], self.cfg["lora"])
+        self.sampling = s = self.cfg.sampling
+        log.info("loading %s", self.cfg.model.path)
+        self.model, self.tokenizer, _ = load_policy(self.cfg.model.path, self.cfg.lora)
         self.eos_ids = set(self.tokenizer.eos_token_ids)
-        data = self.cfg["data"]
-        prompts = load_prompts(data["prompts"], self.tokenizer, s["max_prompt_tokens"])
+        data = self.cfg.data
+        prompts = load_prompts(data.prompts, self.tokenizer, s.max_prompt_tokens)
         check_context(prompts, getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
-                      s["max_tokens"])
-        self.stream = PromptStream(prompts, data["shuffle"], data["seed"])
+                      s.max_tokens)
+        self.stream = PromptStream(prompts, data.shuffle, data.seed)
         self.version: int | None = None
         self.pending: protocol.Message | None = None  # newest weights not yet applied
         self.groups_sent = 0
@@ -114,8 +113,7 @@ class Actor:
         self.version = msg["version"]
 
     def sample_groups(self, n: int) -> None:
-        s = self.cfg["sampling"]
-        g = s["group_size"]
+        g = self.sampling.group_size
         epoch, position = self.stream.cursor
         # Row ids follow the prompt's place in the data stream (epoch * rows + position), so
         # a prompt draws the same noise whatever actor (or resumed run) samples it.
@@ -125,8 +123,8 @@ class Actor:
             prompts.append(next(self.stream))
             cursors.append(list(self.stream.cursor))
         t0 = time.perf_counter()
-        groups = sample_groups(self.model, [p.prompt_ids for p in prompts], g, self.params,
-                               self.eos_ids, seed=s["seed"], row_offset=first * g)
+        groups = sample_groups(self.model, [p.prompt_ids for p in prompts], g, self.sampling,
+                               self.eos_ids, seed=self.sampling.seed, row_offset=first * g)
         gen_s = (time.perf_counter() - t0) / n
         for prompt, cursor, completions in zip(prompts, cursors, groups):
             ids = [c.token_ids for c in completions]
@@ -153,11 +151,11 @@ class Actor:
             self.groups_sent += 1
 
     def run(self) -> None:
-        self.send(protocol.HELLO, {"role": "actor", "model": self.cfg["model"]["path"],
+        self.send(protocol.HELLO, {"role": "actor", "model": self.cfg.model.path,
                                    "tokenizer": tokenizer_fingerprint(self.tokenizer),
-                                   "lora": self.cfg["lora"], "pid": os.getpid()})
-        batch_size = self.cfg["train"]["batch_size"]
-        max_in_flight = (self.cfg["train"]["max_staleness"] + 1) * batch_size
+                                   "lora": as_dict(self.cfg.lora), "pid": os.getpid()})
+        batch_size = self.cfg.train.batch_size
+        max_in_flight = (self.cfg.train.max_staleness + 1) * batch_size
         while not (self.told_to_stop or self.signals.requested):
             if self.watch.down_for() > lifecycle.LEARNER_TIMEOUT_S:
                 log.error("no learner for %.0f s; it is gone, stopping", lifecycle.LEARNER_TIMEOUT_S)

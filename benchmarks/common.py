@@ -9,13 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from protocol.config import Config, LoraConfig, load_config
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 MODEL_DIR = EXAMPLES / "tiny-model"
 PROMPTS = EXAMPLES / "tiny_prompts.jsonl"
 TINY_TOML = EXAMPLES / "tiny.toml"
 # The LoRA settings of the rollout comparison (also tiny.toml's).
-LORA = {"rank": 8, "scale": 20.0}
+LORA = LoraConfig(rank=8, scale=20.0)
 
 
 def log(text: str) -> None:
@@ -33,9 +35,7 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def tiny_config() -> dict:
+def tiny_config() -> Config:
     """examples/tiny.toml, validated exactly as `orchestrator up` reads it, so the
     benchmark follows the default shape if the file changes."""
-    from protocol.config import load_config
-
     return load_config(TINY_TOML)

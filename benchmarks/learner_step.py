@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from benchmarks.common import EXAMPLES, log, median, timed, tiny_config
+from protocol.config import Config
 
 
 @dataclass
@@ -36,20 +37,18 @@ def _tiny_reward():
     return module.reward
 
 
-def _real_batch(model, tokenizer, cfg: dict):
+def _real_batch(model, tokenizer, cfg: Config):
     """Sample batch_size groups with our sampler and score them: (samples, rewards)."""
 
     import actor.sampler as sampler
     from actor.data import load_prompts
     from learner.step import Sample
 
-    s, batch_size = cfg["sampling"], cfg["train"]["batch_size"]
-    params = sampler.SamplingParams(s["temperature"], s["top_p"], s["top_k"], s["min_p"], s["max_tokens"])
-    prompts = load_prompts(cfg["data"]["prompts"], tokenizer, s["max_prompt_tokens"])[:batch_size]
+    s = cfg.sampling
+    prompts = load_prompts(cfg.data.prompts, tokenizer, s.max_prompt_tokens)[:cfg.train.batch_size]
     reward = _tiny_reward()
     eos_ids = set(tokenizer.eos_token_ids)
-    groups = sampler.sample_groups(model, [p.prompt_ids for p in prompts], s["group_size"], params,
-                                   eos_ids, s["seed"])
+    groups = sampler.sample_groups(model, [p.prompt_ids for p in prompts], s.group_size, s, eos_ids, s.seed)
     samples, rewards = [], []
     for p, group in zip(prompts, groups):
         ids = [c.token_ids for c in group]
@@ -62,36 +61,27 @@ def _real_batch(model, tokenizer, cfg: dict):
 
 
 def run(reps: int) -> LearnerResult:
-    import mlx.optimizers as optim
-
-    from learner.algorithms import make_algorithm
-    from learner.step import Correction, make_batch, optimizer_step, prepare
+    from learner.step import Trainer, make_batch
     from policy.model import load_policy
 
     cfg = tiny_config()
-    s, t, a = cfg["sampling"], cfg["train"], cfg["algorithm"]
-    model, tokenizer, _ = load_policy(cfg["model"]["path"], cfg["lora"])
+    s, t = cfg.sampling, cfg.train
+    model, tokenizer, _ = load_policy(cfg.model.path, cfg.lora)
     samples, rewards = _real_batch(model, tokenizer, cfg)
     model.train()
-    algorithm = make_algorithm(a["name"], beta=a["beta"], epsilon=a["epsilon"],
-                               epsilon_high=a["epsilon_high"], scale_rewards=a["scale_rewards"],
-                               max_tokens=s["max_tokens"])
-    correction = Correction(a["is_correction"], a["is_level"], a["is_cap"])
-    advantages = algorithm.advantages(rewards)
+    trainer = Trainer(model, cfg.algorithm, t, s)
+    advantages = trainer.algorithm.advantages(rewards)
     batch = make_batch(samples, tokenizer.pad_token_id or 0)
-    optimizer = optim.Adam(learning_rate=t["learning_rate"])
-    log(f"learner step: {t['batch_size']} groups x G {s['group_size']}, {reps} timed steps")
+    log(f"learner step: {t.batch_size} groups x G {s.group_size}, {reps} timed steps")
     prep_times, step_times = [], []
     for i in range(reps + 1):  # the first step is a warm-up (allocations, optimizer state)
-        prepared, prep_s = timed(lambda: prepare(model, batch, s["temperature"], a["beta"], correction))
-        _, opt_s = timed(lambda p=prepared: optimizer_step(
-            model, optimizer, algorithm, batch, p, advantages, s["temperature"], t["max_grad_norm"],
-            t["micro_batch_size"]))
+        prepared, prep_s = timed(lambda: trainer.prepare(batch))
+        _, opt_s = timed(lambda p=prepared: trainer.step(batch, p, advantages))
         if i > 0:
             prep_times.append(prep_s)
             step_times.append(opt_s)
     totals = [p + o for p, o in zip(prep_times, step_times)]
     return LearnerResult(
-        t["batch_size"], s["group_size"], s["max_tokens"], reps, median(totals), median(prep_times),
+        t.batch_size, s.group_size, s.max_tokens, reps, median(totals), median(prep_times),
         median(step_times), sum(len(x.completion_ids) for x in samples),
         raw={"step_s": totals, "prepare_s": prep_times, "optimizer_step_s": step_times})

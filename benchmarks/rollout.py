@@ -75,8 +75,8 @@ def run(num_prompts: int, group_sizes: tuple[int, ...], max_tokens: int, reps: i
     from mlx_lm import load
 
     from actor.data import load_prompts
-    from actor.sampler import SamplingParams
     from policy.model import load_policy
+    from protocol.config import SamplingConfig
 
     ours, tokenizer, _ = load_policy(str(MODEL_DIR), LORA)
     _, their_tokenizer = load(str(MODEL_DIR))
@@ -84,7 +84,7 @@ def run(num_prompts: int, group_sizes: tuple[int, ...], max_tokens: int, reps: i
     # Tokenized exactly as the actor does it (same tokenizer files on both sides).
     prompt_ids = [p.prompt_ids for p in load_prompts(PROMPTS, tokenizer, 1024)[:num_prompts]]
     eos_ids = set(tokenizer.eos_token_ids)
-    params = SamplingParams(temperature=1.0, max_tokens=max_tokens)
+    params = SamplingConfig(temperature=1.0, max_tokens=max_tokens)
     results = []
     for g in group_sizes:
         n = len(prompt_ids) * g

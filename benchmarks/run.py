@@ -24,6 +24,7 @@ from pathlib import Path
 
 from benchmarks import end_to_end, learner_step, rollout, transport
 from benchmarks.common import ROOT, tiny_config
+from protocol.config import Config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("rollout", "learner", "e2e", "transport")
@@ -134,7 +135,7 @@ def measure(s: Settings, sections: set[str]) -> dict:
         apply, tiny_shapes = transport.apply_ms(s.weight_reps)
         qwen = transport.qwen3_0_6b_lora_shapes(rank=8)
         out["transport"] = dataclasses.asdict(transport.run(
-            s.rollout_messages, cfg["sampling"]["group_size"], cfg["sampling"]["max_tokens"],
+            s.rollout_messages, cfg.sampling.group_size, cfg.sampling.max_tokens,
             {"tiny": tiny_shapes, "qwen3-0.6b": qwen}, s.weight_reps))
         out["transport"]["apply_tiny_ms"] = apply
     if "rollout" in sections:
@@ -151,7 +152,7 @@ def measure(s: Settings, sections: set[str]) -> dict:
     return out
 
 
-def overhead(out: dict, cfg: dict) -> dict:
+def overhead(out: dict, cfg: Config) -> dict:
     """Transport + weight sync as a share of one optimizer step.
 
     Per step the actor sends batch_size rollouts and receives one weights message. The
@@ -164,7 +165,7 @@ def overhead(out: dict, cfg: dict) -> dict:
     t = out.get("transport")
     if not t:
         return {}
-    batch = cfg["train"]["batch_size"]
+    batch = cfg.train.batch_size
     rollouts_ms = batch * 1e3 / t["rollout_msgs_per_s"]
     k0 = next((a for a in out.get("e2e", {}).get("by_staleness", []) if a["staleness"] == 0), None)
     learner_ms = out["learner"]["step_s"] * 1e3 if out.get("learner") else None

@@ -223,6 +223,7 @@ def qwen3_0_6b_lora_shapes(rank: int = 8) -> dict[str, tuple]:
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     from policy.model import adapter_weights, lora_settings
+    from protocol.config import LoraConfig
 
     args = qwen3.ModelArgs(
         model_type="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
@@ -230,7 +231,7 @@ def qwen3_0_6b_lora_shapes(rank: int = 8) -> dict[str, tuple]:
         vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True, rope_theta=1e6)
     model = qwen3.Model(args)
     model.freeze()
-    settings = lora_settings({"rank": rank, "scale": 20.0}, len(model.layers))
+    settings = lora_settings(LoraConfig(rank=rank), len(model.layers))
     linear_to_lora_layers(model, settings["num_layers"], settings["lora_parameters"])
     return {name: tuple(a.shape) for name, a in adapter_weights(model).items()}
 

@@ -183,7 +183,7 @@ ALGORITHMS = {"grpo": GRPO, "bnpo": BNPO, "dapo": DAPO, "dr_grpo": DrGRPO, "gspo
 
 
 def make_algorithm(name: str, *, beta: float = 0.0, epsilon: float | None = None,
-                   epsilon_high: float | None = None, scale_rewards: str = "default",
+                   epsilon_high: float | None = None, scale_rewards: str | None = None,
                    max_tokens: int = 1) -> Algorithm:
     """Build an objective; unset knobs keep the objective's own defaults."""
     if name not in ALGORITHMS:
@@ -196,7 +196,7 @@ def make_algorithm(name: str, *, beta: float = 0.0, epsilon: float | None = None
             kwargs["epsilon_high"] = epsilon
     if epsilon_high is not None:
         kwargs["epsilon_high"] = epsilon_high
-    if scale_rewards != "default":
+    if scale_rewards is not None:
         if scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
         kwargs["scale_rewards"] = scale_rewards

@@ -16,23 +16,21 @@ import uuid
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 import zmq
 
 import protocol
-from learner.algorithms import make_algorithm
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
 from learner.metrics import MetricsFile, batch_metrics
 from learner.rollouts import MB, RolloutSocket
-from learner.step import Correction, Sample, make_batch, optimizer_step, prepare
+from learner.step import Sample, Trainer, make_batch
 from policy.memory import apply_memory_share
 from policy.model import adapter_weights_numpy, load_policy, tokenizer_fingerprint
 from protocol import lifecycle
-from protocol.config import read_run_config
+from protocol.config import as_dict, read_run_config
 from protocol.heartbeat import start_heartbeat
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
@@ -52,21 +50,16 @@ class Learner:
         # restarted and attaches again (PROTOCOL.md, "Liveness").
         instance = uuid.uuid4().hex[:12]
         # Reward functions load (and fail) before the model does.
-        self.scorer = Scorer(cfg["reward"], self.ctx, endpoints["reward"], instance)
-        algo = cfg["algorithm"]
-        self.algorithm = make_algorithm(
-            algo["name"], beta=algo["beta"], epsilon=algo["epsilon"], epsilon_high=algo["epsilon_high"],
-            scale_rewards=algo["scale_rewards"], max_tokens=cfg["sampling"]["max_tokens"])
-        self.correction = Correction(algo["is_correction"], algo["is_level"], algo["is_cap"])
-        mx.random.seed(cfg["train"]["seed"])
-        log.info("loading %s", cfg["model"]["path"])
-        self.model, tokenizer, self.adapter_config = load_policy(cfg["model"]["path"], cfg["lora"])
+        self.scorer = Scorer(cfg.reward, self.ctx, endpoints["reward"], instance)
+        mx.random.seed(cfg.train.seed)
+        log.info("loading %s", cfg.model.path)
+        self.model, tokenizer, self.adapter_config = load_policy(cfg.model.path, cfg.lora)
         self.model.train()
-        if cfg["train"]["grad_checkpoint"]:
+        if cfg.train.grad_checkpoint:
             from mlx_lm.tuner.trainer import grad_checkpoint
 
             grad_checkpoint(self.model.layers[0])
-        self.optimizer = optim.Adam(learning_rate=cfg["train"]["learning_rate"])
+        self.trainer = Trainer(self.model, cfg.algorithm, cfg.train, cfg.sampling)
         vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else len(tokenizer.get_vocab())
         self.pad_id = tokenizer.pad_token_id or 0
         self.step = 0  # optimizer steps taken: also the version of the weights (policy_version)
@@ -74,10 +67,10 @@ class Learner:
         if resume:
             self.resume()
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl", self.step if resume else None)
-        self.intake = Intake(self.scorer, self.algorithm.keep_group, self.ledger)
-        identity = {"model": cfg["model"]["path"], "tokenizer": tokenizer_fingerprint(tokenizer),
-                    "lora": cfg["lora"], "instance": instance}
-        group_size = cfg["sampling"]["group_size"]
+        self.intake = Intake(self.scorer, self.trainer.algorithm.keep_group, self.ledger)
+        identity = {"model": cfg.model.path, "tokenizer": tokenizer_fingerprint(tokenizer),
+                    "lora": as_dict(cfg.lora), "instance": instance}
+        group_size = cfg.sampling.group_size
         self.rollouts = RolloutSocket(
             self.ctx, endpoints["learner"], self.ledger, identity,
             lambda actor, msg: group_from_message(actor, msg, vocab_size, group_size),
@@ -92,7 +85,7 @@ class Learner:
         if path is None:
             log.info("no checkpoint to resume from; starting at step 0")
             return
-        state = load_checkpoint(path, self.model, self.optimizer)
+        state = load_checkpoint(path, self.model, self.trainer.optimizer)
         self.step = state["step"]
         self.ledger = Ledger.from_state(state)
         self.scorer.restore_stats(state.get("reward_stats", {}))
@@ -101,15 +94,15 @@ class Learner:
     def run(self) -> None:
         """Train until the last step or a stop signal, then checkpoint. A user error
         (RewardError) checkpoints too, so the run resumes once it is fixed."""
-        train = self.cfg["train"]
+        train = self.cfg.train
         self.write_status("waiting_for_actor")
         last_status = 0.0
         try:
-            while self.step < train["steps"] and not self.signals.requested:
+            while self.step < train.steps and not self.signals.requested:
                 hello = {"data_cursor": self.ledger.data_cursor}  # where a new actor's data begins
                 self.intake.add(self.rollouts.receive(100, self.step, hello))
                 self.intake.score()
-                batch = self.intake.next_batch(self.step, train["batch_size"], train["max_staleness"])
+                batch = self.intake.next_batch(self.step, train.batch_size, train.max_staleness)
                 if batch is not None:
                     self.learn(batch)
                 self.rollouts.send_credits()
@@ -121,24 +114,22 @@ class Learner:
             self.write_status("failed")
             raise
         self.checkpoint()
-        self.write_status("done" if self.step >= train["steps"] else "stopped")
+        self.write_status("done" if self.step >= train.steps else "stopped")
 
     def learn(self, groups: list[Group]) -> None:
         """Train on one batch: `num_iterations` optimizer steps, each published at once."""
         t0 = time.perf_counter()
-        train, temperature = self.cfg["train"], self.cfg["sampling"]["temperature"]
+        train = self.cfg.train
         rewards = np.stack([g.rewards for g in groups])
-        advantages = self.algorithm.advantages(rewards)
+        advantages = self.trainer.algorithm.advantages(rewards)
         samples = [Sample(g.prompt_ids, ids, lp, fr) for g in groups
                    for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)]
         batch = make_batch(samples, self.pad_id)
-        prepared = prepare(self.model, batch, temperature, self.cfg["algorithm"]["beta"],
-                           self.correction, train["micro_batch_size"])
+        prepared = self.trainer.prepare(batch)
         shared = {**batch_metrics(groups, samples, rewards, advantages, self.step, self.scorer.metric_name),
                   **prepared.stats}
-        for iteration in range(self.cfg["algorithm"]["num_iterations"]):
-            stats = optimizer_step(self.model, self.optimizer, self.algorithm, batch, prepared,
-                                   advantages, temperature, train["max_grad_norm"], train["micro_batch_size"])
+        for iteration in range(self.trainer.num_iterations):
+            stats = self.trainer.step(batch, prepared, advantages)
             self.step += 1
             self.rollouts.publish(self.step)
             if iteration == 0:
@@ -148,17 +139,17 @@ class Learner:
                 "step_s": time.perf_counter() - t0, **self.rollouts.weight_sync,
                 "learner_peak_mb": mx.get_peak_memory() / MB, **self.shares, **self.group_counts(),
             })
-            if train["checkpoint_every"] and self.step % train["checkpoint_every"] == 0:
+            if train.checkpoint_every and self.step % train.checkpoint_every == 0:
                 self.checkpoint()
             t0 = time.perf_counter()
-            if self.step >= train["steps"] or self.signals.requested:
+            if self.step >= train.steps or self.signals.requested:
                 break
 
     def checkpoint(self) -> None:
         state = {"step": self.step, "version": self.step, **self.ledger.state(),
-                 "reward_stats": self.scorer.worker_stats(), "config": self.cfg}
-        save_checkpoint(self.run_dir, self.model, self.optimizer, self.adapter_config, state,
-                        self.cfg["train"]["keep_checkpoints"])
+                 "reward_stats": self.scorer.worker_stats(), "config": self.cfg.to_dict()}
+        save_checkpoint(self.run_dir, self.model, self.trainer.optimizer, self.adapter_config, state,
+                        self.cfg.train.keep_checkpoints)
 
     def group_counts(self) -> dict:
         return {**self.ledger.counts(self.intake.queued), **self.scorer.worker_stats()}
@@ -171,7 +162,7 @@ class Learner:
         return "training"
 
     def write_status(self, phase: str) -> None:
-        status = {"phase": phase, "step": self.step, "steps": self.cfg["train"]["steps"],
+        status = {"phase": phase, "step": self.step, "steps": self.cfg.train.steps,
                   "actors": len(self.rollouts.actors), "time": time.time(), **self.group_counts()}
         lifecycle.write_atomic(self.run_dir / "status.json", json.dumps(status) + "\n")
 

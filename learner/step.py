@@ -15,9 +15,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
-from learner.algorithms import Algorithm, LossInputs
+from learner.algorithms import Algorithm, LossInputs, make_algorithm
 from policy.logprobs import sequence_logprobs, sequence_logprobs_and_entropy
 from policy.model import adapters_disabled
+from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig
 
 # exp() of a sequence's summed log-ratio overflows float32 beyond ~88.
 MAX_LOG_WEIGHT = 80.0
@@ -196,3 +197,28 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
     optimizer.update(model, grads)
     mx.eval(model.parameters(), optimizer.state, grad_norm)
     return {"loss": loss, "grad_norm": float(grad_norm.item()), **_combine(parts)}
+
+
+class Trainer:
+    """The step with the run's settings, as the learner's loop and the benchmark run it:
+    a batch is prepared once, then each `step` is one optimizer update and its metrics."""
+
+    def __init__(self, model: nn.Module, algorithm: AlgorithmConfig, train: TrainConfig,
+                 sampling: SamplingConfig) -> None:
+        self.model = model
+        self.algorithm = make_algorithm(
+            algorithm.name, beta=algorithm.beta, epsilon=algorithm.epsilon,
+            epsilon_high=algorithm.epsilon_high, scale_rewards=algorithm.scale_rewards,
+            max_tokens=sampling.max_tokens)
+        self.correction = Correction(algorithm.is_correction, algorithm.is_level, algorithm.is_cap)
+        self.optimizer = optim.Adam(learning_rate=train.learning_rate)
+        self.beta, self.num_iterations = algorithm.beta, algorithm.num_iterations
+        self.temperature = sampling.temperature
+        self.max_grad_norm, self.micro_batch_size = train.max_grad_norm, train.micro_batch_size
+
+    def prepare(self, batch: Batch) -> Prepared:
+        return prepare(self.model, batch, self.temperature, self.beta, self.correction, self.micro_batch_size)
+
+    def step(self, batch: Batch, prepared: Prepared, advantages: np.ndarray) -> dict[str, float]:
+        return optimizer_step(self.model, self.optimizer, self.algorithm, batch, prepared, advantages,
+                              self.temperature, self.max_grad_norm, self.micro_batch_size)

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from protocol import lifecycle
-from protocol.config import ConfigError, load_config
+from protocol.config import Config, ConfigError, load_config, load_run_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run RL post-training as an MLX actor and learner over ZeroMQ.")
@@ -30,7 +30,7 @@ def up(
         raise typer.Exit(2)
     try:
         if resume is not None:
-            cfg = resume_config(resume, set_, steps)
+            cfg = load_run_config(resume, set_, steps)
         else:
             cfg = load_config(config, set_, run_dir=run_dir, steps=steps)
     except ConfigError as e:
@@ -42,7 +42,7 @@ def up(
     raise typer.Exit(run_up(cfg, resume=resume is not None, shares_mb=shares))
 
 
-def check_plan(cfg: dict, available_gb: float | None, show: bool = False) -> dict[str, float]:
+def check_plan(cfg: Config, available_gb: float | None, show: bool = False) -> dict[str, float]:
     """Refuse (exit 3) a run that does not fit, naming the knob, and (exit 4) data that
     does not parse or fit the model's context; else return the shares."""
     from actor.data import DataError
@@ -91,28 +91,6 @@ def plan(
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from None
     check_plan(cfg, available_memory_gb, show=True)
-
-
-def resume_config(run_dir: str, overrides: list[str], steps: int | None) -> dict:
-    """The stopped run's own validated config, with --steps / --set applied."""
-    from pathlib import Path
-
-    from protocol.config import parse_override, read_run_config, validate
-
-    if not (Path(run_dir) / "config.json").exists():
-        raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
-    cfg = read_run_config(run_dir)
-    # The directory given is the run, even if it was moved or copied since it started.
-    cfg["run"]["dir"] = str(Path(run_dir).resolve())
-    search_path = cfg["reward"].pop("search_path")
-    for item in overrides:
-        section, key, value = parse_override(item)
-        cfg.setdefault(section, {})[key] = value
-    if steps is not None:
-        cfg["train"]["steps"] = steps
-    cfg = validate(cfg)
-    cfg["reward"]["search_path"] = search_path
-    return cfg
 
 
 @app.command("reward-worker")

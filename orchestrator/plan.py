@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from protocol.config import ConfigError
+from protocol.config import Config, ConfigError
 
 MB = 1 << 20
 GB = 1 << 30
@@ -86,15 +86,15 @@ def model_dir(path: str) -> Path:
 
 def read_shape(path: str) -> ModelShape:
     d = model_dir(path)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg = {**cfg, **cfg.get("text_config", {})}
+    hf = json.loads((d / "config.json").read_text())  # the model's own config (Hugging Face)
+    hf = {**hf, **hf.get("text_config", {})}
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise PlanError(f"no .safetensors weights in {d}")
     tensors: dict[str, dict] = {}
     for f in files:
         tensors.update({k: v for k, v in _safetensors_header(f).items() if k != "__metadata__"})
-    bits = (cfg.get("quantization") or {}).get("bits")
+    bits = (hf.get("quantization") or {}).get("bits")
     lora: dict[str, tuple[int, int]] = {}
     for name, info in tensors.items():
         parts = name.split(".")
@@ -107,16 +107,16 @@ def read_shape(path: str) -> ModelShape:
         if info["dtype"] == "U32" and bits:  # packed quantized weights
             in_f = in_f * 32 // bits
         lora[".".join(parts[layer + 2:-1])] = (in_f, out_f)
-    hidden = cfg["hidden_size"]
-    heads = cfg["num_attention_heads"]
-    dtype = str(cfg.get("torch_dtype", "float32"))
+    hidden = hf["hidden_size"]
+    heads = hf["num_attention_heads"]
+    dtype = str(hf.get("torch_dtype", "float32"))
     return ModelShape(
         weight_bytes=sum(f.stat().st_size for f in files),
-        layers=cfg["num_hidden_layers"], hidden=hidden, intermediate=cfg["intermediate_size"],
-        heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads, vocab=cfg["vocab_size"],
+        layers=hf["num_hidden_layers"], hidden=hidden, intermediate=hf["intermediate_size"],
+        heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hidden // heads, vocab=hf["vocab_size"],
         act_bytes=2 if dtype in ("float16", "bfloat16") else 4, lora_in_out=lora,
-        context=cfg.get("max_position_embeddings"))
+        context=hf.get("max_position_embeddings"))
 
 
 @dataclass(frozen=True)
@@ -232,11 +232,10 @@ def detect_budget() -> tuple[float, str]:
     return info["MemAvailable"], "MemAvailable"
 
 
-def shape_from_config(cfg: dict, prompt_tokens: int) -> Shape:
-    s, t, lora = cfg["sampling"], cfg["train"], cfg["lora"]
-    return Shape(s["group_size"], t["batch_size"], prompt_tokens, s["max_tokens"],
-                 t["micro_batch_size"], t["grad_checkpoint"], lora["rank"], lora["num_layers"],
-                 tuple(lora["keys"]))
+def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
+    s, t, lora = cfg.sampling, cfg.train, cfg.lora
+    return Shape(s.group_size, t.batch_size, prompt_tokens, s.max_tokens, t.micro_batch_size,
+                 t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys)
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:
@@ -278,7 +277,7 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def prompt_tokens(cfg: dict, context: int | None = None) -> int:
+def prompt_tokens(cfg: Config, context: int | None = None) -> int:
     """The longest prompt of the data, in tokens (capped at max_prompt_tokens). Loads
     only the tokenizer. Raises DataError for a row that does not parse or does not fit
     the model's context, so a run stops on it before any process starts."""
@@ -287,14 +286,14 @@ def prompt_tokens(cfg: dict, context: int | None = None) -> int:
 
     from actor.data import check_context, load_prompts
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir(cfg["model"]["path"])))
-    prompts = load_prompts(cfg["data"]["prompts"], tokenizer, cfg["sampling"]["max_prompt_tokens"])
-    check_context(prompts, context, cfg["sampling"]["max_tokens"])
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir(cfg.model.path)))
+    prompts = load_prompts(cfg.data.prompts, tokenizer, cfg.sampling.max_prompt_tokens)
+    check_context(prompts, context, cfg.sampling.max_tokens)
     return max(len(p.prompt_ids) for p in prompts)
 
 
-def plan_for(cfg: dict, available_gb: float | None = None) -> tuple[Plan, ModelShape, Shape]:
-    m = read_shape(cfg["model"]["path"])
+def plan_for(cfg: Config, available_gb: float | None = None) -> tuple[Plan, ModelShape, Shape]:
+    m = read_shape(cfg.model.path)
     s = shape_from_config(cfg, prompt_tokens(cfg, m.context))
     if available_gb is not None:
         budget, source = available_gb * GB, "--available-memory-gb"

@@ -22,7 +22,7 @@ from typing import IO
 import protocol
 from orchestrator.plan import thread_count
 from protocol import lifecycle
-from protocol.config import MEMORY_SHARE_ENV, write_run_config
+from protocol.config import MEMORY_SHARE_ENV, Config, write_run_config
 from protocol.heartbeat import heartbeat_path, seconds_since_beat
 
 STOP_TIMEOUT_S = 30.0
@@ -50,18 +50,18 @@ class Child:
             return "(no log)"
 
 
-def prepare_run_dir(cfg: dict, resume: bool = False) -> Path:
+def prepare_run_dir(cfg: Config, resume: bool = False) -> Path:
     """Create the run directory. A fresh run clears an old run's metrics and checkpoints
     there; a resumed one keeps them (the learner trims metrics to its checkpoint)."""
-    run_dir = Path(cfg["run"]["dir"])
+    run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     stale = ["status.json"] if resume else ["metrics.jsonl", "status.json"]
     for name in stale:
         (run_dir / name).unlink(missing_ok=True)
     if not resume:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    r = cfg["run"]
-    protocol.write_endpoints(run_dir, protocol.make_endpoints(run_dir, r["transport"], r["host"], r["port"]))
+    r = cfg.run
+    protocol.write_endpoints(run_dir, protocol.make_endpoints(run_dir, r.transport, r.host, r.port))
     write_run_config(run_dir, cfg)
     return run_dir
 
@@ -104,7 +104,7 @@ class Supervisor:
     belongs to the dead learner). Each process may be restarted `run.max_restarts` times.
     """
 
-    def __init__(self, cfg: dict, out: IO[str] = sys.stdout, resume: bool = False,
+    def __init__(self, cfg: Config, out: IO[str] = sys.stdout, resume: bool = False,
                  shares_mb: dict[str, float] | None = None,
                  signals: lifecycle.StopSignals | None = None) -> None:
         self.cfg = cfg
@@ -114,7 +114,7 @@ class Supervisor:
         self.signals = signals or lifecycle.StopSignals()
         # The lock comes before anything in the directory is touched: a live run's
         # metrics must never be cleared by a second `up`.
-        self.lock_fd = lifecycle.acquire_run_lock(cfg["run"]["dir"], ORPHAN_WAIT_S, self.say)
+        self.lock_fd = lifecycle.acquire_run_lock(cfg.run.dir, ORPHAN_WAIT_S, self.say)
         self.lifeline = lifecycle.Lifeline()
         self.run_dir = prepare_run_dir(cfg, resume)
         (self.run_dir / "plan.json").write_text(json.dumps({"shares_mb": self.shares_mb}) + "\n")
@@ -142,7 +142,7 @@ class Supervisor:
 
     def poll_progress(self) -> None:
         for metrics in self.new_metrics():
-            self.say(format_step(metrics, self.cfg["train"]["steps"]))
+            self.say(format_step(metrics, self.cfg.train.steps))
             self.check_memory(metrics)
         status_path = self.run_dir / "status.json"
         try:
@@ -207,7 +207,7 @@ class Supervisor:
         if code is not None:
             return f"exited with code {code}"
         age = seconds_since_beat(self.run_dir, name)
-        if age is not None and age > self.cfg["run"]["hang_timeout_s"]:
+        if age is not None and age > self.cfg.run.hang_timeout_s:
             child.proc.kill()
             child.proc.wait()
             return f"sent no heartbeat for {age:.0f} s (hung); killed it"
@@ -215,7 +215,7 @@ class Supervisor:
 
     def restart(self, name: str, why: str) -> None:
         child = self.children[name]
-        limit = self.cfg["run"]["max_restarts"]
+        limit = self.cfg.run.max_restarts
         if self.restarts[name] >= limit:
             raise RunFailed(f"{name} {why}, and it was restarted {limit} times already:\n{child.tail()}")
         self.restarts[name] += 1
@@ -299,7 +299,7 @@ class Supervisor:
         os.close(self.lock_fd)
 
 
-def up(cfg: dict, out: IO[str] = sys.stdout, resume: bool = False,
+def up(cfg: Config, out: IO[str] = sys.stdout, resume: bool = False,
        shares_mb: dict[str, float] | None = None) -> int:
     """Run training to the end. Returns the process exit code for the CLI: 0 done, 1 the
     run failed (restarts used up), 4 a user error, 5 the run directory is busy, 128 + N

@@ -20,21 +20,23 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from protocol.config import LoraConfig
+
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
 
-def lora_settings(lora: Mapping[str, Any], num_model_layers: int) -> dict[str, Any]:
+def lora_settings(lora: LoraConfig, num_model_layers: int) -> dict[str, Any]:
     """mlx-lm's adapter_config fields for a [lora] config section."""
-    num_layers = lora.get("num_layers", -1)
+    num_layers = lora.num_layers
     if num_layers <= 0 or num_layers > num_model_layers:
         num_layers = num_model_layers
-    params = {"rank": lora["rank"], "scale": lora["scale"], "dropout": lora.get("dropout", 0.0)}
-    if lora.get("keys"):
-        params["keys"] = list(lora["keys"])
+    params: dict[str, Any] = {"rank": lora.rank, "scale": lora.scale, "dropout": lora.dropout}
+    if lora.keys:
+        params["keys"] = list(lora.keys)
     return {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}
 
 
-def load_policy(model_path: str, lora: Mapping[str, Any], adapter_path: str | None = None):
+def load_policy(model_path: str, lora: LoraConfig, adapter_path: str | None = None):
     """Load a model through mlx-lm, freeze it and attach LoRA layers.
 
     Returns (model, tokenizer, adapter_config). With `adapter_path`, the saved adapter

@@ -1,32 +1,47 @@
 """The run configuration: one TOML file, validated in full before any model loads.
 
-It lives beside the wire format because it is the other contract between the processes:
-the orchestrator validates it and writes the resolved copy (`config.json`, absolute paths)
-into the run directory, and the actor and learner read that copy. No MLX here.
+Each `[section]` is a frozen dataclass below; its fields are the section's keys, with their
+defaults, one line of help each (README's configuration reference is generated from them:
+`python -m protocol.config`) and a check. `validate` turns a TOML-shaped dict into a
+`Config` and names the key of the first problem; `load_config` reads a file, applies
+`--set section.key=value` overrides and makes paths absolute. The orchestrator writes the
+result into the run directory (`config.json`), and every process reads that copy.
+
+It lives beside the wire format because it is the other contract between the processes.
+No MLX here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
+import sys
 import tomllib
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from protocol.lifecycle import write_atomic
 
-REQUIRED = object()
-
 # The orchestrator hands each process its memory share (MB) in this variable.
 MEMORY_SHARE_ENV = "MLXRL_MEMORY_LIMIT_MB"
+
+ALGORITHM_NAMES = ("grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo")
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
 
 
-def _range(lo=None, hi=None, lo_open=False, hi_open=False) -> Callable[[Any], str | None]:
+Check = Callable[[Any], "str | None"]
+
+
+def _range(lo=None, hi=None, lo_open=False, hi_open=False) -> Check:
     def check(v):
         if lo is not None and (v <= lo if lo_open else v < lo):
             return f"must be {'>' if lo_open else '>='} {lo}"
@@ -36,15 +51,15 @@ def _range(lo=None, hi=None, lo_open=False, hi_open=False) -> Callable[[Any], st
     return check
 
 
-def _one_of(*choices) -> Callable[[Any], str | None]:
+def _one_of(*choices) -> Check:
     return lambda v: None if v in choices else f"must be one of {', '.join(map(repr, choices))}"
 
 
-def _reward_functions(v: list) -> str | None:
+def _reward_functions(v: tuple[str, ...]) -> str | None:
     if not v:
         return "must name at least one reward"
     for spec in v:
-        module, _, fn = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+        module, _, fn = spec.partition(":")
         if spec != "worker" and not (module and fn):
             return f"entries must be 'module:function' or 'worker' ({spec!r} is neither)"
     if len(set(v)) < len(v):
@@ -52,145 +67,246 @@ def _reward_functions(v: list) -> str | None:
     return None
 
 
-def _numbers(v: list) -> str | None:
-    ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
-    return None if ok else "must be a list of finite numbers"
+def key(default: Any = MISSING, doc: str = "", check: Check | None = None, shown: str | None = None):
+    """A config key: its default (none = required), one line of help, a check of its value
+    returning the problem or None, and how README shows the default when not literally."""
+    return field(default=default, metadata={"doc": doc, "check": check, "shown": shown})
 
 
-# section -> key -> (type, default, check). Types are Python types; float accepts ints.
 # A default of None means "unset": the objective's own default applies.
-SCHEMA: dict[str, dict[str, tuple]] = {
-    "model": {
-        "path": (str, REQUIRED, None),
-    },
-    "lora": {
-        "rank": (int, 8, _range(1)),
-        "scale": (float, 20.0, _range(0, lo_open=True)),
-        "dropout": (float, 0.0, _range(0, 1, hi_open=True)),
-        "num_layers": (int, -1, _range(-1)),
-        "keys": (list, [], None),
-    },
-    "data": {
-        "prompts": (str, REQUIRED, None),
-        "shuffle": (bool, True, None),
-        "seed": (int, 0, None),
-    },
-    "sampling": {
-        "group_size": (int, 8, _range(2)),
-        "temperature": (float, 1.0, _range(0, lo_open=True)),
-        "top_p": (float, 1.0, _range(0, 1, lo_open=True)),
-        "top_k": (int, 0, _range(0)),
-        "min_p": (float, 0.0, _range(0, 1, hi_open=True)),
-        "max_tokens": (int, 64, _range(1)),
-        "max_prompt_tokens": (int, 1024, _range(1)),
-        "seed": (int, 0, None),
-    },
-    "train": {
-        "steps": (int, 100, _range(1)),
-        "batch_size": (int, 8, _range(1)),
-        "learning_rate": (float, 1e-5, _range(0, lo_open=True)),
-        "max_grad_norm": (float, 1.0, _range(0, lo_open=True)),
-        "micro_batch_size": (int, 0, _range(0)),
-        "grad_checkpoint": (bool, False, None),
-        "max_staleness": (int, 0, _range(0)),
-        "checkpoint_every": (int, 10, _range(0)),
-        "keep_checkpoints": (int, 3, _range(1)),
-        "seed": (int, 0, None),
-    },
-    "algorithm": {
-        "name": (str, "grpo", _one_of("grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo")),
-        "beta": (float, 0.0, _range(0)),
-        "epsilon": (float, None, _range(0, 1, lo_open=True, hi_open=True)),
-        "epsilon_high": (float, None, _range(0, lo_open=True)),
-        "scale_rewards": (str, "default", _one_of("default", "group", "batch", "none")),
-        "num_iterations": (int, 1, _range(1)),
-        "is_correction": (str, "none", _one_of("none", "truncate", "mask")),
-        "is_level": (str, "token", _one_of("token", "sequence")),
-        "is_cap": (float, 2.0, _range(1, lo_open=True)),
-    },
-    "reward": {
-        "functions": (list, REQUIRED, _reward_functions),
-        "weights": (list, [], _numbers),
-        "timeout_s": (float, 60.0, _range(0, lo_open=True)),
-        "max_attempts": (int, 5, _range(1)),
-    },
-    "run": {
-        "dir": (str, "runs/default", None),
-        "transport": (str, "ipc", _one_of("ipc", "tcp")),
-        "host": (str, "127.0.0.1", None),
-        "port": (int, 5555, _range(1, 65535)),
-        "max_restarts": (int, 3, _range(0)),
-        "hang_timeout_s": (float, 600.0, _range(0, lo_open=True)),
-    },
-}
 
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
-               list: "a list"}
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = key(doc="local model directory or hub id (mlx-lm's loader)")
 
 
-def _check_value(section: str, key: str, value: Any) -> Any:
-    typ, _, check = SCHEMA[section][key]
-    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = key(8, "LoRA rank", _range(1))
+    scale: float = key(20.0, "LoRA scale (mlx-lm's `scale`, not `alpha`)", _range(0, lo_open=True))
+    dropout: float = key(0.0, "LoRA dropout (keep 0 for on-policy logprobs)", _range(0, 1, hi_open=True))
+    num_layers: int = key(-1, "number of last transformer blocks with LoRA; -1 = all", _range(-1))
+    keys: tuple[str, ...] = key((), "module names to adapt, e.g. `[\"self_attn.q_proj\", "
+                                "\"self_attn.v_proj\"]`; empty = every linear layer", shown="all linear")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    prompts: str = key(doc="JSONL prompt file (relative to the config file)")
+    shuffle: bool = key(True, "reshuffle the prompts each epoch")
+    seed: int = key(0, "the shuffle's seed")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    group_size: int = key(8, "G, completions per prompt (>= 2)", _range(2))
+    temperature: float = key(1.0, "> 0; the same temperature scales the learner's logprobs",
+                             _range(0, lo_open=True))
+    top_p: float = key(1.0, "nucleus truncation of what is sampled (not of the logprobs; see below)",
+                       _range(0, 1, lo_open=True))
+    top_k: int = key(0, "sample among the k most likely tokens; 0 = off", _range(0))
+    min_p: float = key(0.0, "drop tokens below min_p times the top probability; 0 = off",
+                       _range(0, 1, hi_open=True))
+    max_tokens: int = key(64, "completion length limit", _range(1))
+    max_prompt_tokens: int = key(1024, "longer prompts keep their last tokens", _range(1))
+    seed: int = key(0, "sampling seed; a sample's noise is keyed by it and by the prompt's place "
+                    "in the data stream")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = key(100, "optimizer steps", _range(1))
+    batch_size: int = key(8, "prompts (groups) per step; a step trains on `batch_size * group_size` "
+                          "completions", _range(1))
+    learning_rate: float = key(1e-5, "Adam learning rate", _range(0, lo_open=True))
+    max_grad_norm: float = key(1.0, "gradient-norm clipping", _range(0, lo_open=True))
+    micro_batch_size: int = key(0, "completions per forward/backward; gradients accumulate exactly over "
+                                "micro-batches; 0 = whole batch", _range(0))
+    grad_checkpoint: bool = key(False, "recompute each block's activations in backward (less memory, "
+                                "more time)")
+    max_staleness: int = key(0, "batches the actor may sample ahead of training (0 = on-policy)", _range(0))
+    checkpoint_every: int = key(10, "write a checkpoint every N steps (and always at the end or on "
+                                "Ctrl-C); 0 = only then", _range(0))
+    keep_checkpoints: int = key(3, "how many checkpoints to keep", _range(1))
+    seed: int = key(0, "the learner's random seed (LoRA init)")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str = key("grpo", "`grpo`, `bnpo`, `dapo`, `dr_grpo`, `gspo` or `rloo` (see below)",
+                    _one_of(*ALGORITHM_NAMES))
+    beta: float = key(0.0, "KL penalty weight (k3 estimator against the adapters-off model); 0 skips "
+                      "the reference pass", _range(0))
+    epsilon: float | None = key(None, "lower clip range: 0.2, GSPO 3e-4",
+                                _range(0, 1, lo_open=True, hi_open=True), shown="objective's")
+    epsilon_high: float | None = key(None, "upper clip range: `epsilon`, DAPO 0.28, GSPO 4e-4",
+                                     _range(0, lo_open=True), shown="objective's")
+    scale_rewards: str | None = key(None, "`group` (GRPO, BNPO, DAPO, GSPO), `batch`, or `none` "
+                                    "(Dr. GRPO, RLOO)", _one_of("group", "batch", "none"),
+                                    shown="objective's")
+    num_iterations: int = key(1, "optimizer steps per batch (TRL's mu), old-policy logprobs frozen "
+                              "across them", _range(1))
+    is_correction: str = key("none", "behavior-policy correction: `none`, `truncate` or `mask` "
+                             "(see below)", _one_of("none", "truncate", "mask"))
+    is_level: str = key("token", "`token` or `sequence` importance weights", _one_of("token", "sequence"))
+    is_cap: float = key(2.0, "C: truncate at C, or mask outside [1/C, C]", _range(1, lo_open=True))
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    functions: tuple[str, ...] = key(doc="list of `module:function` and/or `\"worker\"` (external "
+                                     "workers), each once", check=_reward_functions)
+    weights: tuple[float, ...] = key((), "one weight per function", shown="all 1.0")
+    timeout_s: float = key(60.0, "deadline for an external worker's reply", _range(0, lo_open=True))
+    max_attempts: int = key(5, "dispatches of one request before its group is dropped", _range(1))
+    search_path: str | None = key(None, "directory searched first for reward modules (relative to "
+                                  "the config file)", shown="the config file's directory")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = key("runs/default", "run directory (relative to where you run the command)")
+    transport: str = key("ipc", "`ipc` (private socket files) or `tcp`", _one_of("ipc", "tcp"))
+    host: str = key("127.0.0.1", "for `tcp`")
+    port: int = key(5555, "for `tcp` (the reward socket takes port + 1)", _range(1, 65535))
+    max_restarts: int = key(3, "restarts allowed per process", _range(0))
+    hang_timeout_s: float = key(600.0, "a process whose heartbeat is older is killed and restarted",
+                                _range(0, lo_open=True))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A whole run's configuration: one field per TOML section."""
+
+    model: ModelConfig
+    lora: LoraConfig = LoraConfig()
+    data: DataConfig
+    sampling: SamplingConfig = SamplingConfig()
+    train: TrainConfig = TrainConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward: RewardConfig
+    run: RunConfig = RunConfig()
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain JSON data: what config.json holds (lists, null for unset)."""
+        return as_dict(self)
+
+    def replace(self, **sections: dict[str, Any]) -> Config:
+        """A copy with some keys changed and validated again: replace(train={"steps": 3})."""
+        raw = self.to_dict()
+        for section, keys in sections.items():
+            raw.setdefault(section, {}).update(keys)
+        return validate(raw)
+
+
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in fields(Config)}
+
+
+def as_dict(obj: Any) -> dict[str, Any]:
+    """A config or a section as plain JSON data (tuples become lists), for files and wires."""
+    return json.loads(json.dumps(dataclasses.asdict(obj)))
+
+
+# --------------------------------------------------------------------------- validation
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _typed(name: str, typ: Any, value: Any) -> Any:
+    """`value` as `typ` (str, int, float, bool, tuple[X, ...], X | None), or ConfigError."""
+    if typing.get_origin(typ) in (types.UnionType, typing.Union):
+        if value is None:
+            return None
+        (typ,) = [t for t in typing.get_args(typ) if t is not type(None)]
+    if typing.get_origin(typ) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list, got {value!r}")
+        item = typing.get_args(typ)[0]
+        return tuple(_typed(f"{name}[{i}]", item, v) for i, v in enumerate(value))
+    ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
     if not ok:
-        raise ConfigError(f"{section}.{key} must be {_TYPE_NAMES[typ]}, got {value!r}")
+        raise ConfigError(f"{name} must be {_TYPE_NAMES[typ]}, got {value!r}")
     if typ is float and not math.isfinite(value):
-        raise ConfigError(f"{section}.{key} must be a finite number, got {value!r}")
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
     if typ is str and not value:
-        raise ConfigError(f"{section}.{key} must not be empty")
-    if check is not None and (problem := check(value)):
-        raise ConfigError(f"{section}.{key} {problem}, got {value!r}")
+        raise ConfigError(f"{name} must not be empty")
     return value
 
 
-def validate(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Fill defaults and check every key; raise ConfigError naming the first bad one."""
+def _section(name: str, cls: type, table: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in fields(cls):
+        path = f"{name}.{f.name}"
+        if f.name not in table or (table[f.name] is None and f.default is None):
+            if f.default is MISSING:
+                raise ConfigError(f"missing required key {path}")
+            continue
+        value = _typed(path, hints[f.name], table[f.name])
+        check = f.metadata["check"]
+        if value is not None and check is not None and (problem := check(value)):
+            raise ConfigError(f"{path} {problem}, got {table[f.name]!r}")
+        values[f.name] = value
+    return cls(**values)
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    """A Config from TOML-shaped data; raise ConfigError naming the first bad key."""
     for section, table in raw.items():
-        if section not in SCHEMA:
-            raise ConfigError(f"unknown section [{section}]; known: {', '.join(SCHEMA)}")
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}]; known: {', '.join(SECTIONS)}")
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}] must be a table")
-        for key in table:
-            if key not in SCHEMA[section]:
-                raise ConfigError(f"unknown key {section}.{key}; known: {', '.join(SCHEMA[section])}")
-    cfg: dict[str, dict[str, Any]] = {}
-    for section, keys in SCHEMA.items():
-        cfg[section] = {}
-        for key, (_, default, _) in keys.items():
-            if default is None and raw.get(section, {}).get(key) is None:
-                cfg[section][key] = None  # unset (config.json writes it as null)
-            elif key in raw.get(section, {}):
-                cfg[section][key] = _check_value(section, key, raw[section][key])
-            elif default is REQUIRED:
-                raise ConfigError(f"missing required key {section}.{key}")
-            else:
-                cfg[section][key] = list(default) if isinstance(default, list) else default
-    reward = cfg["reward"]
-    if reward["weights"] and len(reward["weights"]) != len(reward["functions"]):
-        raise ConfigError(f"reward.weights has {len(reward['weights'])} entries for "
-                          f"{len(reward['functions'])} reward.functions")
+        known = [f.name for f in fields(SECTIONS[section])]
+        for name in table:
+            if name not in known:
+                raise ConfigError(f"unknown key {section}.{name}; known: {', '.join(known)}")
+    cfg = Config(**{name: _section(name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()})
+    reward = cfg.reward
+    if reward.weights and len(reward.weights) != len(reward.functions):
+        raise ConfigError(f"reward.weights has {len(reward.weights)} entries for "
+                          f"{len(reward.functions)} reward.functions")
     return cfg
+
+
+# --------------------------------------------------------------------------- files and overrides
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
     """'section.key=value' -> (section, key, value); value is read as TOML, else a string."""
     name, eq, text = item.partition("=")
-    section, dot, key = name.strip().partition(".")
-    if not eq or not dot or not key:
+    section, dot, name = name.strip().partition(".")
+    if not eq or not dot or not name:
         raise ConfigError(f"--set expects section.key=value, got {item!r}")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text
-    return section, key, value
+    return section, name, value
 
 
-def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None = None,
-                steps: int | None = None) -> dict[str, dict[str, Any]]:
-    """Read, override, validate and resolve a TOML config. Model and data paths are
-    relative to the file's directory, run.dir to the current directory (like any output
-    directory); the result has absolute paths."""
+def _override(raw: dict[str, Any], overrides: Iterable[str], run_dir: str | None,
+              steps: int | None) -> None:
+    """Apply --set items, then --run-dir and --steps (which win), to TOML-shaped data."""
+    settings = [parse_override(item) for item in overrides]
+    if run_dir is not None:
+        settings.append(("run", "dir", run_dir))
+    if steps is not None:
+        settings.append(("train", "steps", steps))
+    for section, name, value in settings:
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] must be a table, got {table!r}")
+        table[name] = value
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = (), run_dir: str | None = None,
+                steps: int | None = None) -> Config:
+    """Read, override, validate and resolve a TOML config. Model, data and reward-module
+    paths are relative to the file's directory, run.dir to the current directory (like
+    any output directory); the result has absolute paths."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -198,40 +314,71 @@ def load_config(path: str | Path, overrides: list[str] = (), run_dir: str | None
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from None
-    settings = [parse_override(item) for item in overrides]
-    if run_dir is not None:
-        settings.append(("run", "dir", run_dir))
-    if steps is not None:
-        settings.append(("train", "steps", steps))
-    for section, key, value in settings:
-        table = raw.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"[{section}] must be a table, got {table!r}")
-        table[key] = value
-    cfg = validate(raw)
-    return resolve_paths(cfg, path.resolve().parent)
+    _override(raw, overrides, run_dir, steps)
+    return resolve_paths(validate(raw), path.resolve().parent)
 
 
-def resolve_paths(cfg: dict, base: Path) -> dict:
+def load_run_config(run_dir: str | Path, overrides: Iterable[str] = (), steps: int | None = None) -> Config:
+    """A stopped run's own config (its config.json), with --set / --steps applied. The
+    directory given is the run, even if it was moved or copied since it started; paths in
+    overrides are relative to the current directory."""
+    if not (Path(run_dir) / "config.json").exists():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.json)")
+    raw = json.loads((Path(run_dir) / "config.json").read_text())
+    _override(raw, overrides, str(Path(run_dir).resolve()), steps)
+    return resolve_paths(validate(raw), Path.cwd())
+
+
+def resolve_paths(cfg: Config, base: Path) -> Config:
     """Make file paths absolute. A model path that is not a local directory is a hub id."""
-    model = base / cfg["model"]["path"]
-    if model.is_dir():
-        cfg["model"]["path"] = str(model)
-    elif cfg["model"]["path"].startswith((".", "/")):
-        raise ConfigError(f"model.path {cfg['model']['path']!r} is not a directory")
-    prompts = base / cfg["data"]["prompts"]
+    model = cfg.model.path
+    if (base / model).is_dir():
+        model = str(base / model)
+    elif model.startswith((".", "/")):
+        raise ConfigError(f"model.path {model!r} is not a directory")
+    prompts = base / cfg.data.prompts
     if not prompts.is_file():
         raise ConfigError(f"data.prompts file {prompts} does not exist")
-    cfg["data"]["prompts"] = str(prompts)
-    cfg["run"]["dir"] = str((Path.cwd() / cfg["run"]["dir"]).resolve())
-    # Reward modules are looked up beside the config file first, like a local import.
-    cfg["reward"]["search_path"] = str(base)
-    return cfg
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, path=model),
+        data=dataclasses.replace(cfg.data, prompts=str(prompts)),
+        run=dataclasses.replace(cfg.run, dir=str((Path.cwd() / cfg.run.dir).resolve())),
+        # Reward modules are looked up beside the config file first, like a local import.
+        reward=dataclasses.replace(cfg.reward, search_path=str(base / (cfg.reward.search_path or ""))),
+    )
 
 
-def write_run_config(run_dir: Path, cfg: dict) -> None:
-    write_atomic(Path(run_dir) / "config.json", json.dumps(cfg, indent=2) + "\n")
+def write_run_config(run_dir: str | Path, cfg: Config) -> None:
+    write_atomic(Path(run_dir) / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
 
 
-def read_run_config(run_dir: str | Path) -> dict:
-    return json.loads((Path(run_dir) / "config.json").read_text())
+def read_run_config(run_dir: str | Path) -> Config:
+    """The run directory's config.json, validated again (it may be edited or old)."""
+    return validate(json.loads((Path(run_dir) / "config.json").read_text()))
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def _shown(f: dataclasses.Field) -> str:
+    if f.metadata["shown"]:
+        return f.metadata["shown"]
+    if f.default is MISSING:
+        return "required"
+    if isinstance(f.default, str):
+        return f'`"{f.default}"`'
+    # TOML's spelling for numbers and booleans, with 1e-5 rather than Python's 1e-05.
+    return re.sub(r"e-0(\d)", r"e-\1", json.dumps(f.default))
+
+
+def reference_table() -> str:
+    """README's configuration reference, one row per key, from the dataclasses above."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for name, cls in SECTIONS.items():
+        rows += [f"| `{name}.{f.name}` | {_shown(f)} | {f.metadata['doc']} |" for f in fields(cls)]
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(reference_table())

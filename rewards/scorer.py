@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from protocol.config import RewardConfig
 from rewards.dispatcher import RewardDispatcher
 from rewards.functions import WORKER, RewardError, call_reward, load_reward_function, reward_inputs
 
@@ -37,21 +38,19 @@ def short_names(specs: list[str]) -> dict[str, str]:
 
 
 class Scorer:
-    def __init__(self, reward_cfg: dict, ctx: zmq.Context | None = None,
+    def __init__(self, reward: RewardConfig, ctx: zmq.Context | None = None,
                  endpoint: str | None = None, instance: str | None = None) -> None:
-        specs = reward_cfg["functions"]
-        weights = reward_cfg["weights"] or [1.0] * len(specs)
-        search_path = reward_cfg.get("search_path")
+        specs = list(reward.functions)
+        weights = reward.weights or [1.0] * len(specs)
         # Keyed by the whole `module:function`: two modules may both have a `correct`.
-        self.entries = [(s, None if s == WORKER else load_reward_function(s, search_path), w)
+        self.entries = [(s, None if s == WORKER else load_reward_function(s, reward.search_path), w)
                         for s, w in zip(specs, weights)]
         self.names = short_names(specs)
         self.dispatcher = None
         if WORKER in specs:
             if ctx is None or endpoint is None:
                 raise ValueError("a 'worker' reward needs a reward socket")
-            self.dispatcher = RewardDispatcher(ctx, endpoint, reward_cfg["timeout_s"],
-                                               reward_cfg["max_attempts"], instance)
+            self.dispatcher = RewardDispatcher(ctx, endpoint, reward.timeout_s, reward.max_attempts, instance)
         self.partial: dict[str, dict[str, list]] = {}
 
     def metric_name(self, key: str) -> str:

@@ -76,8 +76,9 @@ def no_process_outlives_the_suite():
 def tiny():
     """(model, tokenizer) of the tiny model with rank-8 LoRA attached, in float32."""
     from policy.model import load_policy
+    from protocol.config import LoraConfig
 
-    model, tokenizer, _ = load_policy(str(TINY_MODEL), {"rank": 8, "scale": 20.0})
+    model, tokenizer, _ = load_policy(str(TINY_MODEL), LoraConfig())
     return model, tokenizer
 
 

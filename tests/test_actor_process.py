@@ -16,7 +16,7 @@ import protocol
 from orchestrator.supervisor import prepare_run_dir
 from policy.logprobs import sequence_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights, tokenizer_fingerprint
-from protocol.config import load_config
+from protocol.config import as_dict, load_config
 from tests.conftest import peer, write_config
 
 
@@ -42,21 +42,21 @@ def test_actor_applies_each_weight_version_it_receives(tmp_path):
     cfg = load_config(write_config(tmp_path, "[sampling]\ntemperature = 0.7\ntop_p = 0.9"))
     run = prepare_run_dir(cfg)
     with peer(run, "actor") as (actor, sock):
-        model, tok, _ = load_policy(cfg["model"]["path"], cfg["lora"])
+        model, tok, _ = load_policy(cfg.model.path, cfg.lora)
         identity, hello = recv(sock)
         assert hello.kind == protocol.HELLO and hello["role"] == "actor"
-        assert hello["tokenizer"] == tokenizer_fingerprint(tok) and hello["lora"] == cfg["lora"]
+        assert hello["tokenizer"] == tokenizer_fingerprint(tok) and hello["lora"] == as_dict(cfg.lora)
 
         def send(kind, header, arrays=None):
             sock.send_multipart([identity, *protocol.encode(kind, header, arrays)])
 
         # Garbage first: the actor must log it, drop it and carry on.
         sock.send_multipart([identity, b"\x00garbage"])
-        send(protocol.HELLO, {"role": "learner", "model": cfg["model"]["path"],
-                              "tokenizer": hello["tokenizer"], "lora": cfg["lora"], "pid": os.getpid()})
+        send(protocol.HELLO, {"role": "learner", "model": cfg.model.path,
+                              "tokenizer": hello["tokenizer"], "lora": as_dict(cfg.lora), "pid": os.getpid()})
         v0 = adapter_weights_numpy(model)
         send(protocol.WEIGHTS, {"version": 0}, v0)
-        batch = cfg["train"]["batch_size"]
+        batch = cfg.train.batch_size
         first = [recv(sock)[1] for _ in range(batch)]
         assert all(m.kind == protocol.ROLLOUT and m["policy_version"] == 0 for m in first)
         for m in first:
@@ -77,7 +77,9 @@ def test_actor_applies_each_weight_version_it_receives(tmp_path):
         set_adapter_weights(model, v1)
         for m in second:
             reported, under_v1 = group_logprobs(model, m, 0.7)
-            np.testing.assert_allclose(reported, under_v1, atol=1e-4)
+            # v1's large random LoRA weights make large logits: batched cached decoding and
+            # this full forward then differ by float32 rounding up to ~2e-4 (threaded BLAS).
+            np.testing.assert_allclose(reported, under_v1, atol=1e-3)
         # The same sampled IDs score differently under the weights the actor replaced.
         assert old_model_gap > 1e-2
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -12,11 +13,15 @@ from pathlib import Path
 import pytest
 
 from protocol.config import (
-    SCHEMA,
+    SECTIONS,
+    Config,
     ConfigError,
+    as_dict,
     load_config,
+    load_run_config,
     parse_override,
     read_run_config,
+    reference_table,
     validate,
     write_run_config,
 )
@@ -57,6 +62,10 @@ def write_config(tmp_path: Path, sections: dict[str, dict[str, str]] | None = No
     return path
 
 
+def value(cfg: Config, section: str, key: str):
+    return getattr(getattr(cfg, section), key)
+
+
 def error_of(path: Path, **kw) -> str:
     with pytest.raises(ConfigError) as info:
         load_config(path, **kw)
@@ -68,65 +77,61 @@ def error_of(path: Path, **kw) -> str:
 
 def test_example_config_loads_and_resolves():
     cfg = load_config(str(TINY))
-    assert set(cfg) == set(SCHEMA) == {"model", "lora", "data", "sampling", "train", "algorithm",
-                                        "reward", "run"}
+    assert list(cfg.to_dict()) == list(SECTIONS) == ["model", "lora", "data", "sampling", "train",
+                                                     "algorithm", "reward", "run"]
     # Values from the file.
-    assert cfg["lora"]["rank"] == 8
-    assert cfg["lora"]["scale"] == 20.0
-    assert cfg["sampling"]["group_size"] == 8
-    assert cfg["sampling"]["max_tokens"] == 8
-    assert cfg["train"]["steps"] == 60
-    assert cfg["train"]["learning_rate"] == pytest.approx(3e-4)
-    assert cfg["train"]["checkpoint_every"] == 20
-    assert cfg["algorithm"]["name"] == "grpo"
-    assert cfg["reward"]["functions"] == ["tiny_task:reward"]
+    assert cfg.lora.rank == 8
+    assert cfg.lora.scale == 20.0
+    assert cfg.sampling.group_size == 8
+    assert cfg.sampling.max_tokens == 8
+    assert cfg.train.steps == 60
+    assert cfg.train.learning_rate == pytest.approx(3e-4)
+    assert cfg.train.checkpoint_every == 20
+    assert cfg.algorithm.name == "grpo"
+    assert cfg.reward.functions == ("tiny_task:reward",)
     # Defaults filled in.
-    assert cfg["lora"]["dropout"] == 0.0
-    assert cfg["lora"]["num_layers"] == -1
-    assert cfg["lora"]["keys"] == []
-    assert cfg["data"]["shuffle"] is True
-    assert cfg["sampling"]["top_p"] == 1.0
-    assert cfg["sampling"]["top_k"] == 0
-    assert cfg["sampling"]["max_prompt_tokens"] == 1024
-    assert cfg["algorithm"]["beta"] == 0.0
-    assert cfg["algorithm"]["epsilon"] is None  # unset: the objective's own default
-    assert cfg["algorithm"]["num_iterations"] == 1
-    assert cfg["algorithm"]["is_correction"] == "none"
-    assert cfg["train"]["max_staleness"] == 0
-    assert cfg["run"]["transport"] == "ipc"
-    assert cfg["run"]["host"] == "127.0.0.1"
-    assert cfg["run"]["port"] == 5555
-    # Every schema key is present, and nothing else.
-    for section, keys in SCHEMA.items():
-        assert set(cfg[section]) - {"search_path"} == set(keys), section
+    assert cfg.lora.dropout == 0.0
+    assert cfg.lora.num_layers == -1
+    assert cfg.lora.keys == ()
+    assert cfg.data.shuffle is True
+    assert cfg.sampling.top_p == 1.0
+    assert cfg.sampling.top_k == 0
+    assert cfg.sampling.max_prompt_tokens == 1024
+    assert cfg.algorithm.beta == 0.0
+    assert cfg.algorithm.epsilon is None  # unset: the objective's own default
+    assert cfg.algorithm.num_iterations == 1
+    assert cfg.algorithm.is_correction == "none"
+    assert cfg.train.max_staleness == 0
+    assert cfg.run.transport == "ipc"
+    assert cfg.run.host == "127.0.0.1"
+    assert cfg.run.port == 5555
     # Paths: absolute, existing, relative to the config file.
-    model, prompts = Path(cfg["model"]["path"]), Path(cfg["data"]["prompts"])
+    model, prompts = Path(cfg.model.path), Path(cfg.data.prompts)
     assert model.is_absolute() and model.is_dir()
     assert model == TINY_MODEL
     assert (model / "config.json").is_file()
     assert prompts.is_absolute() and prompts.is_file()
     assert prompts == TINY_PROMPTS
-    assert cfg["reward"]["search_path"] == str(EXAMPLES)
-    assert Path(cfg["run"]["dir"]).is_absolute()
-    assert Path(cfg["run"]["dir"]).name == "tiny"
+    assert cfg.reward.search_path == str(EXAMPLES)
+    assert Path(cfg.run.dir).is_absolute()
+    assert Path(cfg.run.dir).name == "tiny"
 
 
 def test_example_config_independent_of_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(TINY)
-    assert cfg["model"]["path"] == str(TINY_MODEL)
-    assert cfg["data"]["prompts"] == str(TINY_PROMPTS)
-    assert cfg["reward"]["search_path"] == str(EXAMPLES)
+    assert cfg.model.path == str(TINY_MODEL)
+    assert cfg.data.prompts == str(TINY_PROMPTS)
+    assert cfg.reward.search_path == str(EXAMPLES)
     # run.dir, unlike the other paths, is relative to the working directory.
-    assert cfg["run"]["dir"] == str(tmp_path.resolve() / "runs" / "tiny")
+    assert cfg.run.dir == str(tmp_path.resolve() / "runs" / "tiny")
 
 
-def test_default_lists_are_not_shared(tmp_path):
-    path = write_config(tmp_path)
-    first = load_config(path)
-    first["lora"]["keys"].append("q_proj")
-    assert load_config(path)["lora"]["keys"] == []
-    assert SCHEMA["lora"]["keys"][1] == []
+def test_config_is_frozen(tmp_path):
+    cfg = load_config(write_config(tmp_path))
+    with pytest.raises(AttributeError):
+        cfg.train.steps = 3
+    assert isinstance(cfg.lora.keys, tuple) and isinstance(cfg.reward.functions, tuple)
 
 
 def test_relative_paths_resolve_against_config_dir(tmp_path, monkeypatch):
@@ -139,10 +144,10 @@ def test_relative_paths_resolve_against_config_dir(tmp_path, monkeypatch):
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     cfg = load_config("../cfgs/run.toml")
-    assert cfg["model"]["path"] == str(cfg_dir.resolve() / "m")
-    assert cfg["data"]["prompts"] == str(cfg_dir.resolve() / "p.jsonl")
-    assert cfg["reward"]["search_path"] == str(cfg_dir.resolve())
-    assert cfg["run"]["dir"] == str(elsewhere.resolve() / "runs" / "default")
+    assert cfg.model.path == str(cfg_dir.resolve() / "m")
+    assert cfg.data.prompts == str(cfg_dir.resolve() / "p.jsonl")
+    assert cfg.reward.search_path == str(cfg_dir.resolve())
+    assert cfg.run.dir == str(elsewhere.resolve() / "runs" / "default")
     assert path.is_file()
 
 
@@ -150,7 +155,11 @@ def test_run_config_round_trip(tmp_path):
     cfg = load_config(TINY)
     write_run_config(tmp_path, cfg)
     assert read_run_config(tmp_path) == cfg
-    assert read_run_config(str(tmp_path))["model"]["path"] == str(TINY_MODEL)
+    assert read_run_config(str(tmp_path)).model.path == str(TINY_MODEL)
+    # config.json is plain JSON data: lists, and null for unset keys.
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved == as_dict(cfg) and saved["reward"]["functions"] == ["tiny_task:reward"]
+    assert saved["algorithm"]["epsilon"] is None
 
 
 # --------------------------------------------------------------------------- validation errors
@@ -158,9 +167,9 @@ def test_run_config_round_trip(tmp_path):
 
 def test_minimal_config_is_valid(tmp_path):
     cfg = load_config(write_config(tmp_path))
-    assert cfg["model"]["path"] == str(TINY_MODEL)
-    assert cfg["train"]["steps"] == 100
-    assert cfg["algorithm"]["name"] == "grpo"
+    assert cfg.model.path == str(TINY_MODEL)
+    assert cfg.train.steps == 100
+    assert cfg.algorithm.name == "grpo"
 
 
 def test_unknown_section(tmp_path):
@@ -211,8 +220,8 @@ def test_bool_rejected_for_float(tmp_path):
 def test_int_accepted_for_float(tmp_path):
     path = write_config(tmp_path, sampling={"temperature": "2", "top_p": "1"}, lora={"scale": "16"})
     cfg = load_config(path)
-    for value, want in [(cfg["sampling"]["temperature"], 2.0), (cfg["sampling"]["top_p"], 1.0),
-                        (cfg["lora"]["scale"], 16.0)]:
+    for value, want in [(cfg.sampling.temperature, 2.0), (cfg.sampling.top_p, 1.0),
+                        (cfg.lora.scale, 16.0)]:
         assert type(value) is float
         assert value == want
 
@@ -254,7 +263,7 @@ def test_out_of_range(tmp_path, section, key, literal, problem):
 ])
 def test_boundary_values_accepted(tmp_path, section, key, literal):
     cfg = load_config(write_config(tmp_path, **{section: {key: literal}}))
-    assert cfg[section][key] == json.loads(literal)
+    assert value(cfg, section, key) == json.loads(literal)
 
 
 @pytest.mark.parametrize("section,key", [("reward", "functions"), ("model", "path"), ("data", "prompts")])
@@ -265,10 +274,12 @@ def test_missing_required_key(tmp_path, section, key):
     assert msg == f"missing required key {section}.{key}"
 
 
-@pytest.mark.parametrize("function", ['"tiny_task.reward"', '"tiny_task"', '":reward"', '"tiny_task:"', '""'])
+@pytest.mark.parametrize("function", ['"tiny_task.reward"', '"tiny_task"', '":reward"', '"tiny_task:"'])
 def test_reward_function_needs_module_and_function(tmp_path, function):
     msg = error_of(write_config(tmp_path, reward={"functions": f"[{function}]"}))
     assert msg.startswith("reward.functions entries must be 'module:function' or 'worker'")
+    msg = error_of(write_config(tmp_path, reward={"functions": '["a:b", ""]'}))
+    assert msg == "reward.functions[1] must not be empty"
 
 
 def test_reward_function_list_problems_are_named(tmp_path):
@@ -281,7 +292,9 @@ def test_reward_function_list_problems_are_named(tmp_path):
     msg = error_of(write_config(tmp_path, reward={"functions": '["a:b", "worker"]', "weights": "[1.0]"}))
     assert msg == "reward.weights has 1 entries for 2 reward.functions"
     msg = error_of(write_config(tmp_path, reward={"functions": '["a:b"]', "weights": '["x"]'}))
-    assert msg.startswith("reward.weights must be a list of finite numbers")
+    assert msg == "reward.weights[0] must be a number, got 'x'"
+    msg = error_of(write_config(tmp_path, lora={"keys": '["q_proj", 3]'}))
+    assert msg == "lora.keys[1] must be a string, got 3"
 
 
 def test_missing_prompts_file(tmp_path):
@@ -305,7 +318,7 @@ def test_model_path_not_a_directory(tmp_path, model):
 @pytest.mark.parametrize("hub_id", ["org/model", "mlx-community/Qwen2.5-0.5B-Instruct-4bit"])
 def test_hub_id_model_path_kept(tmp_path, hub_id):
     cfg = load_config(write_config(tmp_path, model={"path": json.dumps(hub_id)}))
-    assert cfg["model"]["path"] == hub_id
+    assert cfg.model.path == hub_id
 
 
 @pytest.mark.parametrize("text", ["[train\nsteps = 1\n", "steps = \n", "[train]\nsteps = 1\nsteps = 2\n",
@@ -362,27 +375,27 @@ def test_load_config_applies_overrides(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(TINY, overrides=["train.steps=5", "sampling.temperature=0.7", "algorithm.name=grpo",
                                        "lora.dropout=0", "run.transport=tcp"])
-    assert cfg["train"]["steps"] == 5
-    assert cfg["sampling"]["temperature"] == pytest.approx(0.7)
-    assert cfg["lora"]["dropout"] == 0.0 and type(cfg["lora"]["dropout"]) is float
-    assert cfg["run"]["transport"] == "tcp"
-    assert cfg["train"]["learning_rate"] == pytest.approx(3e-4)  # untouched keys keep file values
+    assert cfg.train.steps == 5
+    assert cfg.sampling.temperature == pytest.approx(0.7)
+    assert cfg.lora.dropout == 0.0 and type(cfg.lora.dropout) is float
+    assert cfg.run.transport == "tcp"
+    assert cfg.train.learning_rate == pytest.approx(3e-4)  # untouched keys keep file values
 
 
 def test_load_config_override_adds_missing_section(tmp_path):
     cfg = load_config(write_config(tmp_path), overrides=["train.batch_size=3"])
-    assert cfg["train"]["batch_size"] == 3
+    assert cfg.train.batch_size == 3
 
 
 def test_load_config_steps_and_run_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(TINY, steps=7, run_dir="myrun")
-    assert cfg["train"]["steps"] == 7
-    assert cfg["run"]["dir"] == str(tmp_path.resolve() / "myrun")
+    assert cfg.train.steps == 7
+    assert cfg.run.dir == str(tmp_path.resolve() / "myrun")
     absolute = tmp_path / "abs" / "run"
-    assert load_config(TINY, run_dir=str(absolute))["run"]["dir"] == str(absolute)
+    assert load_config(TINY, run_dir=str(absolute)).run.dir == str(absolute)
     # --steps is applied after --set.
-    assert load_config(TINY, overrides=["train.steps=5"], steps=9)["train"]["steps"] == 9
+    assert load_config(TINY, overrides=["train.steps=5"], steps=9).train.steps == 9
 
 
 def test_load_config_steps_are_validated():
@@ -418,8 +431,8 @@ def test_non_finite_floats_rejected(tmp_path, section, key, literal):
     except ConfigError as e:
         assert f"{section}.{key}" in str(e)
         return
-    pytest.fail(f"{section}.{key} = {literal} accepted as {cfg[section][key]!r} "
-                f"(finite: {math.isfinite(cfg[section][key])})")
+    pytest.fail(f"{section}.{key} = {literal} accepted as {value(cfg, section, key)!r} "
+                f"(finite: {math.isfinite(value(cfg, section, key))})")
 
 
 @pytest.mark.parametrize("kw", [{"overrides": ["model.path=x"]}, {"run_dir": "x"}, {"steps": 3}])
@@ -444,7 +457,7 @@ def test_empty_model_path_rejected(tmp_path):
         cfg = load_config(path)
     except ConfigError:
         return
-    pytest.fail(f"model.path '' accepted as {cfg['model']['path']!r}")
+    pytest.fail(f"model.path '' accepted as {cfg.model.path!r}")
 
 
 # --------------------------------------------------------------------------- the CLI
@@ -483,3 +496,71 @@ def test_cli_bad_set_value():
 def test_cli_missing_config_file(tmp_path):
     line = one_error_line(run_cli("-c", str(tmp_path / "absent.toml")))
     assert "absent.toml does not exist" in line
+
+
+# --------------------------------------------------------------------------- typed sections
+
+
+def test_readme_reference_is_generated_from_the_dataclasses():
+    readme = (REPO / "README.md").read_text()
+    table = reference_table()
+    assert table in readme, "README's configuration reference is stale: paste `python -m protocol.config`"
+    rows = table.splitlines()[2:]
+    assert len(rows) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
+    for cls in SECTIONS.values():
+        for f in dataclasses.fields(cls):
+            assert f.metadata["doc"], f"{cls.__name__}.{f.name} has no help line"
+
+
+def test_reference_row_shows_default_and_help():
+    rows = {line.split(" | ")[0].strip("| `"): line for line in reference_table().splitlines()[2:]}
+    assert rows["train.learning_rate"] == "| `train.learning_rate` | 1e-5 | Adam learning rate |"
+    assert rows["model.path"].startswith("| `model.path` | required | ")
+    assert rows["algorithm.name"].startswith('| `algorithm.name` | `"grpo"` | ')
+    assert rows["data.shuffle"].startswith("| `data.shuffle` | true | ")
+
+
+def test_search_path_defaults_to_config_dir_and_resolves_against_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(write_config(tmp_path))
+    assert cfg.reward.search_path == str(tmp_path.resolve())
+    cfg = load_config(write_config(tmp_path, reward={"search_path": '"rewards"'}))
+    assert cfg.reward.search_path == str(tmp_path.resolve() / "rewards")
+
+
+def test_replace_validates_again(tmp_path):
+    cfg = load_config(write_config(tmp_path))
+    changed = cfg.replace(train={"steps": 3}, sampling={"temperature": 1})
+    assert changed.train.steps == 3 and changed.sampling.temperature == 1.0
+    assert cfg.train.steps == 100  # the original is untouched
+    assert changed.model == cfg.model
+    with pytest.raises(ConfigError, match=r"train\.steps must be >= 1, got 0"):
+        cfg.replace(train={"steps": 0})
+
+
+def test_null_only_for_unset_keys(tmp_path):
+    raw = {"model": {"path": "m"}, "data": {"prompts": "p"}, "reward": {"functions": ["a:b"]}}
+    assert validate({**raw, "algorithm": {"epsilon": None}}).algorithm.epsilon is None
+    with pytest.raises(ConfigError, match=r"train\.steps must be an integer, got None"):
+        validate({**raw, "train": {"steps": None}})
+    with pytest.raises(ConfigError, match=r"model\.path must be a string, got None"):
+        validate({**raw, "model": {"path": None}})
+
+
+def test_load_run_config_applies_overrides_to_the_saved_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(TINY, run_dir="first")
+    Path(cfg.run.dir).mkdir()
+    write_run_config(cfg.run.dir, cfg)
+    moved = tmp_path / "moved"
+    Path(cfg.run.dir).rename(moved)
+    resumed = load_run_config(moved, ["sampling.temperature=0.5"], steps=70)
+    assert resumed.run.dir == str(moved.resolve())  # the directory given is the run
+    assert (resumed.train.steps, resumed.sampling.temperature) == (70, 0.5)
+    assert resumed.reward.search_path == str(EXAMPLES) == cfg.reward.search_path
+    back = resumed.replace(train={"steps": 60}, sampling={"temperature": 1.0}, run={"dir": cfg.run.dir})
+    assert back == cfg
+    with pytest.raises(ConfigError, match="not a run directory"):
+        load_run_config(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match=r"unknown key train\.nope"):
+        load_run_config(moved, ["train.nope=1"])

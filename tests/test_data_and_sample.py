@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from actor.data import DataError, PromptStream, load_prompts
+from protocol.config import RewardConfig
 from rewards.functions import reward_inputs
 from rewards.scorer import Scorer
 from tests.conftest import EXAMPLES, ROOT, write_config
@@ -84,7 +85,7 @@ def test_weighted_rewards_leave_none_out_like_trl(tmp_path):
     (tmp_path / "two.py").write_text(
         "def a(completions, **kw):\n    return [1.0, None, 0.5]\n"
         "def b(completions, **kw):\n    return [2.0, 3.0, None]\n")
-    scorer = Scorer({"functions": ["two:a", "two:b"], "weights": [1.0, 0.5], "search_path": str(tmp_path)})
+    scorer = Scorer(RewardConfig(("two:a", "two:b"), (1.0, 0.5), search_path=str(tmp_path)))
     scored = scorer.submit("k", "q", ["x", "y", "z"], [[1], [2], [3]], {})
     np.testing.assert_allclose(scored.total, [1.0 + 1.0, 1.5, 0.5])
     assert scored.by_function == {"two:a": [1.0, None, 0.5], "two:b": [2.0, 3.0, None]}
@@ -97,8 +98,8 @@ def test_reward_functions_of_the_same_name_in_two_modules_do_not_collide(tmp_pat
     for module, value in (("math_rewards", 1.0), ("code_rewards", 0.25)):
         (tmp_path / f"{module}.py").write_text(
             f"def correct(completions, **kw):\n    return [{value}] * len(completions)\n")
-    scorer = Scorer({"functions": ["math_rewards:correct", "code_rewards:correct"], "weights": [1.0, 2.0],
-                     "search_path": str(tmp_path)})
+    scorer = Scorer(RewardConfig(("math_rewards:correct", "code_rewards:correct"), (1.0, 2.0),
+                                 search_path=str(tmp_path)))
     scored = scorer.submit("k", "q", ["x", "y"], [[1], [2]], {})
     np.testing.assert_allclose(scored.total, [1.0 + 2 * 0.25] * 2)
     assert scored.by_function == {"math_rewards:correct": [1.0, 1.0], "code_rewards:correct": [0.25, 0.25]}

@@ -15,6 +15,7 @@ from learner.intake import Intake
 from learner.ledger import Ledger
 from learner.metrics import MetricsFile
 from learner.rollouts import RolloutSocket
+from protocol.config import RewardConfig
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
 
@@ -70,7 +71,7 @@ def scorer(tmp_path):
     (tmp_path / "r.py").write_text(
         "def ones(completions, **kw):\n    return [float(c.count('1')) for c in completions]\n"
         "def fails(completions, **kw):\n    raise ValueError('bad column')\n")
-    return lambda fn: Scorer({"functions": [f"r:{fn}"], "weights": [], "search_path": str(tmp_path)})
+    return lambda fn: Scorer(RewardConfig((f"r:{fn}",), search_path=str(tmp_path)))
 
 
 def group(group_id: str, lens=(2, 2), **kw):

@@ -20,9 +20,10 @@ from policy.model import (
     set_adapter_weights,
 )
 from policy.tiny import build_tiny_model
+from protocol.config import LoraConfig
 from tests.conftest import TINY_MODEL
 
-LORA = {"rank": 4, "scale": 10.0}
+LORA = LoraConfig(rank=4, scale=10.0)
 
 
 def fresh():

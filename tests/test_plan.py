@@ -22,6 +22,7 @@ from orchestrator.plan import (
     suggestion,
 )
 from policy.model import load_policy
+from protocol.config import LoraConfig
 from tests.conftest import EXAMPLES, ROOT, TINY_MODEL
 from tests.test_e2e import read_metrics
 
@@ -97,7 +98,7 @@ def wide_vocab_model(tmp_path_factory) -> str:
 
 def measured_learner_peak(model_path: str, rows: int, prompt: int, completion: int, checkpoint: bool) -> int:
     mx.random.seed(0)
-    model, _, _ = load_policy(model_path, {"rank": 8, "scale": 20.0})
+    model, _, _ = load_policy(model_path, LoraConfig())
     model.train()
     block = type(model.layers[0])
     original = block.__call__
@@ -176,8 +177,7 @@ def test_up_goes_on_without_a_plan_for_a_hub_model_not_downloaded_yet(capsys):
     from orchestrator.cli import check_plan
     from protocol.config import load_config
 
-    cfg = load_config(EXAMPLES / "tiny.toml")
-    cfg["model"]["path"] = "nobody/not-a-downloaded-model"
+    cfg = load_config(EXAMPLES / "tiny.toml", ["model.path=nobody/not-a-downloaded-model"])
     assert check_plan(cfg, None) == {}
     assert "warning: no memory check" in capsys.readouterr().err
     with pytest.raises(typer.Exit) as e:
@@ -194,8 +194,7 @@ def test_a_model_path_that_is_no_hub_id_is_a_config_error_not_a_missing_download
     from orchestrator.cli import check_plan
     from protocol.config import load_config
 
-    cfg = load_config(EXAMPLES / "tiny.toml")
-    cfg["model"]["path"] = path
+    cfg = load_config(EXAMPLES / "tiny.toml", [f"model.path={path!r}"])
     for show in (False, True):
         with pytest.raises(typer.Exit) as e:
             check_plan(cfg, None, show=show)

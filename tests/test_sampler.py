@@ -7,40 +7,41 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from actor.sampler import SamplingParams, reference_sample, sample_groups, truncate
+from actor.sampler import reference_sample, sample_groups, truncate
 from policy.logprobs import sequence_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
+from protocol.config import LoraConfig, SamplingConfig
 from tests.conftest import TINY_MODEL
 
 PROBS = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
 LOGPROBS = mx.array(np.log(PROBS), dtype=mx.float32)[None]
 
 
-def kept(params: SamplingParams) -> list[bool]:
+def kept(params: SamplingConfig) -> list[bool]:
     return np.isfinite(np.array(truncate(LOGPROBS, params))[0]).tolist()
 
 
 def test_no_truncation_keeps_everything():
-    assert kept(SamplingParams()) == [True] * 5
+    assert kept(SamplingConfig()) == [True] * 5
 
 
 def test_top_k_keeps_the_k_most_likely():
-    assert kept(SamplingParams(top_k=2)) == [True, True, False, False, False]
+    assert kept(SamplingConfig(top_k=2)) == [True, True, False, False, False]
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     # Mass before each token: 0, .5, .75, .90, .97. top_p=0.8 keeps tokens whose prefix < .8.
-    assert kept(SamplingParams(top_p=0.8)) == [True, True, True, False, False]
-    assert kept(SamplingParams(top_p=0.5)) == [True, False, False, False, False]
+    assert kept(SamplingConfig(top_p=0.8)) == [True, True, True, False, False]
+    assert kept(SamplingConfig(top_p=0.5)) == [True, False, False, False, False]
 
 
 def test_min_p_keeps_tokens_above_a_fraction_of_the_best():
     # min_p=0.29 -> floor 0.145: keeps .5, .25 and .15.
-    assert kept(SamplingParams(min_p=0.29)) == [True, True, True, False, False]
+    assert kept(SamplingConfig(min_p=0.29)) == [True, True, True, False, False]
 
 
 def test_truncation_keeps_kept_logprobs_unchanged():
-    out = np.array(truncate(LOGPROBS, SamplingParams(top_k=3)))[0]
+    out = np.array(truncate(LOGPROBS, SamplingConfig(top_k=3)))[0]
     np.testing.assert_allclose(out[:3], np.log(PROBS[:3]), rtol=1e-6)
 
 
@@ -50,7 +51,7 @@ def test_behavior_logprobs_equal_a_full_forward(tiny, temperature, top_p):
     actor's behavior logprobs: the importance ratio is 1 at step 0. Tolerance 1e-4."""
     model, tok = tiny
     prompt = tok.encode("repeat 5")
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=10)
+    params = SamplingConfig(temperature=temperature, top_p=top_p, max_tokens=10)
     (completions,) = sample_groups(model, [prompt], 4, params, set(tok.eos_token_ids), seed=3)
     for c in completions:
         assert len(c.token_ids) == len(c.logprobs) >= 1
@@ -66,10 +67,10 @@ def test_sampling_stops_at_eos_and_reports_why(tiny):
     # Every token counts as EOS: each row stops after its first token, finish reason "stop".
     every = set(range(len(tok.get_vocab())))
     prompt = tok.encode("repeat 1")
-    (stopped,) = sample_groups(model, [prompt], 3, SamplingParams(max_tokens=5), every, seed=0)
+    (stopped,) = sample_groups(model, [prompt], 3, SamplingConfig(max_tokens=5), every, seed=0)
     assert [len(c.token_ids) for c in stopped] == [1, 1, 1]
     assert {c.finish_reason for c in stopped} == {"stop"}
-    (long,) = sample_groups(model, [prompt], 3, SamplingParams(max_tokens=4), eos, seed=0)
+    (long,) = sample_groups(model, [prompt], 3, SamplingConfig(max_tokens=4), eos, seed=0)
     for c in long:
         assert c.finish_reason == ("stop" if c.token_ids[-1] in eos else "length")
         assert len(c.token_ids) <= 4
@@ -78,7 +79,7 @@ def test_sampling_stops_at_eos_and_reports_why(tiny):
 def test_top_k_one_is_greedy(tiny):
     model, tok = tiny
     prompt = tok.encode("repeat 2")
-    (rows,) = sample_groups(model, [prompt], 3, SamplingParams(top_k=1, max_tokens=5), set(), seed=0)
+    (rows,) = sample_groups(model, [prompt], 3, SamplingConfig(top_k=1, max_tokens=5), set(), seed=0)
     assert rows[0].token_ids == rows[1].token_ids == rows[2].token_ids
     logits = model(mx.array([prompt]))[0, -1]
     assert rows[0].token_ids[0] == int(mx.argmax(logits).item())
@@ -94,7 +95,7 @@ def policy(tiny):
     """Its own tiny model with non-zero LoRA weights: a less trivial policy than the base,
     and the session's shared model stays untouched."""
     _, tok = tiny
-    model, _, _ = load_policy(str(TINY_MODEL), {"rank": 8, "scale": 20.0})
+    model, _, _ = load_policy(str(TINY_MODEL), LoraConfig())
     rng = np.random.default_rng(0)
     set_adapter_weights(model, {k: rng.normal(0, 0.05, v.shape).astype(np.float32)
                                 for k, v in adapter_weights_numpy(model).items()})
@@ -118,7 +119,7 @@ def assert_matches_reference(model, prompts, g, params, eos, seed):
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_batched_sampling_equals_the_reference_sampler(policy, temperature, top_p):
     model, tok = policy
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=12)
+    params = SamplingConfig(temperature=temperature, top_p=top_p, max_tokens=12)
     groups = assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, params,
                                       set(tok.eos_token_ids), seed=7)
     assert len({tuple(c.token_ids) for group in groups for c in group}) > 1
@@ -127,7 +128,7 @@ def test_batched_sampling_equals_the_reference_sampler(policy, temperature, top_
 def test_rows_do_not_depend_on_the_rest_of_the_batch(policy):
     model, tok = policy
     prompts = [tok.encode(t) for t in TEXTS]
-    params, eos = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=10), set(tok.eos_token_ids)
+    params, eos = SamplingConfig(temperature=0.7, top_p=0.9, max_tokens=10), set(tok.eos_token_ids)
     batch = sample_groups(model, prompts, 4, params, eos, seed=3)
     # The same row ids alone, or among fewer or other prompts, give the same tokens.
     assert_same(sample_groups(model, [prompts[0]], 4, params, eos, seed=3)[0], batch[0])
@@ -144,7 +145,7 @@ def test_rows_do_not_depend_on_the_rest_of_the_batch(policy):
 def test_each_row_stops_at_its_first_eos(policy):
     model, tok = policy
     eos = {*tok.eos_token_ids, tok.encode("f")[0]}  # a common letter: several rows stop early
-    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=12)
+    params = SamplingConfig(temperature=0.7, top_p=0.9, max_tokens=12)
     # Rows finishing at different steps leave the batch; the rest must not notice.
     groups = assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, params, eos, seed=7)
     rows = [c for group in groups for c in group]
@@ -165,7 +166,7 @@ def test_caches_that_cannot_batch_decode_per_prompt(policy, monkeypatch):
     model, tok = policy
     monkeypatch.setattr(model, "make_cache", lambda: [ConcatenateKVCache() for _ in model.layers])
     eos = {*tok.eos_token_ids, tok.encode("f")[0]}
-    assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, SamplingParams(max_tokens=8),
+    assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, SamplingConfig(max_tokens=8),
                              eos, seed=1)
 
 
@@ -179,11 +180,11 @@ def test_caches_that_merge_but_are_not_plain_kv_caches_sample_the_same(policy, m
     model, tok = policy
     monkeypatch.setattr(model, "make_cache", lambda: [OtherKVCache() for _ in model.layers])
     eos = {*tok.eos_token_ids, tok.encode("f")[0]}
-    assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, SamplingParams(max_tokens=8),
+    assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, SamplingConfig(max_tokens=8),
                              eos, seed=2)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.8)])
+@pytest.mark.parametrize("params", [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.8)])
 def test_gumbel_sampling_draws_from_the_truncated_distribution(params):
     """20,000 rows, one step: token frequencies match the tempered, truncated, renormalised
     distribution within 4 standard errors, and the reported logprobs are the untruncated."""

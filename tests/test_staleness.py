@@ -10,7 +10,7 @@ import numpy as np
 import protocol
 from orchestrator.supervisor import prepare_run_dir
 from policy.model import tokenizer_fingerprint
-from protocol.config import load_config
+from protocol.config import as_dict, load_config
 from tests.conftest import peer, write_config
 from tests.test_e2e import read_metrics, run_up
 
@@ -40,8 +40,8 @@ def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):
                     return msg
 
         sock.send_multipart(protocol.encode(protocol.HELLO, {
-            "role": "actor", "model": cfg["model"]["path"], "tokenizer": tokenizer_fingerprint(tok),
-            "lora": cfg["lora"], "pid": os.getpid()}))
+            "role": "actor", "model": cfg.model.path, "tokenizer": tokenizer_fingerprint(tok),
+            "lora": as_dict(cfg.lora), "pid": os.getpid()}))
         expect(protocol.WEIGHTS, version=0)
         for version in (0, 1):  # two on-policy batches: steps 1 and 2
             send_group(version, 0)

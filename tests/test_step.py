@@ -6,13 +6,14 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from actor.sampler import SamplingParams, sample_groups
+from actor.sampler import sample_groups
 from learner.algorithms import ALGORITHMS, make_algorithm
 from learner.step import Correction, Sample, correction_weights, make_batch, optimizer_step, prepare
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
+from protocol.config import LoraConfig, SamplingConfig
 from tests.conftest import TINY_MODEL
 
-LORA = {"rank": 4, "scale": 10.0}
+LORA = LoraConfig(rank=4, scale=10.0)
 
 
 def model_with(weights=None):
@@ -30,7 +31,7 @@ def perturbed(weights, seed, sd=0.3):
 
 def sampled_batch(model, tok, groups=2, g=4, temperature=1.0, seed=0):
     prompts = [tok.encode(f"repeat {i}") for i in range(groups)]
-    sampled = sample_groups(model, prompts, g, SamplingParams(temperature=temperature, max_tokens=6),
+    sampled = sample_groups(model, prompts, g, SamplingConfig(temperature=temperature, max_tokens=6),
                             set(tok.eos_token_ids), seed=seed)
     samples = [Sample(np.array(p), np.array(c.token_ids), np.array(c.logprobs), c.finish_reason)
                for p, group in zip(prompts, sampled) for c in group]
@@ -75,8 +76,11 @@ def test_micro_batched_accumulation_is_exact(name):
     assert acc["kl"] == pytest.approx(full["kl"], rel=1e-6, abs=1e-7)
     assert max(np.abs(d).max() for d in d_full.values()) > 1e-4  # the step did something
     assert acc["ratio_min"] == 1.0 == acc["ratio_max"]  # same micro-batches in both passes
+    # Float32 GEMMs of other shapes sum in another order (OpenBLAS blocks by shape): allow
+    # rounding relative to the update's size; a lost or doubled micro-batch is O(1) of it.
+    scale = max(np.abs(d).max() for d in d_full.values())
     for k in d_full:
-        np.testing.assert_allclose(d_acc[k], d_full[k], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(d_acc[k], d_full[k], rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_correction_weights_by_hand():
