@@ -28,7 +28,7 @@ from actor.data import PromptStream, check_context, load_prompts
 from actor.sampler import sample_groups
 from policy.memory import apply_memory_share
 from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint
-from protocol import lifecycle
+from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
 from protocol.heartbeat import start_heartbeat
 
@@ -56,11 +56,9 @@ class Actor:
         self.told_to_stop = False
         self.refused = False  # the learner refused our handshake
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 2000)
         # Under an orchestrator the lifeline ends us; started by hand, we end when the
-        # learner has been unreachable for good.
-        self.watch = lifecycle.ConnectionWatch(self.sock, protocol.read_endpoints(run_dir)["learner"])
+        # learner has been unreachable for good (the watch).
+        self.sock, self.watch = sockets.connect(self.ctx, protocol.read_endpoints(run_dir)["learner"])
         self.learner_lost = False
 
     def send(self, kind: str, header: dict, arrays: dict | None = None) -> None:
@@ -68,13 +66,10 @@ class Actor:
 
     def receive(self, timeout_ms: int) -> None:
         """Keep the newest weights message; never raise on a bad message."""
-        while self.sock.poll(timeout_ms):
-            timeout_ms = 0
-            frames = [f.buffer for f in self.sock.recv_multipart(copy=False)]
-            try:
-                msg = protocol.decode(frames)
-            except protocol.ProtocolError as e:
-                log.error("dropped a malformed message: %s", e)
+        for incoming in sockets.incoming(self.sock, timeout_ms):
+            msg = incoming.msg
+            if msg is None:
+                log.error("dropped a malformed message: %s", incoming.error)
                 continue
             if msg.kind == protocol.WEIGHTS:
                 if self.pending is None or msg["version"] >= self.pending["version"]:

@@ -21,6 +21,7 @@ import zmq
 import protocol
 from learner.groups import Group
 from learner.ledger import Ledger
+from protocol import sockets
 
 log = logging.getLogger("learner")
 
@@ -34,9 +35,7 @@ class RolloutSocket:
         """`identity`: what this learner runs (model, tokenizer, lora, instance), sent in
         its hello and checked in actors'. `check_group` turns a rollout into a Group or
         raises ValueError with the drop reason. `weights()` gives the adapter arrays."""
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.bind(endpoint)
+        self.sock = sockets.listen(ctx, endpoint)
         self.ledger = ledger
         self.identity = identity
         self.check_group = check_group
@@ -51,16 +50,12 @@ class RolloutSocket:
         """The groups that arrive within `timeout_ms`. An actor that attaches gets weights
         of `version`; `hello` holds this learner's changing hello fields (the data cursor)."""
         groups = []
-        while self.sock.poll(timeout_ms):
-            timeout_ms = 0
-            actor, *frames = (f.buffer for f in self.sock.recv_multipart(copy=False))
-            actor = bytes(actor)
-            try:
-                msg = protocol.decode(frames)
-            except protocol.ProtocolError as e:
+        for incoming in sockets.incoming(self.sock, timeout_ms):
+            actor, msg = incoming.peer, incoming.msg
+            if msg is None:
                 self.ledger.reject_message()
-                log.error("dropped a malformed message from %s: %s", actor.hex(), e)
-                if actor in self.actors and _looks_like_rollout(frames):
+                log.error("dropped a malformed message from %s: %s", actor.hex(), incoming.error)
+                if actor in self.actors and _looks_like_rollout(incoming.frames):
                     # An attached actor counts this group as in flight; consume it so the
                     # actor is not left waiting for credit that would never come.
                     self.ledger.receive()

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import zmq
 
 import protocol
-from protocol import lifecycle
+from protocol import lifecycle, sockets
 from rewards.functions import RewardError, call_reward, load_reward_function
 
 log = logging.getLogger("reward_worker")
@@ -34,9 +34,7 @@ class RewardWorker:
         self.learner_timeout_s = learner_timeout_s
         self.signals = signals or lifecycle.StopSignals()
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.watch = lifecycle.ConnectionWatch(self.sock, endpoint)
+        self.sock, self.watch = sockets.connect(self.ctx, endpoint)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self.instance: str | None = None  # the learner we are attached to
         self.requests: collections.deque[protocol.Message] = collections.deque()
@@ -59,8 +57,8 @@ class RewardWorker:
                 # Tell the learner at once, so what we hold goes to another worker now.
                 self.send(protocol.STOP, {"reason": f"reward worker stopped by {self.signals.name}"})
                 return lifecycle.signal_exit_code(self.signals.signum)
-            if self.sock.poll(50):
-                reason = self.handle(self.sock.recv_multipart())
+            for incoming in sockets.incoming(self.sock, 50):
+                reason = self.handle(incoming)
                 if reason is not None:
                     log.info("stopping: %s", reason)
                     return lifecycle.EXIT_OK
@@ -72,12 +70,11 @@ class RewardWorker:
                 log.error("no learner on %s for %.0f s; it is gone, stopping", self.endpoint, down)
                 return lifecycle.EXIT_CRASH
 
-    def handle(self, frames: list[bytes]) -> str | None:
+    def handle(self, incoming: sockets.Incoming) -> str | None:
         """Act on one message; return the stop reason when told to stop."""
-        try:
-            msg = protocol.decode(frames)
-        except protocol.ProtocolError as e:
-            log.error("dropped a malformed message: %s", e)
+        msg = incoming.msg
+        if msg is None:
+            log.error("dropped a malformed message: %s", incoming.error)
             return None
         if msg.kind == protocol.STOP:
             return msg["reason"]

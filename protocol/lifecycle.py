@@ -33,8 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-import zmq
-
 log = logging.getLogger("lifecycle")
 
 EXIT_OK = 0
@@ -264,39 +262,3 @@ def hold_run_lock(run_dir: str | Path) -> int:
     if inherited is not None and _try_lock(int(inherited)):
         return int(inherited)  # our own orchestrator's lock: already ours
     return acquire_run_lock(run_dir)
-
-
-# -- the connection watch -------------------------------------------------------------
-
-class ConnectionWatch:
-    """Connects `sock` to `endpoint` and tells whether it has a live peer, from libzmq's
-    monitor events. Over `ipc://` a peer's death closes the connection at once. Over
-    `tcp://` ZMTP heartbeats find a dead or unreachable host; libzmq's I/O thread answers
-    them even while the learner is busy in a long step, so the timeout is generous: a
-    dropped connection comes back under a new identity, which the learner must re-greet."""
-
-    def __init__(self, sock: zmq.Socket, endpoint: str) -> None:
-        if endpoint.startswith("tcp://"):
-            sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # find a restarted learner within a second
-        self.sock = sock
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        self.down_since: float | None = time.monotonic()  # not connected yet
-        sock.connect(endpoint)
-
-    def down_for(self) -> float:
-        """Seconds without a connected peer (0 while connected)."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.down_since = None
-            elif event == zmq.EVENT_DISCONNECTED and self.down_since is None:
-                self.down_since = time.monotonic()
-        return 0.0 if self.down_since is None else time.monotonic() - self.down_since
-
-    def close(self) -> None:
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)

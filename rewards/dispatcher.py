@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import zmq
 
 import protocol
+from protocol import sockets
 from protocol.lifecycle import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S
 
 log = logging.getLogger("rewards")
@@ -63,9 +64,7 @@ class Reply:
 class RewardDispatcher:
     def __init__(self, ctx: zmq.Context, endpoint: str, timeout_s: float, max_attempts: int,
                  instance: str | None = None) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 1000)  # so the closing `stop` reaches the workers
-        self.sock.bind(endpoint)
+        self.sock = sockets.listen(ctx, endpoint)
         self.endpoint = endpoint
         self.instance = instance or uuid.uuid4().hex[:12]
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
@@ -98,16 +97,12 @@ class RewardDispatcher:
         """Handle worker messages, deadlines, silence and dispatch. Returns (replies, failures)."""
         done: list[Reply] = []
         failed: list[tuple[str, str]] = []
-        while self.sock.poll(timeout_ms):
-            timeout_ms = 0
-            identity, *frames = self.sock.recv_multipart()
-            self.seen(identity)
-            try:
-                msg = protocol.decode(frames)
-            except protocol.ProtocolError as e:
-                self.reject(identity, f"malformed message: {e}", failed)
+        for incoming in sockets.incoming(self.sock, timeout_ms):
+            self.seen(incoming.peer)
+            if incoming.msg is None:
+                self.reject(incoming.peer, f"malformed message: {incoming.error}", failed)
                 continue
-            self.handle(identity, msg, done, failed)
+            self.handle(incoming.peer, incoming.msg, done, failed)
         self.check_workers(failed)
         self.dispatch()
         self.beat()

@@ -1,0 +1,94 @@
+"""The sockets every process opens, and the one way each reads them.
+
+The learner binds ROUTER sockets (rollouts, rewards); actors and reward workers connect a
+DEALER with a `ConnectionWatch`, which tells them when the learner is gone for good. Each
+socket lingers on close, so a last `stop` still leaves. Reading is the same everywhere:
+`incoming` polls, receives and decodes, and hands a malformed message to the caller as a
+ProtocolError instead of raising: a process never crashes on a peer's bad message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import zmq
+
+from protocol.lifecycle import HEARTBEAT_S
+from protocol.wire import Message, ProtocolError, decode
+
+LINGER_MS = 2000  # how long a closing socket keeps trying to deliver its last messages
+
+
+def listen(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """The learner's side: a ROUTER bound to `endpoint`."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.bind(endpoint)
+    return sock
+
+
+def connect(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, ConnectionWatch]:
+    """A peer's side: a DEALER connected to the learner's `endpoint`, and its watch."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    return sock, ConnectionWatch(sock, endpoint)
+
+
+@dataclass
+class Incoming:
+    """One message as read: the decoded `msg`, or the `error` that made it unreadable."""
+
+    peer: bytes | None  # the sender's identity on a ROUTER; None on a DEALER
+    msg: Message | None
+    error: ProtocolError | None
+    frames: list  # the message frames, without the identity
+
+
+def incoming(sock: zmq.Socket, timeout_ms: int = 0) -> Iterator[Incoming]:
+    """Every message that arrives within `timeout_ms`, and then those already queued."""
+    routed = sock.type == zmq.ROUTER
+    while sock.poll(timeout_ms):
+        timeout_ms = 0
+        frames = [f.buffer for f in sock.recv_multipart(copy=False)]
+        peer = bytes(frames.pop(0)) if routed else None
+        try:
+            msg, error = decode(frames), None
+        except ProtocolError as e:
+            msg, error = None, e
+        yield Incoming(peer, msg, error, frames)
+
+
+class ConnectionWatch:
+    """Connects `sock` to `endpoint` and tells whether it has a live peer, from libzmq's
+    monitor events. Over `ipc://` a peer's death closes the connection at once. Over
+    `tcp://` ZMTP heartbeats find a dead or unreachable host; libzmq's I/O thread answers
+    them even while the learner is busy in a long step, so the timeout is generous: a
+    dropped connection comes back under a new identity, which the learner must re-greet."""
+
+    def __init__(self, sock: zmq.Socket, endpoint: str) -> None:
+        if endpoint.startswith("tcp://"):
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # find a restarted learner within a second
+        self.sock = sock
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.down_since: float | None = time.monotonic()  # not connected yet
+        sock.connect(endpoint)
+
+    def down_for(self) -> float:
+        """Seconds without a connected peer (0 while connected)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.down_since = None
+            elif event == zmq.EVENT_DISCONNECTED and self.down_since is None:
+                self.down_since = time.monotonic()
+        return 0.0 if self.down_since is None else time.monotonic() - self.down_since
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
