@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from policy.logprobs import picked_logprobs, tempered
 from protocol.config import SamplingConfig
 
 
@@ -88,14 +89,12 @@ def _noise(row_keys: mx.array, t: int, vocab: int) -> mx.array:
 
 
 def _sample(logits: mx.array, noise: mx.array, p: SamplingConfig) -> tuple[mx.array, mx.array]:
-    """Gumbel-max over the truncated distribution; the logprob is of the untruncated one."""
-    scaled = logits.astype(mx.float32)
-    if p.temperature != 1.0:
-        scaled = scaled / p.temperature
-    logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-    tokens = mx.argmax(truncate(logprobs, p) + noise, axis=-1)
-    picked = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return tokens, picked
+    """Gumbel-max over the truncated distribution; the logprob is of the untruncated one,
+    by policy/logprobs.py's definition (the learner's)."""
+    scaled = tempered(logits, p.temperature)
+    lse = mx.logsumexp(scaled, axis=-1)
+    tokens = mx.argmax(truncate(scaled - lse[:, None], p) + noise, axis=-1)
+    return tokens, picked_logprobs(scaled, lse, tokens)
 
 
 def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],

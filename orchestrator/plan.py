@@ -31,9 +31,10 @@ HIDDEN_TENSORS, INTERMEDIATE_TENSORS, ATTENTION_MAPS = 14, 5, 2
 # live there beside their gradients: about 1.5 blocks' worth at the peak (measured).
 CHECKPOINT_BLOCKS = 1.5
 # Float32-sized copies of the logits alive at the learner's peak: the model's logits cast
-# to float32, scaled by 1/temperature, exp() inside logsumexp, and the gradient (about 5;
-# tests/test_plan.py measures it on a 16k-vocabulary model where logits are the peak).
-LOGIT_COPIES = 5
+# to float32, exp() inside logsumexp, and the gradient (about 3), and 2 more when a
+# temperature other than 1 divides them (kept for the forward and the backward).
+# tests/test_plan.py measures both on a 16k-vocabulary model where logits are the peak.
+LOGIT_COPIES, TEMPERATURE_COPIES = 3, 2
 # Estimates run up to 10% low on the measured shapes: a plan must fit with this margin.
 SAFETY = 1.10
 
@@ -132,6 +133,7 @@ class Shape:
     lora_rank: int
     lora_layers: int
     lora_keys: tuple[str, ...]
+    temperature: float = 1.0
 
     @property
     def rows(self) -> int:
@@ -187,7 +189,7 @@ def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         "optimizer": 2 * lora,  # Adam's m and v
         "gradients": lora,
         "activations": activations,
-        "logits": LOGIT_COPIES * tokens * m.vocab * 4,
+        "logits": (LOGIT_COPIES + TEMPERATURE_COPIES * (s.temperature != 1.0)) * tokens * m.vocab * 4,
         # The old-policy and reference passes run before the step, one micro-batch at a
         # time and without a graph: their peak (a forward's logits) stays below the
         # step's, so they add nothing to the total. Listed to show they were counted.
@@ -235,7 +237,7 @@ def detect_budget() -> tuple[float, str]:
 def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
     s, t, lora = cfg.sampling, cfg.train, cfg.lora
     return Shape(s.group_size, t.batch_size, prompt_tokens, s.max_tokens, t.micro_batch_size,
-                 t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys)
+                 t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, s.temperature)
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:

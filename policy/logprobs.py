@@ -12,12 +12,23 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+def tempered(logits: mx.array, temperature: float) -> mx.array:
+    """float32 logits / temperature: the distribution's scores, before normalising."""
+    scaled = logits.astype(mx.float32)
+    return scaled if temperature == 1.0 else scaled / temperature
+
+
+def picked_logprobs(scaled: mx.array, lse: mx.array, tokens: mx.array) -> mx.array:
+    """log p(token) = scaled[token] - logsumexp(scaled), without forming every token's
+    logprob (at a 150k vocabulary that would be a second logits-sized array)."""
+    return mx.take_along_axis(scaled, tokens[..., None], axis=-1)[..., 0] - lse
+
+
 def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> mx.array:
-    """logprob of each `tokens[..., i]` under `logits[..., i, :]` at `temperature`."""
-    logits = logits.astype(mx.float32) / temperature
-    lse = mx.logsumexp(logits, axis=-1)
-    picked = mx.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
-    return picked - lse
+    """logprob of each `tokens[..., i]` under `logits[..., i, :]` at `temperature`.
+    The sampler computes its behavior logprobs with the same two functions."""
+    scaled = tempered(logits, temperature)
+    return picked_logprobs(scaled, mx.logsumexp(scaled, axis=-1), tokens)
 
 
 def sequence_logprobs(model: nn.Module, tokens: mx.array, temperature: float) -> mx.array:
@@ -32,7 +43,7 @@ def sequence_logprobs_and_entropy(model: nn.Module, tokens: mx.array,
     plus the entropy of each position's tempered distribution."""
     logits = model(tokens[:, :-1])
     picked = token_logprobs(logits, tokens[:, 1:], temperature)
-    scaled = logits.astype(mx.float32) / temperature
+    scaled = tempered(logits, temperature)
     logprobs = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
     entropy = -(mx.exp(logprobs) * logprobs).sum(-1)
     return picked, entropy

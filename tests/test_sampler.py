@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from actor.sampler import reference_sample, sample_groups, truncate
-from policy.logprobs import sequence_logprobs
+from actor.sampler import _noise, _row_keys, _sample, reference_sample, sample_groups, truncate
+from policy.logprobs import sequence_logprobs, token_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
 from protocol.config import LoraConfig, SamplingConfig
 from tests.conftest import TINY_MODEL
@@ -43,6 +43,25 @@ def test_min_p_keeps_tokens_above_a_fraction_of_the_best():
 def test_truncation_keeps_kept_logprobs_unchanged():
     out = np.array(truncate(LOGPROBS, SamplingConfig(top_k=3)))[0]
     np.testing.assert_allclose(out[:3], np.log(PROBS[:3]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+@pytest.mark.parametrize("mode", [{}, {"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.1},
+                                  {"top_k": 20, "top_p": 0.9, "min_p": 0.02}])
+def test_sampler_and_learner_logprobs_agree_on_the_same_logits(temperature, mode):
+    """The two sides' one definition: whatever the truncation, the logprob the sampler
+    reports for the token it drew is the learner's `token_logprobs` of that token."""
+    rng = np.random.default_rng(7)
+    logits = mx.array((rng.standard_normal((6, 300)) * 4).astype(np.float32)).astype(mx.bfloat16)
+    params = SamplingConfig(temperature=temperature, **mode)
+    tokens, sampled = _sample(logits, _noise(_row_keys(0, list(range(6))), 0, 300), params)
+    learner = token_logprobs(logits, tokens, temperature)
+    np.testing.assert_allclose(np.array(sampled), np.array(learner), rtol=0, atol=1e-6)
+    # ...and both are the untruncated log-softmax, computed independently in float64.
+    x = np.array(logits.astype(mx.float32), dtype=np.float64) / temperature
+    top = x.max(-1, keepdims=True)
+    ref = x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.array(learner), ref[np.arange(6), np.array(tokens)], atol=1e-5)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])

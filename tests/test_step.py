@@ -8,9 +8,17 @@ import pytest
 
 from actor.sampler import sample_groups
 from learner.algorithms import ALGORITHMS, make_algorithm
-from learner.step import Correction, Sample, correction_weights, make_batch, optimizer_step, prepare
+from learner.step import (
+    Correction,
+    Sample,
+    Trainer,
+    correction_weights,
+    make_batch,
+    optimizer_step,
+    prepare,
+)
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
-from protocol.config import LoraConfig, SamplingConfig
+from protocol.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
 from tests.conftest import TINY_MODEL
 
 LORA = LoraConfig(rank=4, scale=10.0)
@@ -138,3 +146,32 @@ def test_entropy_matches_a_numpy_computation():
     mask = np.array(batch.mask)
     assert entropy == pytest.approx((per_position * mask).sum() / mask.sum(), rel=1e-5)
     assert 0 < entropy < np.log(len(tok.get_vocab()))
+
+
+def test_trainer_runs_the_step_with_the_run_settings():
+    """The Trainer is the step with the config's sections: the objective with its knobs,
+    the correction, Adam at train.learning_rate, the temperature and micro-batches. It
+    must move the adapters exactly as the step functions called by hand with them."""
+    algorithm = AlgorithmConfig(name="dapo", epsilon=0.1, beta=0.04, is_correction="truncate", is_cap=CAP)
+    train = TrainConfig(learning_rate=1e-2, max_grad_norm=0.5, micro_batch_size=3)
+    sampling = SamplingConfig(temperature=0.7, max_tokens=6)
+    model, tok = model_with()
+    start = adapter_weights_numpy(model)
+    batch = sampled_batch(model, tok, temperature=0.7)
+    trainer = Trainer(model, algorithm, train, sampling)
+    assert (trainer.algorithm.epsilon_low, trainer.algorithm.epsilon_high) == (0.1, 0.28)
+    assert trainer.correction == Correction("truncate", "token", CAP)
+    assert trainer.num_iterations == 1 and trainer.optimizer.learning_rate.item() == pytest.approx(1e-2)
+    advantages = trainer.algorithm.advantages(REWARDS)
+    ours = trainer.step(batch, trainer.prepare(batch), advantages)
+
+    by_hand, _ = model_with(start)
+    alg = make_algorithm("dapo", epsilon=0.1, beta=0.04, max_tokens=6)
+    prepared = prepare(by_hand, batch, 0.7, 0.04, Correction("truncate", "token", CAP), 3)
+    theirs = optimizer_step(by_hand, optim.Adam(learning_rate=1e-2), alg, batch, prepared, advantages,
+                            0.7, 0.5, 3)
+    assert ours == theirs
+    moved = adapter_weights_numpy(model)
+    for k, v in adapter_weights_numpy(by_hand).items():
+        np.testing.assert_array_equal(moved[k], v)
+    assert max(np.abs(moved[k] - start[k]).max() for k in start) > 1e-4
