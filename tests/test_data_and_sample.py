@@ -63,7 +63,8 @@ def test_prompt_stream_shuffles_by_seed_and_resumes_from_its_cursor(tiny):
     assert sorted(first[:10]) == list(range(10)) and first[:10] != list(range(10))
     again = PromptStream(prompts, True, seed=3)
     assert [next(again).index for _ in range(25)] == first  # the same seed, the same order
-    assert [next(PromptStream(prompts, True, seed=4)).index for _ in range(10)] != first[:10]
+    other = PromptStream(prompts, True, seed=4)
+    assert [next(other).index for _ in range(10)] != first[:10]  # another seed, another order
     b = PromptStream(prompts, True, seed=3)
     for _ in range(13):
         next(b)
