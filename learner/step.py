@@ -15,7 +15,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
-from learner.algorithms import Algorithm, LossInputs, make_algorithm
+from learner.algorithms import Algorithm, LossInputs, make_algorithm, masked_mean
 from policy.logprobs import sequence_logprobs, sequence_logprobs_and_entropy
 from policy.model import adapters_disabled
 from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig
@@ -57,10 +57,14 @@ class Correction:
 
 @dataclass
 class Prepared:
-    old: mx.array
+    """What a batch's steps share. With the old-policy pass fused into the training
+    forward, `old` and `is_weight` are None and the step computes them (and `stats`)."""
+
+    old: mx.array | None
     ref: mx.array | None
-    is_weight: mx.array
+    is_weight: mx.array | None
     stats: dict[str, float]
+    correction: Correction
 
 
 def make_batch(samples: list[Sample], pad_id: int) -> Batch:
@@ -80,40 +84,47 @@ def make_batch(samples: list[Sample], pad_id: int) -> Batch:
     return Batch(mx.array(tokens), mx.array(mask), mx.array(behavior))
 
 
-def correction_weights(old: np.ndarray, behavior: np.ndarray, mask: np.ndarray,
-                       c: Correction) -> tuple[np.ndarray, dict[str, float]]:
-    """Importance weights pi_old / pi_behavior per token, and how often they were cut.
-    float64 throughout: the gaps are ~1e-7 at equal weights."""
+def correction_weights(old: mx.array, behavior: mx.array, mask: mx.array,
+                       c: Correction) -> tuple[mx.array, dict[str, mx.array]]:
+    """Importance weights pi_old / pi_behavior per token, and how often they were cut."""
     log_w = (old - behavior) * mask
     if c.level == "sequence":
-        log_w = np.broadcast_to(log_w.sum(-1, keepdims=True), log_w.shape)
-    w = np.exp(np.clip(log_w, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT))
+        log_w = mx.broadcast_to(log_w.sum(-1, keepdims=True), log_w.shape)
+    w = mx.exp(mx.clip(log_w, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT))
     on = mask > 0
-    stats = {"is_ratio_min": float(w[on].min()), "is_ratio_mean": float(w[on].mean()),
-             "is_ratio_max": float(w[on].max())}
+    stats = {"is_ratio_min": mx.min(mx.where(on, w, mx.inf)), "is_ratio_mean": masked_mean(w, mask),
+             "is_ratio_max": mx.max(mx.where(on, w, -mx.inf))}
     if c.mode == "truncate":
         cut = w > c.cap
-        used = np.minimum(w, c.cap)
+        used = mx.minimum(w, c.cap)
     elif c.mode == "mask":
         cut = (w > c.cap) | (w < 1 / c.cap)
-        used = np.where(cut, 0.0, w)
+        used = mx.where(cut, 0.0, w)
     else:
-        cut = np.zeros_like(on)
-        used = np.ones_like(w)
-    stats["is_cut_frac"] = float(cut[on].mean())
-    return (used * mask).astype(np.float32), stats
+        cut = mx.zeros_like(on)
+        used = mx.ones_like(w)
+    stats["is_cut_frac"] = masked_mean(cut, mask)
+    return used * mask, stats
 
 
-def mismatch_metrics(behavior: np.ndarray, old: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+def mismatch_metrics(behavior: mx.array, old: mx.array, mask: mx.array) -> dict[str, mx.array]:
     """How far the actor's behavior logprobs are from the learner's recomputation."""
     diff = (old - behavior) * mask
-    n = max(mask.sum(), 1.0)
-    k3 = (np.expm1(diff) - diff) * mask  # k3 estimate of KL(behavior || old)
     return {
-        "mismatch_kl": float(k3.sum() / n),
-        "mismatch_abs_mean": float(np.abs(diff).sum() / n),
-        "mismatch_abs_max": float(np.abs(diff).max()),
+        "mismatch_kl": masked_mean(mx.expm1(diff) - diff, mask),  # k3 estimate of KL(behavior || old)
+        "mismatch_abs_mean": masked_mean(mx.abs(diff), mask),
+        "mismatch_abs_max": mx.max(mx.abs(diff)),
     }
+
+
+def old_policy_terms(old: mx.array, entropy: mx.array, behavior: mx.array, mask: mx.array,
+                     c: Correction) -> tuple[mx.array, dict[str, mx.array]]:
+    """From the old-policy logprobs: the correction weights, and the diagnostics that
+    compare them with the actor's (and the policy's entropy). Both paths use this."""
+    weights, stats = correction_weights(old, behavior, mask, c)
+    stats.update(mismatch_metrics(behavior, old, mask))
+    stats["entropy"] = masked_mean(entropy, mask)
+    return weights, stats
 
 
 def row_slices(rows: int, micro_batch_size: int) -> list[slice]:
@@ -123,30 +134,32 @@ def row_slices(rows: int, micro_batch_size: int) -> list[slice]:
 
 
 def prepare(model: nn.Module, batch: Batch, temperature: float, beta: float,
-            correction: Correction, micro_batch_size: int = 0) -> Prepared:
+            correction: Correction, micro_batch_size: int = 0, fused: bool = False) -> Prepared:
     """Old-policy logprobs (full forward, current weights), reference logprobs with the
     adapters off when beta > 0, and the behavior-policy correction weights.
 
     Forwards run over the same micro-batches as the optimizer step: that bounds memory,
-    and identical shapes make the first step's ratio exactly 1."""
+    and identical shapes make the first step's ratio exactly 1. `fused` (for a single
+    step on the batch) skips the old-policy forward: the step's own forward, with the
+    same weights on the same tokens, gives the very same logprobs (stop-gradient)."""
     olds, entropies, refs = [], [], []
     for sl in row_slices(batch.tokens.shape[0], micro_batch_size):
-        old, entropy = sequence_logprobs_and_entropy(model, batch.tokens[sl], temperature)
-        mx.eval(old, entropy)
-        olds.append(old)
-        entropies.append(entropy)
+        if not fused:
+            old, entropy = sequence_logprobs_and_entropy(model, batch.tokens[sl], temperature)
+            mx.eval(old, entropy)
+            olds.append(old)
+            entropies.append(entropy)
         if beta > 0:
             with adapters_disabled(model):
                 refs.append(sequence_logprobs(model, batch.tokens[sl], temperature))
             mx.eval(refs[-1])
-    old, entropy = mx.concatenate(olds), mx.concatenate(entropies)
     ref = mx.concatenate(refs) if refs else None
-    mask = np.array(batch.mask, dtype=np.float64)
-    old64, behavior64 = np.array(old, dtype=np.float64), np.array(batch.behavior, dtype=np.float64)
-    weights, stats = correction_weights(old64, behavior64, mask, correction)
-    stats.update(mismatch_metrics(behavior64, old64, mask))
-    stats["entropy"] = float((np.array(entropy) * mask).sum() / max(mask.sum(), 1.0))
-    return Prepared(mx.stop_gradient(old), ref, mx.array(weights), stats)
+    if fused:
+        return Prepared(None, ref, None, {}, correction)
+    old = mx.concatenate(olds)
+    weights, stats = old_policy_terms(old, mx.concatenate(entropies), batch.behavior, batch.mask, correction)
+    mx.eval(weights, stats)
+    return Prepared(old, ref, weights, {k: float(v.item()) for k, v in stats.items()}, correction)
 
 
 def _combine(parts: list[tuple[dict, float]]) -> dict[str, float]:
@@ -178,12 +191,19 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
     adv = mx.array(advantages.astype(np.float32))
 
     def loss_fn(model, sl):
-        logp = sequence_logprobs(model, batch.tokens[sl], temperature)
+        mask, extra = batch.mask[sl], {}
+        if prepared.old is None:  # fused: this forward's logprobs are the old policy's
+            logp, entropy = sequence_logprobs_and_entropy(model, batch.tokens[sl], temperature)
+            old = mx.stop_gradient(logp)
+            is_weight, extra = old_policy_terms(old, mx.stop_gradient(entropy), batch.behavior[sl], mask,
+                                                prepared.correction)
+        else:
+            logp = sequence_logprobs(model, batch.tokens[sl], temperature)
+            old, is_weight = prepared.old[sl], prepared.is_weight[sl]
         ref = prepared.ref[sl] if prepared.ref is not None else None
-        x = LossInputs(logp, prepared.old[sl], ref, adv[sl], batch.mask[sl], prepared.is_weight[sl])
-        total, diag = algorithm.loss_sum(x)
+        total, diag = algorithm.loss_sum(LossInputs(logp, old, ref, adv[sl], mask, is_weight))
         diag["policy_loss"] = diag["policy_loss"] / norm
-        return total / norm, diag
+        return total / norm, {**diag, **extra}
 
     grad_fn = nn.value_and_grad(model, loss_fn)
     loss, grads, parts = 0.0, None, []
@@ -213,11 +233,13 @@ class Trainer:
         self.correction = Correction(algorithm.is_correction, algorithm.is_level, algorithm.is_cap)
         self.optimizer = optim.Adam(learning_rate=train.learning_rate)
         self.beta, self.num_iterations = algorithm.beta, algorithm.num_iterations
+        self.fused = algorithm.num_iterations == 1 and train.fuse_old_logprobs
         self.temperature = sampling.temperature
         self.max_grad_norm, self.micro_batch_size = train.max_grad_norm, train.micro_batch_size
 
     def prepare(self, batch: Batch) -> Prepared:
-        return prepare(self.model, batch, self.temperature, self.beta, self.correction, self.micro_batch_size)
+        return prepare(self.model, batch, self.temperature, self.beta, self.correction, self.micro_batch_size,
+                       self.fused)
 
     def step(self, batch: Batch, prepared: Prepared, advantages: np.ndarray) -> dict[str, float]:
         return optimizer_step(self.model, self.optimizer, self.algorithm, batch, prepared, advantages,

@@ -124,6 +124,9 @@ class TrainConfig:
                                 "micro-batches; 0 = whole batch", _range(0))
     grad_checkpoint: bool = key(False, "recompute each block's activations in backward (less memory, "
                                 "more time)")
+    fuse_old_logprobs: bool = key(True, "with `algorithm.num_iterations = 1`, take the old-policy logprobs "
+                                  "from the training forward (stop-gradient) instead of a forward of "
+                                  "their own; the same update, one forward fewer")
     max_staleness: int = key(0, "batches the actor may sample ahead of training (0 = on-policy)", _range(0))
     checkpoint_every: int = key(10, "write a checkpoint every N steps (and always at the end or on "
                                 "Ctrl-C); 0 = only then", _range(0))

@@ -92,19 +92,19 @@ def test_micro_batched_accumulation_is_exact(name):
 
 
 def test_correction_weights_by_hand():
-    old = np.log(np.array([[3.0, 0.25, 1.0]]))
-    behavior = np.zeros((1, 3))
-    mask = np.ones((1, 3))
+    old = mx.log(mx.array([[3.0, 0.25, 1.0]]))
+    behavior = mx.zeros((1, 3))
+    mask = mx.ones((1, 3))
     w, s = correction_weights(old, behavior, mask, Correction("truncate", "token", 2.0))
     np.testing.assert_allclose(w, [[2.0, 0.25, 1.0]])
-    assert s["is_cut_frac"] == pytest.approx(1 / 3) and s["is_ratio_max"] == pytest.approx(3.0)
+    assert s["is_cut_frac"].item() == pytest.approx(1 / 3) and s["is_ratio_max"].item() == pytest.approx(3.0)
     w, s = correction_weights(old, behavior, mask, Correction("mask", "token", 2.0))
     np.testing.assert_allclose(w, [[0.0, 0.0, 1.0]])
-    assert s["is_cut_frac"] == pytest.approx(2 / 3)
+    assert s["is_cut_frac"].item() == pytest.approx(2 / 3)
     # sequence level: one weight, the product 3 * 0.25 * 1 = 0.75, inside [0.5, 2]
     w, s = correction_weights(old, behavior, mask, Correction("mask", "sequence", 2.0))
-    np.testing.assert_allclose(w, [[0.75, 0.75, 0.75]])
-    assert s["is_cut_frac"] == 0.0
+    np.testing.assert_allclose(w, [[0.75, 0.75, 0.75]], rtol=1e-6)
+    assert s["is_cut_frac"].item() == 0.0
     w, _ = correction_weights(old, behavior, mask, Correction())
     np.testing.assert_allclose(w, [[1.0, 1.0, 1.0]])
 
@@ -162,12 +162,15 @@ def test_trainer_runs_the_step_with_the_run_settings():
     assert (trainer.algorithm.epsilon_low, trainer.algorithm.epsilon_high) == (0.1, 0.28)
     assert trainer.correction == Correction("truncate", "token", CAP)
     assert trainer.num_iterations == 1 and trainer.optimizer.learning_rate.item() == pytest.approx(1e-2)
+    assert trainer.fused  # one step per batch: the old-policy pass is fused (train.fuse_old_logprobs)
+    assert not Trainer(model, algorithm, TrainConfig(fuse_old_logprobs=False), sampling).fused
+    assert not Trainer(model, AlgorithmConfig(num_iterations=2), train, sampling).fused
     advantages = trainer.algorithm.advantages(REWARDS)
     ours = trainer.step(batch, trainer.prepare(batch), advantages)
 
     by_hand, _ = model_with(start)
     alg = make_algorithm("dapo", epsilon=0.1, beta=0.04, max_tokens=6)
-    prepared = prepare(by_hand, batch, 0.7, 0.04, Correction("truncate", "token", CAP), 3)
+    prepared = prepare(by_hand, batch, 0.7, 0.04, Correction("truncate", "token", CAP), 3, fused=True)
     theirs = optimizer_step(by_hand, optim.Adam(learning_rate=1e-2), alg, batch, prepared, advantages,
                             0.7, 0.5, 3)
     assert ours == theirs
@@ -175,3 +178,33 @@ def test_trainer_runs_the_step_with_the_run_settings():
     for k, v in adapter_weights_numpy(by_hand).items():
         np.testing.assert_array_equal(moved[k], v)
     assert max(np.abs(moved[k] - start[k]).max() for k in start) > 1e-4
+
+
+@pytest.mark.parametrize("name,mode,level,beta,micro", [
+    ("grpo", "none", "token", 0.0, 0), ("dapo", "truncate", "token", 0.04, 3),
+    ("gspo", "truncate", "sequence", 0.0, 3), ("dr_grpo", "mask", "token", 0.04, 0),
+])
+def test_fused_old_logprobs_give_the_same_update(name, mode, level, beta, micro):
+    """With one step per batch the old-policy logprobs can come from the training forward
+    (stop-gradient) instead of a pass of their own: the same update and the same metrics."""
+    model, tok = model_with()
+    start = perturbed(adapter_weights_numpy(model), 2, 0.01)  # a stale actor: the correction acts
+    batch = sampled_batch(model, tok, temperature=0.7)
+    correction = Correction(mode, level, CAP)
+    results = []
+    for fused in (False, True):
+        m, _ = model_with(start)
+        alg = make_algorithm(name, beta=beta, max_tokens=6, epsilon=0.1 if name == "gspo" else None)
+        prepared = prepare(m, batch, 0.7, beta, correction, micro, fused=fused)
+        stats = optimizer_step(m, optim.SGD(learning_rate=1.0), alg, batch, prepared,
+                               alg.advantages(REWARDS), 0.7, 1e9, micro)
+        results.append(({**prepared.stats, **stats}, adapter_weights_numpy(m)))
+    (sep, w_sep), (fus, w_fus) = results
+    assert set(sep) == set(fus)
+    assert sep["mismatch_kl"] > 1e-4 and sep["is_ratio_min"] < 1.0 < sep["is_ratio_max"]
+    for key in sep:
+        assert fus[key] == pytest.approx(sep[key], rel=1e-5, abs=1e-6), key
+    moved = max(np.abs(w_sep[k] - start[k]).max() for k in start)
+    assert moved > 1e-4
+    for k in w_sep:
+        np.testing.assert_allclose(w_fus[k], w_sep[k], rtol=1e-5, atol=1e-5 * moved)
