@@ -31,11 +31,10 @@ HIDDEN_TENSORS, INTERMEDIATE_TENSORS, ATTENTION_MAPS = 14, 5, 2
 # live there beside their gradients: about 1.5 blocks' worth at the peak (measured).
 CHECKPOINT_BLOCKS = 1.5
 # Float32-sized copies of the logits alive at the learner's peak: the model's logits cast
-# to float32, exp() inside logsumexp, and the gradient (about 3), and more when a
-# temperature other than 1 divides them: 1 when the old-policy pass is fused into the
-# training forward (the default), 2 when it runs apart. tests/test_plan.py measures all
-# four on a 16k-vocabulary model where logits are the peak.
-LOGIT_COPIES, TEMPERATURE_COPIES, TEMPERATURE_COPIES_APART = 3, 1, 2
+# to float32 (or scaled by 1/temperature), exp() inside logsumexp, and the gradient.
+# tests/test_plan.py measures it on a 16k-vocabulary model where logits are the peak, at
+# temperature 1 and 0.7, with the old-policy pass fused and apart.
+LOGIT_COPIES = 3
 # Estimates run up to 10% low on the measured shapes: a plan must fit with this margin.
 SAFETY = 1.10
 
@@ -134,8 +133,6 @@ class Shape:
     lora_rank: int
     lora_layers: int
     lora_keys: tuple[str, ...]
-    temperature: float = 1.0
-    fused: bool = True  # the old-policy logprobs come from the training forward
 
     @property
     def rows(self) -> int:
@@ -177,12 +174,6 @@ def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
     }
 
 
-def logit_copies(s: Shape) -> int:
-    if s.temperature == 1.0:
-        return LOGIT_COPIES
-    return LOGIT_COPIES + (TEMPERATURE_COPIES if s.fused else TEMPERATURE_COPIES_APART)
-
-
 def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
     lora = 4 * lora_params(m, s)
     tokens = s.rows * s.tokens
@@ -197,7 +188,7 @@ def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         "optimizer": 2 * lora,  # Adam's m and v
         "gradients": lora,
         "activations": activations,
-        "logits": logit_copies(s) * tokens * m.vocab * 4,
+        "logits": LOGIT_COPIES * tokens * m.vocab * 4,
         # The old-policy and reference passes run before the step, one micro-batch at a
         # time and without a graph: their peak (a forward's logits) stays below the
         # step's, so they add nothing to the total. Listed to show they were counted.
@@ -245,8 +236,7 @@ def detect_budget() -> tuple[float, str]:
 def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
     s, t, lora = cfg.sampling, cfg.train, cfg.lora
     return Shape(s.group_size, t.batch_size, prompt_tokens, s.max_tokens, t.micro_batch_size,
-                 t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, s.temperature,
-                 cfg.algorithm.num_iterations == 1 and t.fuse_old_logprobs)
+                 t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys)
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:

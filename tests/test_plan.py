@@ -145,7 +145,7 @@ def test_the_logits_term_holds_where_logits_dominate(wide_vocab_model, rows, com
     check compared the term's coefficient with the seed's Qwen3-0.6B figure that the
     coefficient had been fitted to.)"""
     m = read_shape(wide_vocab_model)
-    s = shape(group_size=rows, prompt_tokens=16, max_tokens=completion, temperature=temperature, fused=fused)
+    s = shape(group_size=rows, prompt_tokens=16, max_tokens=completion)
     terms = learner_terms(m, s)
     assert terms["logits"] > 0.5 * sum(terms.values())
     measured = measured_learner_peak(wide_vocab_model, rows, 16, completion, False, temperature, fused)
@@ -206,3 +206,21 @@ def test_a_model_path_that_is_no_hub_id_is_a_config_error_not_a_missing_download
         err = capsys.readouterr().err
         assert "is neither a local directory nor a hub id: Repo id must" in err, err
         assert "cache" not in err
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_logprob_and_entropy_pass_holds_two_float32_copies_of_the_logits(wide_vocab_model, temperature):
+    """The old-policy pass (logprobs and entropy, no graph) at a 16k vocabulary: its peak
+    above the weights is at most two float32 R x T x V buffers (it was five with the
+    entropy written as -sum(p log p), and more at a temperature other than 1)."""
+    from policy.logprobs import sequence_logprobs_and_entropy
+
+    model, _, _ = load_policy(wide_vocab_model, LoraConfig())
+    tokens = mx.array(np.random.default_rng(0).integers(5, 50, (8, 129)).astype(np.int32))
+    mx.eval(model.parameters(), tokens)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(*sequence_logprobs_and_entropy(model, tokens, temperature))
+    one_copy = 8 * 128 * 16384 * 4
+    assert (mx.get_peak_memory() - base) / one_copy <= 2.1
