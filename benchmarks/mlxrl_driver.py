@@ -1,0 +1,65 @@
+"""mlxrl's GRPO loop on our model, prompts and reward, for benchmarks/real_shape.py.
+
+Run as its own process (`python -m benchmarks.mlxrl_driver ARGS_JSON`) so its peak memory
+is its own. It follows `mlxrl train`'s loop (mlxrl 0.2.4, `cli._phase1_gsm8k`): sample G
+completions of one prompt, score them, compute old-policy and reference logprobs
+(`batch_from_rollouts`), one optimizer step. It prints one JSON line per step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+
+
+def main(args: dict) -> None:
+    import mlx.core as mx
+    import mlx.optimizers as optim
+    from mlxrl.algo.grpo import GRPOAlgorithm
+    from mlxrl.policy.logprobs import pad_token_id_from_tokenizer
+    from mlxrl.policy.model import LoRAConfig, load_policy_with_lora
+    from mlxrl.rollout.naive import SamplingConfig, generate_group_rollouts
+    from mlxrl.rollout.optimized import generate_prefix_cached_group_rollouts
+    from mlxrl.train.grpo import batch_from_rollouts, optimizer_step
+
+    spec = importlib.util.spec_from_file_location("task", args["reward_file"])
+    task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(task)
+    reward = getattr(task, args["reward_fn"])
+    rows = [json.loads(line) for line in open(args["prompts"]) if line.strip()]
+
+    mx.random.seed(args["seed"])
+    model, tokenizer, _ = load_policy_with_lora(model_id=args["model"], config=LoRAConfig(rank=8, scale=20.0))
+    optimizer = optim.Adam(learning_rate=args["learning_rate"])
+    pad = pad_token_id_from_tokenizer(tokenizer)
+    sampling = SamplingConfig(max_tokens=args["max_tokens"], temperature=args["temperature"],
+                              top_p=args["top_p"])
+    algorithm = GRPOAlgorithm()
+    prefix = args["rollout"] == "prefix"
+    generate = generate_prefix_cached_group_rollouts if prefix else generate_group_rollouts
+    for step in range(args["steps"]):
+        row = rows[step % len(rows)]
+        t0 = time.perf_counter()
+        completions = generate(model=model, tokenizer=tokenizer, prompts=[row["prompt"]],
+                               group_size=args["group_size"], config=sampling, seed=args["seed"] + step,
+                               use_chat_template=False)
+        t1 = time.perf_counter()
+        texts = [c.text for c in completions]
+        ids = [list(c.completion_tokens) for c in completions]
+        columns = {k: [v] * len(texts) for k, v in row.items() if k != "prompt"}
+        rewards = [float(r or 0.0) for r in reward([row["prompt"]] * len(texts), texts, ids, **columns)]
+        batch = batch_from_rollouts(model=model, completions=completions, rewards=rewards,
+                                    group_size=args["group_size"], pad_token_id=pad,
+                                    compute_reference=args["beta"] != 0.0, algorithm=algorithm)
+        optimizer_step(model=model, optimizer=optimizer, batch=batch, beta=args["beta"], pad_token_id=pad,
+                       algorithm=algorithm)
+        t2 = time.perf_counter()
+        print(json.dumps({"step": step + 1, "step_s": t2 - t0, "rollout_s": t1 - t0, "learner_s": t2 - t1,
+                          "completion_tokens": sum(map(len, ids)), "reward_mean": sum(rewards) / len(rewards),
+                          "peak_mb": mx.get_peak_memory() / (1 << 20)}), flush=True)  # since start, as ours
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

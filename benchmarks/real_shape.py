@@ -1,0 +1,249 @@
+"""Speed and memory at a real model's shape, beside mlxrl in the same run (issue 11).
+
+    python -m benchmarks.real_shape                 # Qwen3-shaped, 151,936-token vocabulary
+    python -m benchmarks.real_shape --quick         # small shape: checks the harness works
+
+The model is built offline (no hub): Qwen3's architecture and vocabulary size with random
+weights, in bfloat16 and, with `--bits 4`, quantized by mlx-lm. It uses the tiny model's
+tokenizer: ids it does not know decode to nothing, which changes no cost that matters
+here (every sampled token still goes through the output projection and the sampler).
+
+Each repeat runs, one after the other (interleaved, so drift on a shared machine spreads
+over all of them): mlxrl 0.2.4 (`pip install -e '.[bench]'`; skipped when absent) through
+its own training loop (benchmarks/mlxrl_driver.py), then this project with
+`max_staleness = 0` (synchronous) and 1 (overlapped), all on the same model, prompts,
+reward and settings: one prompt a step, G completions, temperature 0.7, top-p 0.95,
+beta 0.04, LoRA rank 8. The first step of every run is a warm-up and is left out. It
+prints medians (min-max) over repeats and ratios against mlxrl, and writes every number
+to `benchmarks/results/real_shape[_quick].json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import EXAMPLES, MODEL_DIR, PROMPTS, ROOT, log
+from benchmarks.end_to_end import E2ERun, _watch
+from protocol.lifecycle import child_env
+
+QWEN3_SHAPE = dict(hidden_size=768, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=12,
+                   num_key_value_heads=4, head_dim=64, vocab_size=151936)
+QUICK_SHAPE = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, vocab_size=16384)
+SETTINGS = dict(temperature=0.7, top_p=0.95, beta=0.04, learning_rate=1e-5, seed=0)
+
+
+def build_model(out: Path, shape: dict, bits: int | None) -> Path:
+    """A Qwen3 model of `shape` with random weights, saved in mlx-lm's format (cached)."""
+    if (out / "config.json").exists():
+        return out
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3
+
+    config = {"model_type": "qwen3", **shape, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+              "max_position_embeddings": 4096, "tie_word_embeddings": True, "eos_token_id": 1,
+              "torch_dtype": "bfloat16"}
+    mx.random.seed(0)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
+        config["quantization"] = {"group_size": 64, "bits": bits}
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(MODEL_DIR / name, tmp / name)
+    tmp.rename(out)
+    return out
+
+
+def parameters(shape: dict) -> int:
+    h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    per_layer = h * (2 * q + 2 * kv) + 3 * h * i
+    return shape["vocab_size"] * h + shape["num_hidden_layers"] * per_layer
+
+
+def run_ours(model: Path, work: Path, tag: str, staleness: int, a: argparse.Namespace) -> dict:
+    run_dir = work / tag  # short: ipc socket paths must stay < 100 bytes
+    toml = work / f"{tag}.toml"
+    toml.write_text(f"""
+[model]
+path = "{model}"
+[data]
+prompts = "{PROMPTS}"
+[sampling]
+group_size = {a.group_size}
+temperature = {SETTINGS['temperature']}
+top_p = {SETTINGS['top_p']}
+max_tokens = {a.max_tokens}
+[train]
+steps = {a.steps}
+batch_size = 1
+learning_rate = {SETTINGS['learning_rate']}
+max_staleness = {staleness}
+checkpoint_every = 0
+[algorithm]
+beta = {SETTINGS['beta']}
+[reward]
+functions = ["tiny_task:reward"]
+search_path = "{EXAMPLES}"
+[run]
+dir = "{run_dir}"
+""")
+    plan = planned(toml)
+    log(f"{tag}: this project, max_staleness={staleness}, {a.steps} steps")
+    with open(work / f"{tag}.out", "w") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--config", str(toml)],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+        run = E2ERun(staleness, a.steps, -1, 0.0)
+        try:
+            _watch(proc, run_dir / "metrics.jsonl", run)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+        run.exit_code, run.wall_s = proc.returncode, time.perf_counter() - t0
+    if run.exit_code != 0:
+        raise RuntimeError(f"{tag} failed ({run.exit_code}):\n" + (work / f"{tag}.out").read_text()[-3000:])
+    m = run.metrics[1:]  # the first step is a warm-up
+    learner = max(x["learner_peak_mb"] for x in run.metrics)
+    actor = max(x["actor_peak_mb"] for x in run.metrics)
+    return {"it_s": run.steps_per_s,
+            "rollout_tok_s": statistics.median(x["rollout_tokens_per_s"] for x in m),
+            "learner_step_s": statistics.median(x["step_s"] for x in m),
+            "learner_peak_mb": learner, "actor_peak_mb": actor, "peak_mb": learner + actor,
+            "planned_learner_mb": plan["learner"], "planned_actor_mb": plan["actor"],
+            "reward_mean": statistics.mean(x["reward_mean"] for x in run.metrics)}
+
+
+def planned(toml: Path) -> dict:
+    """The memory plan's estimate per process (MB), as `orchestrator plan` computes it."""
+    from orchestrator.plan import MB, plan_for
+    from protocol.config import load_config
+
+    plan, _, _ = plan_for(load_config(toml), available_gb=1024)
+    return {"actor": sum(plan.actor.values()) / MB, "learner": sum(plan.learner.values()) / MB}
+
+
+def run_mlxrl(model: Path, work: Path, tag: str, a: argparse.Namespace) -> dict:
+    args = {"model": str(model), "prompts": str(PROMPTS), "reward_file": str(EXAMPLES / "tiny_task.py"),
+            "reward_fn": "reward", "steps": a.steps, "group_size": a.group_size, "max_tokens": a.max_tokens,
+            "rollout": a.mlxrl_rollout, **SETTINGS}
+    log(f"{tag}: mlxrl ({a.mlxrl_rollout} rollout), {a.steps} steps")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.mlxrl_driver", json.dumps(args)], cwd=ROOT,
+                          capture_output=True, text=True, env=child_env())
+    (work / f"{tag}.out").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tag} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    steps = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    m = steps[1:]
+    return {"it_s": len(m) / sum(x["step_s"] for x in m),
+            "rollout_tok_s": statistics.median(x["completion_tokens"] / x["rollout_s"] for x in m),
+            "learner_step_s": statistics.median(x["learner_s"] for x in m),
+            "peak_mb": max(x["peak_mb"] for x in steps),
+            "reward_mean": statistics.mean(x["reward_mean"] for x in steps)}
+
+
+def have_mlxrl() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mlxrl") is not None
+
+
+def measure(a: argparse.Namespace, model: Path, work: Path) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {"mlxrl": [], "sync": [], "overlap": []}
+    for r in range(a.repeats):
+        if have_mlxrl():
+            runs["mlxrl"].append(run_mlxrl(model, work, f"mlxrl-r{r}", a))
+        runs["sync"].append(run_ours(model, work, f"sync-r{r}", 0, a))
+        runs["overlap"].append(run_ours(model, work, f"over-r{r}", 1, a))
+    return runs
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.4g} ({min(values):.4g}-{max(values):.4g})"
+
+
+def table(runs: dict[str, list[dict]]) -> str:
+    rows = ["| run | it/s | rollout tok/s | learner step s | peak MB (learner + actor) "
+            "| plan MB (learner, actor) |", "|---|---|---|---|---|---|"]
+    base = {k: statistics.median(r[k] for r in runs["mlxrl"]) for k in ("it_s", "rollout_tok_s", "peak_mb")
+            } if runs["mlxrl"] else None
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        ratio = ""
+        if base and name != "mlxrl":
+            x = {k: statistics.median(r[k] for r in rs) / base[k] for k in base}
+            ratio = f" [{x['it_s']:.2f}x it/s, {x['rollout_tok_s']:.2f}x tok/s, {x['peak_mb']:.2f}x memory]"
+        peak = spread([r["peak_mb"] for r in rs])
+        plan = ""
+        if "learner_peak_mb" in rs[0]:
+            parts = [spread([r[k] for r in rs]) for k in ("learner_peak_mb", "actor_peak_mb")]
+            peak += f" = {parts[0]} + {parts[1]}"
+            plan = f"{rs[0]['planned_learner_mb']:.0f}, {rs[0]['planned_actor_mb']:.0f}"
+        cells = [spread([r[k] for r in rs]) for k in ("it_s", "rollout_tok_s", "learner_step_s")]
+        rows.append(f"| {name}{ratio} | {' | '.join(cells)} | {peak} | {plan} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small shape, 1 repeat: checks the harness")
+    p.add_argument("--bits", type=int, nargs="*", default=[0, 4], help="0 = bfloat16; 4 or 8 = quantized")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4, help="per run; the first is a warm-up")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--mlxrl-rollout", choices=["naive", "prefix"], default="naive",
+                   help="naive is what `mlxrl train` runs; prefix its prefix-cached path")
+    p.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "mlxrl-ipc-models")
+    p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    a = p.parse_args(argv)
+    shape = QUICK_SHAPE if a.quick else QWEN3_SHAPE
+    if a.quick:
+        a.repeats, a.steps, a.max_tokens, a.bits = 1, 3, 16, [0]
+    if not have_mlxrl():
+        log("mlxrl is not installed (pip install -e '.[bench]'): measuring this project alone")
+    out: dict = {"shape": shape, "parameters": parameters(shape), "settings": SETTINGS,
+                 "args": {k: str(v) for k, v in vars(a).items()}, "results": {}}
+    text = [f"Qwen3-shaped model, {parameters(shape) / 1e6:.0f} M parameters, vocabulary "
+            f"{shape['vocab_size']}; G={a.group_size}, {a.max_tokens} tokens, {a.repeats} repeats of "
+            f"{a.steps} steps (first left out)\n"]
+    started = time.time()
+    for bits in a.bits:
+        name = f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-" + \
+            (f"{bits}bit" if bits else "bf16")
+        log(f"model {name}")
+        model = build_model(a.models_dir / name, shape, bits or None)
+        with tempfile.TemporaryDirectory(prefix="rs-") as tmp:
+            runs = measure(a, model, Path(tmp))
+        out["results"][name] = runs
+        text += [f"\n### {name}\n", table(runs)]
+    out["wall_s"] = time.time() - started
+    report = "".join(text)
+    print(report)
+    a.results_dir.mkdir(parents=True, exist_ok=True)
+    stem = "real_shape_quick" if a.quick else "real_shape"
+    (a.results_dir / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
+    (a.results_dir / f"{stem}.md").write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
