@@ -4,7 +4,9 @@
     python -m benchmarks.real_shape --quick         # small shape: checks the harness works
 
 The model is built offline (no hub): Qwen3's architecture and vocabulary size with random
-weights, in bfloat16 and, with `--bits 4`, quantized by mlx-lm. It uses the tiny model's
+weights, in full precision and, with `--bits 4`, quantized. Full precision is bfloat16
+on a GPU and float32 on MLX's CPU backend, which has no fast bfloat16 matmul (13x slower
+than float32 measured on this project's CI machine): `--dtype` chooses. It uses the tiny model's
 tokenizer: ids it does not know decode to nothing, which changes no cost that matters
 here (every sampled token still goes through the output projection and the sampler).
 
@@ -41,7 +43,7 @@ QUICK_SHAPE = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, 
 SETTINGS = dict(temperature=0.7, top_p=0.95, beta=0.04, learning_rate=1e-5, seed=0)
 
 
-def build_model(out: Path, shape: dict, bits: int | None) -> Path:
+def build_model(out: Path, shape: dict, bits: int | None, dtype: str) -> Path:
     """A Qwen3 model of `shape` with random weights, saved in mlx-lm's format (cached)."""
     if (out / "config.json").exists():
         return out
@@ -52,10 +54,10 @@ def build_model(out: Path, shape: dict, bits: int | None) -> Path:
 
     config = {"model_type": "qwen3", **shape, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
               "max_position_embeddings": 4096, "tie_word_embeddings": True, "eos_token_id": 1,
-              "torch_dtype": "bfloat16"}
+              "torch_dtype": dtype}
     mx.random.seed(0)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    model.set_dtype(mx.bfloat16)
+    model.set_dtype(getattr(mx, dtype))
     if bits:
         nn.quantize(model, group_size=64, bits=bits)
         config["quantization"] = {"group_size": 64, "bits": bits}
@@ -205,7 +207,9 @@ def table(runs: dict[str, list[dict]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small shape, 1 repeat: checks the harness")
-    p.add_argument("--bits", type=int, nargs="*", default=[0, 4], help="0 = bfloat16; 4 or 8 = quantized")
+    p.add_argument("--bits", type=int, nargs="*", default=[0, 4], help="0: full precision; 4, 8: quantized")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="full precision: auto = bfloat16 on a GPU, float32 on the CPU backend")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="per run; the first is a warm-up")
     p.add_argument("--group-size", type=int, default=4)
@@ -216,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
     a = p.parse_args(argv)
     shape = QUICK_SHAPE if a.quick else QWEN3_SHAPE
+    if a.dtype == "auto":
+        import mlx.core as mx
+
+        a.dtype = "bfloat16" if mx.default_device() == mx.gpu else "float32"
     if a.quick:
         a.repeats, a.steps, a.max_tokens, a.bits = 1, 3, 16, [0]
     if not have_mlxrl():
@@ -227,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{a.steps} steps (first left out)\n"]
     started = time.time()
     for bits in a.bits:
-        name = f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-" + \
-            (f"{bits}bit" if bits else "bf16")
+        name = (f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-"
+                f"{a.dtype}{f'-{bits}bit' if bits else ''}")
         log(f"model {name}")
-        model = build_model(a.models_dir / name, shape, bits or None)
+        model = build_model(a.models_dir / name, shape, bits or None, a.dtype)
         with tempfile.TemporaryDirectory(prefix="rs-") as tmp:
             runs = measure(a, model, Path(tmp))
         out["results"][name] = runs
