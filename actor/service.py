@@ -40,8 +40,9 @@ class Actor:
         self.cfg = read_run_config(run_dir)
         self.signals = signals or lifecycle.StopSignals()
         self.sampling = s = self.cfg.sampling
-        log.info("loading %s", self.cfg.model.path)
-        self.model, self.tokenizer, _ = load_policy(self.cfg.model.path, self.cfg.lora)
+        bits = self.cfg.actor.quantize_bits
+        log.info("loading %s (base weights: %s)", self.cfg.model.path, f"{bits}-bit" if bits else "as saved")
+        self.model, self.tokenizer, _ = load_policy(self.cfg.model.path, self.cfg.lora, quantize_bits=bits)
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         data = self.cfg.data
         prompts = load_prompts(data.prompts, self.tokenizer, s.max_prompt_tokens)

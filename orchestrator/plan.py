@@ -57,6 +57,15 @@ class ModelShape:
     act_bytes: int  # bytes per activation value (float16/bfloat16: 2, float32: 4)
     lora_in_out: dict[str, tuple[int, int]]  # per linear of a block: (in, out) features
     context: int | None = None  # max_position_embeddings, when config.json says
+    bits: int | None = None  # the saved weights' quantization, if any
+
+
+def quantized_bytes(m: ModelShape, bits: int) -> float:
+    """The base weights once the actor quantizes them: `bits` per weight plus a scale and
+    a bias (in the weights' dtype) per group of 64. Weights saved quantized stay as they are."""
+    if m.bits:
+        return m.weight_bytes
+    return m.weight_bytes / m.act_bytes * (bits / 8 + 2 * m.act_bytes / 64)
 
 
 def _safetensors_header(path: Path) -> dict:
@@ -117,7 +126,7 @@ def read_shape(path: str) -> ModelShape:
         heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hidden // heads, vocab=hf["vocab_size"],
         act_bytes=2 if dtype in ("float16", "bfloat16") else 4, lora_in_out=lora,
-        context=hf.get("max_position_embeddings"))
+        context=hf.get("max_position_embeddings"), bits=bits)
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,7 @@ class Shape:
     lora_rank: int
     lora_layers: int
     lora_keys: tuple[str, ...]
+    actor_bits: int = 0  # actor.quantize_bits
 
     @property
     def rows(self) -> int:
@@ -163,7 +173,7 @@ def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
     ctx = math.ceil(s.tokens / KV_STEP) * KV_STEP
     kv = rows * ctx * m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes
     return {
-        "weights": m.weight_bytes,
+        "weights": quantized_bytes(m, s.actor_bits) if s.actor_bits else m.weight_bytes,
         "lora": 4 * lora_params(m, s),
         "kv_cache": kv,
         # Dropping finished rows (cache filter) and growing past a 256-token block both
@@ -236,7 +246,7 @@ def detect_budget() -> tuple[float, str]:
 def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
     s, t, lora = cfg.sampling, cfg.train, cfg.lora
     return Shape(s.group_size, t.batch_size, prompt_tokens, s.max_tokens, t.micro_batch_size,
-                 t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys)
+                 t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, cfg.actor.quantize_bits)
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:
@@ -303,6 +313,9 @@ def plan_for(cfg: Config, available_gb: float | None = None) -> tuple[Plan, Mode
     return make_plan(m, s, budget, source), m, s
 
 
-def thread_count() -> int:
-    """CPU threads per process, so the two processes do not oversubscribe the cores."""
-    return max(1, (os.cpu_count() or 2) // 2)
+def thread_count(overlapped: bool) -> int:
+    """CPU BLAS threads per process. Overlapped (max_staleness > 0), the actor and the
+    learner compute at the same time and share the cores; synchronous, they take turns,
+    so each gets all of them while it works."""
+    cores = os.cpu_count() or 2
+    return max(1, cores // 2) if overlapped else cores

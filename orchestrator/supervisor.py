@@ -67,18 +67,17 @@ def prepare_run_dir(cfg: Config, resume: bool = False) -> Path:
 
 
 def spawn(name: str, args: list[str], run_dir: Path, lifeline: lifecycle.Lifeline, lock_fd: int,
-          share_mb: float | None = None) -> Child:
+          share_mb: float | None = None, threads: int | None = None) -> Child:
     """Start `python -m ARGS --run-dir RUN` holding the lifeline and the run lock. It runs
     in a session of its own, so a terminal's Ctrl-C reaches only the orchestrator, which
-    then stops the children in order (learner checkpoint first)."""
+    then stops the children in order (learner checkpoint first). `threads`: its BLAS
+    threads on Linux (the CPU backend; Apple GPUs are not affected)."""
     log_path = run_dir / f"{name}.log"
     env = lifecycle.child_env(**lifeline.child_env(), **{lifecycle.RUN_LOCK_ENV: str(lock_fd)})
     if share_mb is not None:
         env[MEMORY_SHARE_ENV] = f"{share_mb:.0f}"
-    if sys.platform.startswith("linux"):
-        # Two processes on one CPU: give each half of the cores' BLAS threads.
-        threads = str(thread_count())
-        env.update(OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
+    if threads is not None and sys.platform.startswith("linux"):
+        env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     with open(log_path, "a") as log_file:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen([sys.executable, "-m", *args, "--run-dir", str(run_dir)],
                                 stdout=log_file, stderr=subprocess.STDOUT, env=env,
@@ -136,7 +135,7 @@ class Supervisor:
         heartbeat_path(self.run_dir, name).unlink(missing_ok=True)
         args = ["learner", *(["--resume"] if resume else [])] if name == "learner" else ["actor", "run"]
         child = spawn(name, args, self.run_dir, self.lifeline, self.lock_fd,
-                      self.shares_mb.get(name))
+                      self.shares_mb.get(name), thread_count(self.cfg.train.max_staleness > 0))
         self.children[name] = child
         self.say(f"started {name} (pid {child.proc.pid}), log: {child.log_path}")
 

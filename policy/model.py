@@ -36,17 +36,34 @@ def lora_settings(lora: LoraConfig, num_model_layers: int) -> dict[str, Any]:
     return {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}
 
 
-def load_policy(model_path: str, lora: LoraConfig, adapter_path: str | None = None):
+QUANT_GROUP = 64
+
+
+def quantize_base(model: nn.Module, bits: int) -> None:
+    """Quantize the frozen base weights (QLoRA style), where MLX can: linear and embedding
+    layers whose input size is a multiple of the group size. Layers already quantized are
+    left as they are."""
+    def quantizable(_: str, m: nn.Module) -> bool:
+        return hasattr(m, "to_quantized") and m.weight.shape[-1] % QUANT_GROUP == 0
+
+    nn.quantize(model, group_size=QUANT_GROUP, bits=bits, class_predicate=quantizable)
+
+
+def load_policy(model_path: str, lora: LoraConfig, adapter_path: str | None = None, quantize_bits: int = 0):
     """Load a model through mlx-lm, freeze it and attach LoRA layers.
 
     Returns (model, tokenizer, adapter_config). With `adapter_path`, the saved adapter
-    weights are loaded into the fresh LoRA layers (its LoRA settings must match).
+    weights are loaded into the fresh LoRA layers (its LoRA settings must match). With
+    `quantize_bits` the base weights are quantized as they load (lazily, so the full
+    precision weights never all exist at once); the LoRA layers stay float32.
     """
     from mlx_lm import load
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    model, tokenizer = load(model_path)
+    model, tokenizer = load(model_path, lazy=bool(quantize_bits))
     model.freeze()
+    if quantize_bits:
+        quantize_base(model, quantize_bits)
     settings = lora_settings(lora, len(model.layers))
     linear_to_lora_layers(model, settings["num_layers"], settings["lora_parameters"])
     if adapter_path is not None:

@@ -156,6 +156,13 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
+class ActorConfig:
+    quantize_bits: int = key(0, "sample from a copy of the base weights quantized to 4 or 8 bits (the "
+                             "learner trains full precision; the behavior logprobs carry the "
+                             "difference, see `is_correction`); 0 = off", _one_of(0, 4, 8))
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     functions: tuple[str, ...] = key(doc="list of `module:function` and/or `\"worker\"` (external "
                                      "workers), each once", check=_reward_functions)
@@ -187,6 +194,7 @@ class Config:
     sampling: SamplingConfig = SamplingConfig()
     train: TrainConfig = TrainConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    actor: ActorConfig = ActorConfig()
     reward: RewardConfig
     run: RunConfig = RunConfig()
 

@@ -78,7 +78,7 @@ def error_of(path: Path, **kw) -> str:
 def test_example_config_loads_and_resolves():
     cfg = load_config(str(TINY))
     assert list(cfg.to_dict()) == list(SECTIONS) == ["model", "lora", "data", "sampling", "train",
-                                                     "algorithm", "reward", "run"]
+                                                     "algorithm", "actor", "reward", "run"]
     # Values from the file.
     assert cfg.lora.rank == 8
     assert cfg.lora.scale == 20.0

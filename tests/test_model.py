@@ -134,3 +134,60 @@ def test_tiny_model_build_is_deterministic(tmp_path):
     assert committed.keys() == rebuilt.keys()
     for k in committed:
         np.testing.assert_allclose(np.array(committed[k]), np.array(rebuilt[k]), atol=1e-6)
+
+
+def quantized_copy(out, bits: int = 4):
+    """The tiny model saved quantized, as mlx-lm's convert writes it (config "quantization")."""
+    import shutil
+
+    from policy.model import quantize_base
+
+    out.mkdir()
+    from mlx_lm import load
+
+    model, _ = load(str(TINY_MODEL))
+    quantize_base(model, bits)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = json.loads((TINY_MODEL / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 64, "bits": bits}}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TINY_MODEL / name, out / name)
+    return out
+
+
+def test_qlora_trains_on_a_model_saved_quantized(tmp_path):
+    """QLoRA: LoRA on 4-bit base weights. The adapters have the names and shapes of the
+    full-precision model's (so weights move between a quantized and a full process), the
+    base layers are quantized, and a step moves the adapters."""
+    import mlx.nn as nn
+
+    path = quantized_copy(tmp_path / "q4")
+    model, tok, _ = load_policy(str(path), LORA)
+    full, _, _ = fresh()
+    assert {k: v.shape for k, v in adapter_weights_numpy(model).items()} == \
+        {k: v.shape for k, v in adapter_weights_numpy(full).items()}
+    assert isinstance(model.layers[0].self_attn.q_proj.linear, nn.QuantizedLinear)
+    start = adapter_weights_numpy(model)
+    rng = np.random.default_rng(0)
+    samples = [Sample(np.array([10, 11, 12]), rng.integers(5, 50, 6), np.full(6, -3.0), "length")
+               for _ in range(4)]
+    batch = make_batch(samples, 0)
+    model.train()
+    prepared = prepare(model, batch, 1.0, 0.04, Correction())
+    optimizer_step(model, optim.Adam(learning_rate=1e-2), GRPO(beta=0.04), batch, prepared,
+                   np.array([1.0, -1.0, 0.5, -0.5]), 1.0, 1.0)
+    assert max(np.abs(v - start[k]).max() for k, v in adapter_weights_numpy(model).items()) > 1e-4
+
+
+def test_a_quantized_actor_samples_close_to_the_full_model():
+    """load_policy(quantize_bits=...) quantizes the base as it loads: the same adapters,
+    logprobs near the full model's, never equal, and nearer at 8 bits than at 4."""
+    full, _, _ = fresh()
+    perturb(full)
+    gaps = {}
+    for bits in (4, 8):
+        quant, _, _ = load_policy(str(TINY_MODEL), LORA, quantize_bits=bits)
+        set_adapter_weights(quant, adapter_weights_numpy(full))
+        diff = sequence_logprobs(quant, TOKENS, 1.0) - sequence_logprobs(full, TOKENS, 1.0)
+        gaps[bits] = float(mx.abs(diff).mean().item())
+    assert 0 < gaps[8] < gaps[4] / 4 and gaps[4] < 1.0, gaps

@@ -224,3 +224,18 @@ def test_a_logprob_and_entropy_pass_holds_two_float32_copies_of_the_logits(wide_
     mx.eval(*sequence_logprobs_and_entropy(model, tokens, temperature))
     one_copy = 8 * 128 * 16384 * 4
     assert (mx.get_peak_memory() - base) / one_copy <= 2.1
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_actor_is_planned_with_its_quantized_weights(bits):
+    """actor.quantize_bits: the actor's weights term is what the quantized model holds."""
+    from mlx.utils import tree_flatten
+
+    from orchestrator.plan import actor_terms
+
+    m = read_shape(str(TINY_MODEL))
+    model, _, _ = load_policy(str(TINY_MODEL), LoraConfig(), quantize_bits=bits)
+    held = sum(v.nbytes for k, v in tree_flatten(model.parameters()) if not k.endswith(("lora_a", "lora_b")))
+    planned = actor_terms(m, shape(actor_bits=bits))["weights"]
+    assert held < 0.5 * m.weight_bytes
+    assert abs(planned / held - 1) < 0.1, (planned, held)

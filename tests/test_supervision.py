@@ -122,3 +122,23 @@ def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2, "los')
     keep_metrics_until(path, 5)
     assert path.read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc/PID/environ (Linux)")
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_blas_threads_follow_whether_the_processes_take_turns(tmp_path, staleness):
+    """CPU backend: taking turns (max_staleness 0) each process gets every core's BLAS
+    thread; overlapped they share the cores."""
+    cfg = write_config(tmp_path, f"[train]\nmax_staleness = {staleness}", steps=40)
+    proc = orchestrator("up", "--config", str(cfg))
+    run = tmp_path / "run"
+    try:
+        wait_for_step(run, 1, proc)
+        cores = os.cpu_count()
+        want = str(cores if staleness == 0 else max(1, cores // 2))
+        for role in ("actor", "learner"):
+            env = Path(f"/proc/{pid_of(run, role)}/environ").read_bytes().split(b"\0")
+            assert f"OPENBLAS_NUM_THREADS={want}".encode() in env, role
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
