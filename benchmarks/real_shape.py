@@ -32,8 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import EXAMPLES, MODEL_DIR, PROMPTS, ROOT, log
+from benchmarks.common import EXAMPLES, PROMPTS, ROOT, log
 from benchmarks.end_to_end import E2ERun, _watch
+from protocol.config import QUANT_GROUP
 from protocol.lifecycle import child_env
 
 QWEN3_SHAPE = dict(hidden_size=768, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=12,
@@ -48,9 +49,10 @@ def build_model(out: Path, shape: dict, bits: int | None, dtype: str) -> Path:
     if (out / "config.json").exists():
         return out
     import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3
+
+    from policy.model import quantize_base
+    from policy.tiny import save_model
 
     config = {"model_type": "qwen3", **shape, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
               "max_position_embeddings": 4096, "tie_word_embeddings": True, "eos_token_id": 1,
@@ -59,16 +61,11 @@ def build_model(out: Path, shape: dict, bits: int | None, dtype: str) -> Path:
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
     if bits:
-        nn.quantize(model, group_size=64, bits=bits)
-        config["quantization"] = {"group_size": 64, "bits": bits}
-    tmp = out.with_name(out.name + ".tmp")
+        quantize_base(model, bits)
+        config["quantization"] = {"group_size": QUANT_GROUP, "bits": bits}
+    tmp = out.with_name(out.name + ".tmp")  # a cached model is whole or absent
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(MODEL_DIR / name, tmp / name)
-    tmp.rename(out)
+    save_model(tmp, model, config).rename(out)
     return out
 
 

@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from protocol.config import Config, ConfigError
+from protocol.config import QUANT_GROUP, Config, ConfigError
 
 MB = 1 << 20
 GB = 1 << 30
@@ -62,10 +62,11 @@ class ModelShape:
 
 def quantized_bytes(m: ModelShape, bits: int) -> float:
     """The base weights once the actor quantizes them: `bits` per weight plus a scale and
-    a bias (in the weights' dtype) per group of 64. Weights saved quantized stay as they are."""
+    a bias (in the weights' dtype) per group of QUANT_GROUP. Weights saved quantized stay as
+    they are."""
     if m.bits:
         return m.weight_bytes
-    return m.weight_bytes / m.act_bytes * (bits / 8 + 2 * m.act_bytes / 64)
+    return m.weight_bytes / m.act_bytes * (bits / 8 + 2 * m.act_bytes / QUANT_GROUP)
 
 
 def _safetensors_header(path: Path) -> dict:

@@ -20,7 +20,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from protocol.config import LoraConfig
+from protocol.config import QUANT_GROUP, LoraConfig
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 
@@ -34,9 +34,6 @@ def lora_settings(lora: LoraConfig, num_model_layers: int) -> dict[str, Any]:
     if lora.keys:
         params["keys"] = list(lora.keys)
     return {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}
-
-
-QUANT_GROUP = 64
 
 
 def quantize_base(model: nn.Module, bits: int) -> None:

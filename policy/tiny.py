@@ -67,23 +67,30 @@ def _write_tokenizer(out: Path) -> None:
     )
 
 
+def save_model(out_dir: str | Path, model, config: dict) -> Path:
+    """An mlx-lm model directory: `model`'s weights, `config` as config.json, and the tiny
+    tokenizer. Tests and benchmarks save models of other shapes with it too: ids beyond the
+    tokenizer's 57 decode to nothing, and every id still costs its logit."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_tokenizer(out)
+    return out
+
+
 def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     """Write config, weights and tokenizer of the tiny model into `out_dir`."""
     from mlx_lm.models import llama
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     vocab_size = len(SPECIAL_TOKENS) + len(CHARS)
     config = dict(MODEL_CONFIG, vocab_size=vocab_size, eos_token_id=SPECIAL_TOKENS.index(EOS))
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     embed = model.model.embed_tokens
     embed.weight = EMBED_STD * mx.random.normal(embed.weight.shape)
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _write_tokenizer(out)
-    return out
+    return save_model(out_dir, model, config)
 
 
 if __name__ == "__main__":

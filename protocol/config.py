@@ -155,6 +155,10 @@ class AlgorithmConfig:
     is_cap: float = key(2.0, "C: truncate at C, or mask outside [1/C, C]", _range(1, lo_open=True))
 
 
+# Quantized weights (actor.quantize_bits) carry a scale and a bias per group of this many.
+QUANT_GROUP = 64
+
+
 @dataclass(frozen=True)
 class ActorConfig:
     quantize_bits: int = key(0, "sample from a copy of the base weights quantized to 4 or 8 bits (the "

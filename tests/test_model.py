@@ -20,7 +20,7 @@ from policy.model import (
     set_adapter_weights,
 )
 from policy.tiny import build_tiny_model
-from protocol.config import LoraConfig
+from protocol.config import QUANT_GROUP, LoraConfig
 from tests.conftest import TINY_MODEL
 
 LORA = LoraConfig(rank=4, scale=10.0)
@@ -138,21 +138,15 @@ def test_tiny_model_build_is_deterministic(tmp_path):
 
 def quantized_copy(out, bits: int = 4):
     """The tiny model saved quantized, as mlx-lm's convert writes it (config "quantization")."""
-    import shutil
+    from mlx_lm import load
 
     from policy.model import quantize_base
-
-    out.mkdir()
-    from mlx_lm import load
+    from policy.tiny import save_model
 
     model, _ = load(str(TINY_MODEL))
     quantize_base(model, bits)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     config = json.loads((TINY_MODEL / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 64, "bits": bits}}))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(TINY_MODEL / name, out / name)
-    return out
+    return save_model(out, model, {**config, "quantization": {"group_size": QUANT_GROUP, "bits": bits}})
 
 
 def test_qlora_trains_on_a_model_saved_quantized(tmp_path):

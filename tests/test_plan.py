@@ -78,22 +78,14 @@ def test_suggestions_follow_the_documented_order():
 def wide_vocab_model(tmp_path_factory) -> str:
     """The tiny model's shape with one layer and a 16,384-token vocabulary: the learner's
     peak is then mostly logits, so the plan's logits term is measured, not assumed."""
-    import shutil
-
-    from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    from policy.tiny import MODEL_CONFIG
+    from policy.tiny import MODEL_CONFIG, save_model
 
-    out = tmp_path_factory.mktemp("wide-vocab")
     config = dict(MODEL_CONFIG, num_hidden_layers=1, vocab_size=16384, eos_token_id=1)
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(TINY_MODEL / name, out / name)  # ids beyond its 57 tokens are never decoded
-    return str(out)
+    return str(save_model(tmp_path_factory.mktemp("wide-vocab"), model, config))
 
 
 def measured_learner_peak(model_path: str, rows: int, prompt: int, completion: int, checkpoint: bool,
