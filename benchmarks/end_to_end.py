@@ -96,15 +96,13 @@ def _watch(proc: subprocess.Popen, metrics_path: Path, run: E2ERun) -> None:
         time.sleep(POLL_S)
 
 
-def run_once(staleness: int, steps: int, work_dir: Path, tag: str) -> E2ERun:
-    run_dir = work_dir / f"k{staleness}-{tag}"  # short: ipc socket paths must stay < 100 bytes
-    cmd = [sys.executable, "-m", "orchestrator", "up", "--config", str(TINY_TOML), "--steps", str(steps),
-           "--run-dir", str(run_dir), "--set", f"train.max_staleness={staleness}"]
-    env = child_env()
-    log(f"end-to-end max_staleness={staleness} ({tag}): {steps} steps")
-    with open(work_dir / f"k{staleness}-{tag}.out", "w") as out:
+def watch_up(args: list[str], run_dir: Path, out_path: Path, staleness: int, steps: int) -> E2ERun:
+    """Run `orchestrator up ARGS` (output to `out_path`) and record its metrics lines as
+    they arrive in `run_dir`."""
+    with open(out_path, "w") as out:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", *args], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, env=child_env())
         run = E2ERun(staleness, steps, -1, 0.0)
         try:
             _watch(proc, run_dir / "metrics.jsonl", run)
@@ -113,9 +111,17 @@ def run_once(staleness: int, steps: int, work_dir: Path, tag: str) -> E2ERun:
                 proc.terminate()
                 proc.wait()
         run.exit_code, run.wall_s = proc.returncode, time.perf_counter() - t0
+    return run
+
+
+def run_once(staleness: int, steps: int, work_dir: Path, tag: str) -> E2ERun:
+    run_dir = work_dir / f"k{staleness}-{tag}"  # short: ipc socket paths must stay < 100 bytes
+    out = work_dir / f"k{staleness}-{tag}.out"
+    log(f"end-to-end max_staleness={staleness} ({tag}): {steps} steps")
+    run = watch_up(["--config", str(TINY_TOML), "--steps", str(steps), "--run-dir", str(run_dir),
+                    "--set", f"train.max_staleness={staleness}"], run_dir, out, staleness, steps)
     if run.exit_code != 0:
-        log(f"  run failed with exit code {run.exit_code}; see {work_dir / f'k{staleness}-{tag}.out'}:\n"
-            + (work_dir / f"k{staleness}-{tag}.out").read_text()[-2000:])
+        log(f"  run failed with exit code {run.exit_code}; see {out}:\n" + out.read_text()[-2000:])
     return run
 
 

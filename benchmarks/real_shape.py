@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import EXAMPLES, PROMPTS, ROOT, log
-from benchmarks.end_to_end import E2ERun, _watch
+from benchmarks.end_to_end import watch_up
 from protocol.config import QUANT_GROUP
 from protocol.lifecycle import child_env
 
@@ -105,18 +105,7 @@ dir = "{run_dir}"
 """)
     plan = planned(toml)
     log(f"{tag}: this project, max_staleness={staleness}, {a.steps} steps")
-    with open(work / f"{tag}.out", "w") as out:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--config", str(toml)],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=child_env())
-        run = E2ERun(staleness, a.steps, -1, 0.0)
-        try:
-            _watch(proc, run_dir / "metrics.jsonl", run)
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait()
-        run.exit_code, run.wall_s = proc.returncode, time.perf_counter() - t0
+    run = watch_up(["--config", str(toml)], run_dir, work / f"{tag}.out", staleness, a.steps)
     if run.exit_code != 0:
         raise RuntimeError(f"{tag} failed ({run.exit_code}):\n" + (work / f"{tag}.out").read_text()[-3000:])
     m = run.metrics[1:]  # the first step is a warm-up
