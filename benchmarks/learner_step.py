@@ -7,12 +7,11 @@ max_tokens from examples/tiny.toml), scored with the default task's reward, and 
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks.common import EXAMPLES, log, median, timed, tiny_config
+from benchmarks.common import log, median, timed, tiny_config
 from protocol.config import Config
 
 
@@ -29,32 +28,24 @@ class LearnerResult:
     raw: dict = field(default_factory=dict)
 
 
-def _tiny_reward():
-    """The default task's reward function, loaded from examples/ like the learner does."""
-    spec = importlib.util.spec_from_file_location("tiny_task", EXAMPLES / "tiny_task.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.reward
-
-
 def _real_batch(model, tokenizer, cfg: Config):
     """Sample batch_size groups with our sampler and score them: (samples, rewards)."""
 
     import actor.sampler as sampler
     from actor.data import load_prompts
     from learner.step import Sample
+    from rewards.scorer import Scorer
 
     s = cfg.sampling
     prompts = load_prompts(cfg.data.prompts, tokenizer, s.max_prompt_tokens)[:cfg.train.batch_size]
-    reward = _tiny_reward()
+    scorer = Scorer(cfg.reward)  # the config's rewards, scored as the learner scores them
     eos_ids = set(tokenizer.eos_token_ids)
     groups = sampler.sample_groups(model, [p.prompt_ids for p in prompts], s.group_size, s, eos_ids, s.seed)
     samples, rewards = [], []
     for p, group in zip(prompts, groups):
         ids = [c.token_ids for c in group]
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in ids]
-        columns = {k: [v] * len(group) for k, v in p.columns.items()}
-        rewards.append(reward([p.prompt] * len(group), texts, ids, **columns))
+        rewards.append(scorer.submit(str(p.index), p.prompt, texts, ids, p.columns).total)
         samples += [Sample(np.array(p.prompt_ids, np.int32), np.array(c.token_ids, np.int32),
                            np.array(c.logprobs, np.float32), c.finish_reason) for c in group]
     return samples, np.array(rewards, dtype=np.float64)

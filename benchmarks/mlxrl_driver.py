@@ -8,7 +8,6 @@ completions of one prompt, score them, compute old-policy and reference logprobs
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -24,10 +23,9 @@ def main(args: dict) -> None:
     from mlxrl.rollout.optimized import generate_prefix_cached_group_rollouts
     from mlxrl.train.grpo import batch_from_rollouts, optimizer_step
 
-    spec = importlib.util.spec_from_file_location("task", args["reward_file"])
-    task = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(task)
-    reward = getattr(task, args["reward_fn"])
+    from rewards.functions import call_reward, load_reward_function, reward_inputs
+
+    reward = load_reward_function(args["reward"], args["search_path"])
     rows = [json.loads(line) for line in open(args["prompts"]) if line.strip()]
 
     mx.random.seed(args["seed"])
@@ -46,10 +44,10 @@ def main(args: dict) -> None:
                                group_size=args["group_size"], config=sampling, seed=args["seed"] + step,
                                use_chat_template=False)
         t1 = time.perf_counter()
-        texts = [c.text for c in completions]
         ids = [list(c.completion_tokens) for c in completions]
-        columns = {k: [v] * len(texts) for k, v in row.items() if k != "prompt"}
-        rewards = [float(r or 0.0) for r in reward([row["prompt"]] * len(texts), texts, ids, **columns)]
+        columns = {k: v for k, v in row.items() if k != "prompt"}
+        inputs = reward_inputs(row["prompt"], [c.text for c in completions], ids, columns)
+        rewards = [r or 0.0 for r in call_reward(reward, inputs, args["reward"])]
         batch = batch_from_rollouts(model=model, completions=completions, rewards=rewards,
                                     group_size=args["group_size"], pad_token_id=pad,
                                     compute_reference=args["beta"] != 0.0, algorithm=algorithm)

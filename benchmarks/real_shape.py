@@ -129,9 +129,9 @@ def planned(toml: Path) -> dict:
 
 
 def run_mlxrl(model: Path, work: Path, tag: str, a: argparse.Namespace) -> dict:
-    args = {"model": str(model), "prompts": str(PROMPTS), "reward_file": str(EXAMPLES / "tiny_task.py"),
-            "reward_fn": "reward", "steps": a.steps, "group_size": a.group_size, "max_tokens": a.max_tokens,
-            "rollout": a.mlxrl_rollout, **SETTINGS}
+    args = {"model": str(model), "prompts": str(PROMPTS), "reward": "tiny_task:reward",
+            "search_path": str(EXAMPLES), "steps": a.steps, "group_size": a.group_size,
+            "max_tokens": a.max_tokens, "rollout": a.mlxrl_rollout, **SETTINGS}
     log(f"{tag}: mlxrl ({a.mlxrl_rollout} rollout), {a.steps} steps")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.mlxrl_driver", json.dumps(args)], cwd=ROOT,
                           capture_output=True, text=True, env=child_env())
