@@ -14,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 
+from protocol.lifecycle import write_atomic
+
 INTERVAL_S = 1.0
 
 
@@ -26,7 +28,9 @@ def start_heartbeat(run_dir: str | Path, role: str) -> threading.Thread:
 
     def beat() -> None:
         while True:
-            path.write_text(f"{os.getpid()} {time.time():.3f}\n")
+            # Whole or not at all: a reader (a test, a user's script) must never see the
+            # empty file that a truncating write leaves for a moment.
+            write_atomic(path, f"{os.getpid()} {time.time():.3f}\n")
             time.sleep(INTERVAL_S)
 
     thread = threading.Thread(target=beat, name=f"heartbeat-{role}", daemon=True)

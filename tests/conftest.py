@@ -1,5 +1,5 @@
 """Shared fixtures: the committed tiny model, small run configs for end-to-end tests, and
-the guard that fails the suite if any process it started outlives it."""
+the guard that fails a test if any process it started outlives it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -58,18 +59,32 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_process_outlives_the_suite():
-    """Fails the session if a process started by a test (or by what a test started: a
-    learner under an orchestrator) is still alive at the end; kills it by pid."""
+def session_marker() -> str:
+    """Marks every process the suite starts (and every process those start) by an
+    environment variable they inherit, so that a leftover can be found by its marker."""
     marker = uuid.uuid4().hex
     os.environ[SESSION_ENV] = marker
+    return marker
+
+
+# A process a test has just stopped may take a moment to exit (its own clean-up).
+EXIT_GRACE_S = 10.0
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(session_marker):
+    """Fails the test after which a process it started (or one that a process it started
+    started: a learner under an orchestrator) is still alive, once a short grace is over,
+    and kills it by pid, so one test's leak is reported on that test and reaped there."""
     yield
-    left = processes_of_session(marker)
+    deadline = time.monotonic() + EXIT_GRACE_S
+    while (left := processes_of_session(session_marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     if left:
-        pytest.fail(f"processes started by the suite were still alive at its end (killed): {left}")
+        pytest.fail(f"processes started by this test were still alive after it (killed): {left}")
 
 
 @pytest.fixture(scope="session")

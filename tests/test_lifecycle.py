@@ -177,3 +177,25 @@ def test_only_crashes_are_restarted(tmp_path):
             assert e.value.code == code
     finally:
         sup.close()
+
+
+def test_a_heartbeat_file_is_never_seen_half_written(tmp_path):
+    # A process beating as fast as it can; this test reads the file meanwhile, as the
+    # supervisor's readers and users' scripts do. A truncate-then-write would show "".
+    beat_fast = ("import time, protocol.heartbeat as h; h.INTERVAL_S = 0; "
+                 f"h.start_heartbeat({str(tmp_path)!r}, 'actor'); time.sleep(3)")
+    proc = subprocess.Popen([sys.executable, "-c", beat_fast], cwd=ROOT)
+    try:
+        path, reads = tmp_path / "heartbeat.actor", 0
+        while proc.poll() is None:
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                continue  # not yet written
+            pid, beat_time = text.split()
+            assert int(pid) == proc.pid and float(beat_time) > 0
+            reads += 1
+        assert reads > 100
+    finally:
+        proc.kill()
+        proc.wait()
