@@ -7,6 +7,8 @@ then used for `num_iterations` optimizer steps, with the old-policy logprobs fro
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -16,12 +18,31 @@ import numpy as np
 from mlx.utils import tree_map
 
 from learner.algorithms import Algorithm, LossInputs, make_algorithm, masked_mean
-from policy.logprobs import sequence_logprobs, sequence_logprobs_and_entropy
+from policy.logprobs import (
+    chunked_sequence_terms,
+    output_head,
+    sequence_logprobs,
+    sequence_logprobs_and_entropy,
+)
 from policy.model import adapters_disabled
 from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig
 
 # exp() of a sequence's summed log-ratio overflows float32 beyond ~88.
 MAX_LOG_WEIGHT = 80.0
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Logits:
+    """How the learner forms the logits: all at once inside the differentiated forward
+    (head None), or `chunk` positions at a time through the model's output `head`."""
+
+    head: Callable[[mx.array], mx.array] | None = None
+    chunk: int = 0
+
+
+WHOLE = Logits()
 
 
 @dataclass
@@ -134,7 +155,8 @@ def row_slices(rows: int, micro_batch_size: int) -> list[slice]:
 
 
 def prepare(model: nn.Module, batch: Batch, temperature: float, beta: float,
-            correction: Correction, micro_batch_size: int = 0, fused: bool = False) -> Prepared:
+            correction: Correction, micro_batch_size: int = 0, fused: bool = False,
+            logits: Logits = WHOLE) -> Prepared:
     """Old-policy logprobs (full forward, current weights), reference logprobs with the
     adapters off when beta > 0, and the behavior-policy correction weights.
 
@@ -145,14 +167,12 @@ def prepare(model: nn.Module, batch: Batch, temperature: float, beta: float,
     olds, entropies, refs = [], [], []
     for sl in row_slices(batch.tokens.shape[0], micro_batch_size):
         if not fused:
-            old, entropy = sequence_logprobs_and_entropy(model, batch.tokens[sl], temperature)
-            mx.eval(old, entropy)
+            old, entropy = _logprobs(model, batch.tokens[sl], temperature, logits, entropy=True)
             olds.append(old)
             entropies.append(entropy)
         if beta > 0:
             with adapters_disabled(model):
-                refs.append(sequence_logprobs(model, batch.tokens[sl], temperature))
-            mx.eval(refs[-1])
+                refs.append(_logprobs(model, batch.tokens[sl], temperature, logits)[0])
     ref = mx.concatenate(refs) if refs else None
     if fused:
         return Prepared(None, ref, None, {}, correction)
@@ -160,6 +180,20 @@ def prepare(model: nn.Module, batch: Batch, temperature: float, beta: float,
     weights, stats = old_policy_terms(old, mx.concatenate(entropies), batch.behavior, batch.mask, correction)
     mx.eval(weights, stats)
     return Prepared(old, ref, weights, {k: float(v.item()) for k, v in stats.items()}, correction)
+
+
+def _logprobs(model: nn.Module, tokens: mx.array, temperature: float, logits: Logits,
+              entropy: bool = False) -> tuple[mx.array, mx.array | None]:
+    """Logprobs (and entropy) without a graph, evaluated: by chunks when `logits` says."""
+    if logits.head is not None:
+        logp, ent, _ = chunked_sequence_terms(model, logits.head, tokens, temperature, logits.chunk, entropy)
+        return logp, ent
+    if entropy:
+        logp, ent = sequence_logprobs_and_entropy(model, tokens, temperature)
+    else:
+        logp, ent = sequence_logprobs(model, tokens, temperature), None
+    mx.eval(logp, *([] if ent is None else [ent]))
+    return logp, ent
 
 
 def _combine(parts: list[tuple[dict, float]]) -> dict[str, float]:
@@ -181,7 +215,8 @@ def _combine(parts: list[tuple[dict, float]]) -> dict[str, float]:
 
 def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algorithm,
                    batch: Batch, prepared: Prepared, advantages: np.ndarray, temperature: float,
-                   max_grad_norm: float, micro_batch_size: int = 0) -> dict[str, float]:
+                   max_grad_norm: float, micro_batch_size: int = 0,
+                   logits: Logits = WHOLE) -> dict[str, float]:
     """One optimizer step, accumulating gradients over micro-batches of rows.
 
     Each micro-batch's loss is its rows' summed terms over the whole batch's normaliser,
@@ -190,25 +225,34 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
     norm = algorithm.normalizer(np.array(batch.mask))
     adv = mx.array(advantages.astype(np.float32))
 
-    def loss_fn(model, sl):
+    def objective(logp: mx.array, entropy: mx.array | None, sl: slice) -> tuple[mx.array, dict]:
+        """The micro-batch's loss as a function of its logprobs (what is differentiated)."""
         mask, extra = batch.mask[sl], {}
         if prepared.old is None:  # fused: this forward's logprobs are the old policy's
-            logp, entropy = sequence_logprobs_and_entropy(model, batch.tokens[sl], temperature)
             old = mx.stop_gradient(logp)
             is_weight, extra = old_policy_terms(old, mx.stop_gradient(entropy), batch.behavior[sl], mask,
                                                 prepared.correction)
         else:
-            logp = sequence_logprobs(model, batch.tokens[sl], temperature)
             old, is_weight = prepared.old[sl], prepared.is_weight[sl]
         ref = prepared.ref[sl] if prepared.ref is not None else None
         total, diag = algorithm.loss_sum(LossInputs(logp, old, ref, adv[sl], mask, is_weight))
         diag["policy_loss"] = diag["policy_loss"] / norm
         return total / norm, {**diag, **extra}
 
-    grad_fn = nn.value_and_grad(model, loss_fn)
+    def whole_logits(model: nn.Module, sl: slice) -> tuple[mx.array, dict]:
+        if prepared.old is None:
+            return objective(*sequence_logprobs_and_entropy(model, batch.tokens[sl], temperature), sl)
+        return objective(sequence_logprobs(model, batch.tokens[sl], temperature), None, sl)
+
+    grad_fn = nn.value_and_grad(model, whole_logits)
     loss, grads, parts = 0.0, None, []
     for sl in row_slices(batch.tokens.shape[0], micro_batch_size):
-        (part_loss, diag), part_grads = grad_fn(model, sl)
+        if logits.head is None:
+            (part_loss, diag), part_grads = grad_fn(model, sl)
+        else:
+            (part_loss, diag), part_grads = _chunked_value_and_grad(
+                model, logits, batch.tokens[sl], temperature, lambda lp, ent, sl=sl: objective(lp, ent, sl),
+                entropy=prepared.old is None)
         grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
         mx.eval(part_loss, diag, grads)
         loss += float(part_loss.item())
@@ -217,6 +261,26 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
     optimizer.update(model, grads)
     mx.eval(model.parameters(), optimizer.state, grad_norm)
     return {"loss": loss, "grad_norm": float(grad_norm.item()), **_combine(parts)}
+
+
+def _chunked_value_and_grad(model: nn.Module, logits: Logits, tokens: mx.array, temperature: float,
+                            objective: Callable, entropy: bool) -> tuple[tuple[mx.array, dict], dict]:
+    """The objective's value and its gradient in the adapters, never holding more than one
+    chunk's logits: the chain rule taken in three evaluated pieces,
+
+        dL/dθ = dL/dlogp · dlogp/dhidden · dhidden/dθ
+
+    (1) logprobs and their jacobian into the last hidden states, chunk by chunk
+    (chunked_terms); (2) dL/dlogp, the gradient of the objective in the [rows, tokens]
+    logprobs alone; (3) the model body's backward with dL/dhidden as its cotangent, which
+    runs the body's forward a second time: the price of never keeping the logits."""
+    logp, ent, jac = chunked_sequence_terms(model, logits.head, tokens, temperature, logits.chunk,
+                                            entropy, jacobian=True)
+    (value, diag), dlogp = mx.value_and_grad(lambda lp: objective(lp, ent))(logp)
+    dhidden = dlogp[..., None] * jac
+    inputs = tokens[:, :-1]
+    _, grads = nn.value_and_grad(model, lambda m: (m.model(inputs) * dhidden).sum())(model)
+    return (value, diag), grads
 
 
 class Trainer:
@@ -236,11 +300,25 @@ class Trainer:
         self.fused = algorithm.num_iterations == 1 and train.fuse_old_logprobs
         self.temperature = sampling.temperature
         self.max_grad_norm, self.micro_batch_size = train.max_grad_norm, train.micro_batch_size
+        self.logits = logits_plan(model, train.logit_chunk)
 
     def prepare(self, batch: Batch) -> Prepared:
         return prepare(self.model, batch, self.temperature, self.beta, self.correction, self.micro_batch_size,
-                       self.fused)
+                       self.fused, self.logits)
 
     def step(self, batch: Batch, prepared: Prepared, advantages: np.ndarray) -> dict[str, float]:
         return optimizer_step(self.model, self.optimizer, self.algorithm, batch, prepared, advantages,
-                              self.temperature, self.max_grad_norm, self.micro_batch_size)
+                              self.temperature, self.max_grad_norm, self.micro_batch_size, self.logits)
+
+
+def logits_plan(model: nn.Module, chunk: int) -> Logits:
+    """Chunked logits when asked for and the model allows it, else whole (and say why)."""
+    if chunk <= 0:
+        return WHOLE
+    head = output_head(model)
+    if head is None:
+        log.warning("train.logit_chunk = %d is not used: this model's output layer is not a plain, "
+                    "frozen projection of model.model's output (or its forward is random, e.g. LoRA "
+                    "dropout); the learner forms each micro-batch's logits at once", chunk)
+        return WHOLE
+    return Logits(head, chunk)

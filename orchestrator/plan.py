@@ -35,6 +35,13 @@ CHECKPOINT_BLOCKS = 1.5
 # tests/test_plan.py measures it on a 16k-vocabulary model where logits are the peak, at
 # temperature 1 and 0.7, with the old-policy pass fused and apart.
 LOGIT_COPIES = 3
+# With train.logit_chunk the logits exist one chunk of positions at a time, in three copies
+# at the step's peak (logits, logsumexp's exp, and the backward's softmax and gather
+# gradient), four when the step also takes the entropy (old-policy pass fused), beside
+# three float32 [tokens, hidden] arrays (last hidden states, their jacobian, the
+# cotangent). tests/test_plan.py measures both at a 151,936 vocabulary.
+CHUNK_LOGIT_COPIES = 3
+CHUNK_HIDDEN_COPIES = 3
 # Estimates run up to 10% low on the measured shapes: a plan must fit with this margin.
 SAFETY = 1.10
 
@@ -144,6 +151,8 @@ class Shape:
     lora_layers: int
     lora_keys: tuple[str, ...]
     actor_bits: int = 0  # actor.quantize_bits
+    logit_chunk: int = 0  # train.logit_chunk
+    fused: bool = True  # the old-policy pass fused into the step (num_iterations 1)
 
     @property
     def rows(self) -> int:
@@ -199,12 +208,21 @@ def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         "optimizer": 2 * lora,  # Adam's m and v
         "gradients": lora,
         "activations": activations,
-        "logits": LOGIT_COPIES * tokens * m.vocab * 4,
+        "logits": logits_bytes(m, s, tokens),
         # The old-policy and reference passes run before the step, one micro-batch at a
         # time and without a graph: their peak (a forward's logits) stays below the
         # step's, so they add nothing to the total. Listed to show they were counted.
         "reference": 0.0,
     }
+
+
+def logits_bytes(m: ModelShape, s: Shape, tokens: int) -> float:
+    """The learner's logits at its peak: a micro-batch's whole, or one chunk's."""
+    if s.logit_chunk <= 0:
+        return LOGIT_COPIES * tokens * m.vocab * 4
+    copies = CHUNK_LOGIT_COPIES + s.fused
+    return (copies * min(s.logit_chunk, tokens) * m.vocab * 4
+            + CHUNK_HIDDEN_COPIES * tokens * m.hidden * 4)
 
 
 @dataclass
@@ -247,7 +265,8 @@ def detect_budget() -> tuple[float, str]:
 def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
     s, t, lora = cfg.sampling, cfg.train, cfg.lora
     return Shape(s.group_size, t.batch_size, prompt_tokens, s.max_tokens, t.micro_batch_size,
-                 t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, cfg.actor.quantize_bits)
+                 t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, cfg.actor.quantize_bits,
+                 t.logit_chunk, t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1)
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:

@@ -8,8 +8,11 @@ recomputed logprobs equal the actor's behavior logprobs (see README, "Logprobs")
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 
 def tempered(logits: mx.array, temperature: float) -> mx.array:
@@ -51,3 +54,83 @@ def sequence_logprobs_and_entropy(model: nn.Module, tokens: mx.array,
     picked = picked_logprobs(scaled, lse, tokens[:, 1:])
     entropy = lse - (mx.exp(scaled - lse[..., None]) * scaled).sum(-1)
     return picked, entropy
+
+
+def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
+    """The model's last layer (hidden states -> logits) when `model(x)` is exactly
+    `head(model.model(x))`, as in mlx-lm's causal LMs (`lm_head`, or the embedding read
+    backwards when tied), and the head trains nothing. None otherwise: a head with LoRA,
+    a final soft-cap, another layout, or a forward that is random (dropout in training)."""
+    body = getattr(model, "model", None)
+    if getattr(model, "lm_head", None) is not None:
+        head = model.lm_head
+    elif body is not None and hasattr(getattr(body, "embed_tokens", None), "as_linear"):
+        head = body.embed_tokens.as_linear
+    else:
+        return None
+    owner = head if isinstance(head, nn.Module) else body.embed_tokens
+    if tree_flatten(owner.trainable_parameters()):
+        return None
+    if model.training and any(isinstance(m, nn.Dropout) and m._p_1 < 1 for _, m in model.named_modules()):
+        return None  # two forwards would draw two masks (invisible to the probe while LoRA B is 0)
+    probe = mx.array([[0, 1, 2]])
+    return head if mx.array_equal(model(probe), head(body(probe))).item() else None
+
+
+def chunked_terms(hidden: mx.array, targets: mx.array, head: Callable[[mx.array], mx.array],
+                  temperature: float, chunk: int, entropy: bool = False,
+                  jacobian: bool = False) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """Per-position logprob of `targets` [N] under `head(hidden)` [N, V], `chunk` positions
+    at a time, each chunk evaluated before the next: the logits of one chunk exist at once,
+    never the whole batch's (at a 150k vocabulary, 8 rows of 512 tokens are 2.5 GB a copy).
+
+    Returns (logprobs [N], entropy [N] or None, jacobian [N, H] or None). The jacobian is
+    d logprob[i] / d hidden[i]: each position's logprob depends on its own hidden state
+    only, so a vector-Jacobian product with ones gives every row of it at once. A loss of
+    the logprobs then backpropagates into the model as `dloss/dlogprob * jacobian`
+    without the logits (learner/step.py)."""
+    logps, entropies, jacobians = [], [], []
+    for start in range(0, hidden.shape[0], chunk):
+        h = hidden[start:start + chunk]
+        terms, side = _chunk_terms(head, targets[start:start + chunk], temperature, entropy)
+        if jacobian:
+            (logp,), (jac,) = mx.vjp(terms, [h], [mx.ones(h.shape[:1])])
+            jacobians.append(jac)
+        else:
+            (logp,) = terms(h)
+        logps.append(logp)
+        entropies.extend(side)
+        mx.eval(logps[-1], *entropies[-1:], *jacobians[-1:])
+    return (mx.concatenate(logps), mx.concatenate(entropies) if entropy else None,
+            mx.concatenate(jacobians) if jacobian else None)
+
+
+def _chunk_terms(head: Callable[[mx.array], mx.array], targets: mx.array, temperature: float,
+                 entropy: bool) -> tuple[Callable[[mx.array], list[mx.array]], list[mx.array]]:
+    """The function of a chunk's hidden states that is differentiated (its logprobs), and
+    a list it appends the entropy to: a metric, taken from the same logits on the side."""
+    side: list[mx.array] = []
+
+    def terms(h: mx.array) -> list[mx.array]:
+        scaled = tempered(head(h), temperature)
+        lse = mx.logsumexp(scaled, axis=-1)
+        if entropy:
+            side.append(lse - (mx.exp(scaled - lse[..., None]) * scaled).sum(-1))
+        return [picked_logprobs(scaled, lse, targets)]
+
+    return terms, side
+
+
+def chunked_sequence_terms(model: nn.Module, head: Callable[[mx.array], mx.array], tokens: mx.array,
+                           temperature: float, chunk: int, entropy: bool = False, jacobian: bool = False
+                           ) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """sequence_logprobs (and the entropy) of `tokens` [B, L] by chunks of positions, with
+    the jacobian into the model's last hidden states [B, L-1, H] if asked. Evaluated, not
+    differentiable: the learner differentiates through the jacobian (see chunked_terms)."""
+    hidden = model.model(tokens[:, :-1])
+    mx.eval(hidden)
+    rows, length, width = hidden.shape
+    logp, ent, jac = chunked_terms(hidden.reshape(rows * length, width), tokens[:, 1:].reshape(-1), head,
+                                   temperature, chunk, entropy, jacobian)
+    return (logp.reshape(rows, length), None if ent is None else ent.reshape(rows, length),
+            None if jac is None else jac.reshape(rows, length, width))

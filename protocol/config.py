@@ -127,6 +127,9 @@ class TrainConfig:
     fuse_old_logprobs: bool = key(True, "with `algorithm.num_iterations = 1`, take the old-policy logprobs "
                                   "from the training forward (stop-gradient) instead of a forward of "
                                   "their own; the same update, one forward fewer")
+    logit_chunk: int = key(128, "positions (rows x tokens) whose vocabulary-sized logits the learner "
+                                "holds at once; 0 = a micro-batch's at once (one body forward fewer, much "
+                                "more memory at large vocabularies)", _range(0))
     max_staleness: int = key(0, "batches the actor may sample ahead of training (0 = on-policy)", _range(0))
     checkpoint_every: int = key(10, "write a checkpoint every N steps (and always at the end or on "
                                 "Ctrl-C); 0 = only then", _range(0))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from learner.algorithms import make_algorithm
-from learner.step import Correction, Sample, make_batch, optimizer_step, prepare
+from learner.step import WHOLE, Correction, Logits, Sample, make_batch, optimizer_step, prepare
 from orchestrator.plan import (
     MB,
     Shape,
@@ -21,6 +21,7 @@ from orchestrator.plan import (
     read_shape,
     suggestion,
 )
+from policy.logprobs import output_head
 from policy.model import load_policy
 from protocol.config import LoraConfig
 from tests.conftest import EXAMPLES, ROOT, TINY_MODEL
@@ -89,10 +90,11 @@ def wide_vocab_model(tmp_path_factory) -> str:
 
 
 def measured_learner_peak(model_path: str, rows: int, prompt: int, completion: int, checkpoint: bool,
-                          temperature: float = 1.0, fused: bool = True) -> int:
+                          temperature: float = 1.0, fused: bool = True, chunk: int = 0) -> int:
     mx.random.seed(0)
     model, _, _ = load_policy(model_path, LoraConfig())
     model.train()
+    logits = Logits(output_head(model), chunk) if chunk else WHOLE
     block = type(model.layers[0])
     original = block.__call__
     if checkpoint:
@@ -108,30 +110,31 @@ def measured_learner_peak(model_path: str, rows: int, prompt: int, completion: i
         mx.clear_cache()
         mx.reset_peak_memory()
         alg = make_algorithm("grpo")
-        prepared = prepare(model, batch, temperature, 0.0, Correction(), fused=fused)
+        prepared = prepare(model, batch, temperature, 0.0, Correction(), fused=fused, logits=logits)
         optimizer_step(model, optim.Adam(learning_rate=1e-4), alg, batch, prepared,
-                       rng.normal(size=rows), temperature, 1.0)
+                       rng.normal(size=rows), temperature, 1.0, logits=logits)
         return mx.get_peak_memory()
     finally:
         block.__call__ = original  # other tests use the same class
 
 
-@pytest.mark.parametrize("rows,prompt,completion,checkpoint", [
-    (16, 16, 48, False), (64, 16, 112, False), (32, 32, 224, False), (8, 64, 448, False),
-    (32, 32, 224, True),
+@pytest.mark.parametrize("rows,prompt,completion,checkpoint,chunk", [
+    (16, 16, 48, False, 0), (64, 16, 112, False, 0), (32, 32, 224, False, 128), (8, 64, 448, False, 128),
+    (32, 32, 224, True, 0), (32, 32, 224, True, 128),
 ])
-def test_learner_estimate_is_within_15_percent_of_measured_peaks(rows, prompt, completion, checkpoint):
-    measured = measured_learner_peak(str(TINY_MODEL), rows, prompt, completion, checkpoint)
+def test_learner_estimate_is_within_15_percent_of_measured_peaks(rows, prompt, completion, checkpoint, chunk):
+    measured = measured_learner_peak(str(TINY_MODEL), rows, prompt, completion, checkpoint, chunk=chunk)
     est = sum(learner_terms(read_shape(str(TINY_MODEL)),
                             shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion,
-                                  grad_checkpoint=checkpoint)).values())
+                                  grad_checkpoint=checkpoint, logit_chunk=chunk)).values())
     assert abs(est / measured - 1) <= 0.15, (est / MB, measured / MB)
 
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("rows,completion", [(4, 48), (8, 112)])
-def test_the_logits_term_holds_where_logits_dominate(wide_vocab_model, rows, completion, temperature, fused):
+def test_the_whole_logits_term_holds_where_logits_dominate(wide_vocab_model, rows, completion, temperature,
+                                                           fused):
     """At a 16k vocabulary the logits term is most of the estimate; the total must still be
     within 15% of the measured peak, with and without a temperature to divide by. (The old
     check compared the term's coefficient with the seed's Qwen3-0.6B figure that the
@@ -231,3 +234,41 @@ def test_a_quantized_actor_is_planned_with_its_quantized_weights(bits):
     planned = actor_terms(m, shape(actor_bits=bits))["weights"]
     assert held < 0.5 * m.weight_bytes
     assert abs(planned / held - 1) < 0.1, (planned, held)
+
+
+@pytest.fixture(scope="session")
+def qwen_vocab_model(tmp_path_factory) -> str:
+    """One small layer under Qwen3's 151,936-token vocabulary: logits are all that is large."""
+    from mlx_lm.models import llama
+
+    from policy.tiny import MODEL_CONFIG, save_model
+
+    config = dict(MODEL_CONFIG, num_hidden_layers=1, vocab_size=151936, eos_token_id=1)
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    return str(save_model(tmp_path_factory.mktemp("qwen-vocab"), model, config))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_at_a_151936_vocabulary_the_learner_s_peak_follows_the_logit_chunk(qwen_vocab_model, fused):
+    """A whole step (old-policy pass, or fused; reference pass; forward and backward) at
+    V = 151,936 over 4 rows of 64 positions: with chunks its peak above the weights grows
+    with the chunk, not with the batch, stays under two float32 R x T x V buffers, and is
+    what the plan says (within 15%)."""
+    rows, prompt, completion = 4, 16, 48
+    m = read_shape(qwen_vocab_model)
+    whole_copy = rows * (prompt + completion) * m.vocab * 4
+    weights = sum(learner_terms(m, shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion,
+                                         logit_chunk=1)).values())  # everything but the logits, about
+    peaks = {}
+    for chunk in (16, 64):
+        peaks[chunk] = measured_learner_peak(qwen_vocab_model, rows, prompt, completion, False, 0.7, fused,
+                                             chunk)
+        planned = sum(learner_terms(m, shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion,
+                                             logit_chunk=chunk, fused=fused)).values())
+        assert abs(planned / peaks[chunk] - 1) <= 0.15, (chunk, planned / MB, peaks[chunk] / MB)
+        assert peaks[chunk] - weights < 2 * whole_copy
+    whole = measured_learner_peak(qwen_vocab_model, rows, prompt, completion, False, 0.7, fused)
+    assert whole - weights > 2.5 * whole_copy  # what chunks avoid: three copies of the whole
+    # four times the chunk, about four times the logits' part of the peak
+    assert (peaks[64] - weights) / (peaks[16] - weights) == pytest.approx(4, rel=0.25)

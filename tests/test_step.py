@@ -9,14 +9,18 @@ import pytest
 from actor.sampler import sample_groups
 from learner.algorithms import ALGORITHMS, make_algorithm
 from learner.step import (
+    WHOLE,
     Correction,
+    Logits,
     Sample,
     Trainer,
     correction_weights,
+    logits_plan,
     make_batch,
     optimizer_step,
     prepare,
 )
+from policy.logprobs import output_head
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
 from protocol.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
 from tests.conftest import TINY_MODEL
@@ -170,9 +174,12 @@ def test_trainer_runs_the_step_with_the_run_settings():
 
     by_hand, _ = model_with(start)
     alg = make_algorithm("dapo", epsilon=0.1, beta=0.04, max_tokens=6)
-    prepared = prepare(by_hand, batch, 0.7, 0.04, Correction("truncate", "token", CAP), 3, fused=True)
+    assert trainer.logits.chunk == 128 and trainer.logits.head is not None  # train.logit_chunk
+    logits = Logits(output_head(by_hand), 128)
+    prepared = prepare(by_hand, batch, 0.7, 0.04, Correction("truncate", "token", CAP), 3, fused=True,
+                       logits=logits)
     theirs = optimizer_step(by_hand, optim.Adam(learning_rate=1e-2), alg, batch, prepared, advantages,
-                            0.7, 0.5, 3)
+                            0.7, 0.5, 3, logits)
     assert ours == theirs
     moved = adapter_weights_numpy(model)
     for k, v in adapter_weights_numpy(by_hand).items():
@@ -208,3 +215,54 @@ def test_fused_old_logprobs_give_the_same_update(name, mode, level, beta, micro)
     assert moved > 1e-4
     for k in w_sep:
         np.testing.assert_allclose(w_fus[k], w_sep[k], rtol=1e-5, atol=1e-5 * moved)
+
+
+@pytest.mark.parametrize("name,mode,level,beta,micro,fused,chunk", [
+    ("grpo", "none", "token", 0.0, 0, True, 7), ("dapo", "truncate", "token", 0.04, 3, True, 16),
+    ("gspo", "truncate", "sequence", 0.04, 3, False, 5), ("dr_grpo", "mask", "token", 0.04, 0, False, 1000),
+])
+def test_chunked_logits_give_the_same_updates(name, mode, level, beta, micro, fused, chunk):
+    """Logits formed `chunk` positions at a time, the gradient taken through the jacobian
+    into the last hidden states: the same metrics and adapters as with the whole logits in
+    one differentiated forward, over two steps on the batch (the second off-policy)."""
+    model, tok = model_with()
+    start = perturbed(adapter_weights_numpy(model), 2, 0.01)
+    batch = sampled_batch(model, tok, temperature=0.7)
+    correction = Correction(mode, level, CAP)
+    results = []
+    for chunked in (False, True):
+        m, _ = model_with(start)
+        logits = Logits(output_head(m), chunk) if chunked else WHOLE
+        assert logits.head is not None or not chunked
+        alg = make_algorithm(name, beta=beta, max_tokens=6, epsilon=0.1 if name == "gspo" else None)
+        opt = optim.SGD(learning_rate=1.0)  # the update is the gradient, not Adam's sign of it
+        prepared = prepare(m, batch, 0.7, beta, correction, micro, fused=fused, logits=logits)
+        advantages = alg.advantages(REWARDS)
+        steps = [optimizer_step(m, opt, alg, batch, prepared, advantages, 0.7, 1e9, micro, logits)
+                 for _ in range(1 if fused else 2)]
+        results.append(([{**prepared.stats, **st} for st in steps], adapter_weights_numpy(m)))
+    (whole, w_whole), (chunked, w_chunked) = results
+    for a, b in zip(whole, chunked, strict=True):
+        assert set(a) == set(b)
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    moved = max(np.abs(w_whole[k] - start[k]).max() for k in start)
+    assert moved > 1e-4
+    for k in w_whole:
+        np.testing.assert_allclose(w_chunked[k], w_whole[k], rtol=1e-4, atol=1e-4 * moved)
+
+
+def test_logits_are_formed_whole_where_chunks_would_be_wrong():
+    """A head with LoRA on it, or a random forward (dropout while training), has no
+    chunked path: the trainer falls back to the whole logits rather than a wrong gradient."""
+    model, _ = model_with()
+    assert logits_plan(model, 64).head is not None and logits_plan(model, 0) is WHOLE
+    mx.random.seed(0)
+    trained_head, _ = model_with()
+    trained_head.model.embed_tokens.unfreeze()  # tied: the output layer is the embedding
+    assert logits_plan(trained_head, 64) is WHOLE
+    dropout, _, _ = load_policy(str(TINY_MODEL), LoraConfig(rank=4, dropout=0.5))
+    dropout.train()
+    assert logits_plan(dropout, 64) is WHOLE
+    dropout.eval()
+    assert logits_plan(dropout, 64).head is not None
