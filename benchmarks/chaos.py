@@ -181,11 +181,12 @@ class Chaos:
             self.recovery[kind].append(took)
             log(f"kill {i}/{len(plan)}: {kind}, next step after {took:.1f} s")
 
-    def finish(self) -> int:
+    def finish(self, steps: int) -> int:
         """Let the run train to its last step; returns the orchestrator's exit code."""
         deadline = time.monotonic() + 600
         while self.orchestrator.poll() is None:
-            self.keep_workers()
+            if steps not in steps_done(self.run):  # after it, workers stop for good: none anew
+                self.keep_workers()
             self.note_children()
             if time.monotonic() > deadline:
                 raise RuntimeError("the run did not finish within 600 s")
@@ -299,7 +300,7 @@ def main() -> int:
         chaos.start_orchestrator(*chaos.config_args(steps))
         chaos.wait_for_progress(0)
         chaos.play()
-        code = chaos.finish()
+        code = chaos.finish(steps)
     finally:
         chaos.stop_everything()
     elapsed = time.monotonic() - t0
