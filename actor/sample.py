@@ -59,11 +59,20 @@ def run_sample(cfg: Config, prompts_path: str, num_samples: int, out_path: str,
     """Sample, score and write rows; return (and print) the summary."""
     lora = adapter_lora(adapter) if adapter else cfg.lora
     model, tok, _ = load_policy(cfg.model.path, lora, adapter_path=adapter)
-    params = cfg.sampling
-    prompts = load_prompts(prompts_path, tok, params.max_prompt_tokens)[:limit]
+    prompts = load_prompts(prompts_path, tok, cfg.sampling.max_prompt_tokens)[:limit]
     ctx = zmq.Context()
-    endpoint = f"ipc://{tempfile.mkdtemp(prefix='mlxrl-sample-')}/reward.sock"
-    scorer = Scorer(cfg.reward, ctx, endpoint)
+    with tempfile.TemporaryDirectory(prefix="mlxrl-sample-") as sockets:  # removed when done
+        scorer = Scorer(cfg.reward, ctx, f"ipc://{sockets}/reward.sock")
+        try:
+            return _sample_and_score(model, tok, cfg, prompts, num_samples, out_path, seed, scorer, err)
+        finally:
+            scorer.close()
+            ctx.term()
+
+
+def _sample_and_score(model, tok, cfg: Config, prompts: list, num_samples: int, out_path: str, seed: int,
+                      scorer: Scorer, err: IO[str]) -> dict:
+    params = cfg.sampling
     rows, rewards, tokens, t0 = [], [], 0, time.perf_counter()
     for start in range(0, len(prompts), 8):  # up to 8 prompts decode as one batch
         batch = prompts[start:start + 8]
@@ -92,8 +101,6 @@ def run_sample(cfg: Config, prompts_path: str, num_samples: int, out_path: str,
                     "reward": reward}) + "\n")
             if scored is not None:
                 rewards.append(row_rewards)
-    scorer.close()
-    ctx.term()
     flat = [r for row in rewards for r in row]
     summary = {
         "prompts": len(prompts), "samples_per_prompt": num_samples,
