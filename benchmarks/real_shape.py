@@ -42,10 +42,16 @@ QWEN3_SHAPE = dict(hidden_size=768, num_hidden_layers=6, intermediate_size=2048,
 QUICK_SHAPE = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=32, vocab_size=16384)
 SETTINGS = dict(temperature=0.7, top_p=0.95, beta=0.04, learning_rate=1e-5, seed=0)
+# Random weights give a nearly flat next-token distribution (top-p 0.95 keeps ~89,000 of
+# 151,936 tokens at temperature 0.7), which no trained model has. Scaling the final norm
+# by 4 gives a median entropy of 3.3 nats and top-p sets of 1 to ~250 tokens, a trained
+# model's range (measured over the positions of one prompt at temperature 0.7).
+LOGIT_SCALE = 4.0
 
 
 def build_model(out: Path, shape: dict, bits: int | None, dtype: str) -> Path:
-    """A Qwen3 model of `shape` with random weights, saved in mlx-lm's format (cached)."""
+    """A Qwen3 model of `shape` with random weights, its logits scaled to a trained
+    model's spread (LOGIT_SCALE), saved in mlx-lm's format (cached)."""
     if (out / "config.json").exists():
         return out
     import mlx.core as mx
@@ -59,6 +65,9 @@ def build_model(out: Path, shape: dict, bits: int | None, dtype: str) -> Path:
               "torch_dtype": dtype}
     mx.random.seed(0)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    model.model.norm.weight = model.model.norm.weight * LOGIT_SCALE
+    # EOS never likely: every completion runs to max_tokens in every system alike.
+    model.model.embed_tokens.weight[config["eos_token_id"]] = 0.0
     model.set_dtype(getattr(mx, dtype))
     if bits:
         quantize_base(model, bits)
@@ -76,7 +85,8 @@ def parameters(shape: dict) -> int:
     return shape["vocab_size"] * h + shape["num_hidden_layers"] * per_layer
 
 
-def run_ours(model: Path, work: Path, tag: str, staleness: int, a: argparse.Namespace) -> dict:
+def run_ours(model: Path, work: Path, tag: str, staleness: int, a: argparse.Namespace,
+             actor_bits: int = 0) -> dict:
     run_dir = work / tag  # short: ipc socket paths must stay < 100 bytes
     toml = work / f"{tag}.toml"
     toml.write_text(f"""
@@ -97,6 +107,8 @@ max_staleness = {staleness}
 checkpoint_every = 0
 [algorithm]
 beta = {SETTINGS['beta']}
+[actor]
+quantize_bits = {actor_bits}
 [reward]
 functions = ["tiny_task:reward"]
 search_path = "{EXAMPLES}"
@@ -104,7 +116,7 @@ search_path = "{EXAMPLES}"
 dir = "{run_dir}"
 """)
     plan = planned(toml)
-    log(f"{tag}: this project, max_staleness={staleness}, {a.steps} steps")
+    log(f"{tag}: this project, max_staleness={staleness}, actor.quantize_bits={actor_bits}, {a.steps} steps")
     run = watch_up(["--config", str(toml)], run_dir, work / f"{tag}.out", staleness, a.steps)
     if run.exit_code != 0:
         raise RuntimeError(f"{tag} failed ({run.exit_code}):\n" + (work / f"{tag}.out").read_text()[-3000:])
@@ -153,14 +165,46 @@ def have_mlxrl() -> bool:
     return importlib.util.find_spec("mlxrl") is not None
 
 
-def measure(a: argparse.Namespace, model: Path, work: Path) -> dict[str, list[dict]]:
+def measure(a: argparse.Namespace, model: Path, work: Path, quantized: bool) -> dict[str, list[dict]]:
+    """Every run of every repeat, interleaved. A model saved quantized has no separate
+    quantized-actor run: its actor samples from the saved 4-bit weights already."""
     runs: dict[str, list[dict]] = {"mlxrl": [], "sync": [], "overlap": []}
+    if not quantized and a.actor_bits:
+        runs[f"sync, actor {a.actor_bits}-bit"] = []
     for r in range(a.repeats):
         if have_mlxrl():
             runs["mlxrl"].append(run_mlxrl(model, work, f"mlxrl-r{r}", a))
         runs["sync"].append(run_ours(model, work, f"sync-r{r}", 0, a))
         runs["overlap"].append(run_ours(model, work, f"over-r{r}", 1, a))
+        if not quantized and a.actor_bits:
+            name = f"sync, actor {a.actor_bits}-bit"
+            runs[name].append(run_ours(model, work, f"q-r{r}", 0, a, a.actor_bits))
     return runs
+
+
+def rollout_alone(model: Path, a: argparse.Namespace) -> dict:
+    """This project's sampler against mlx-lm's batch_generate in one process: the same
+    model object with LoRA attached, the same G rows of one prompt, temperature and top-p,
+    interleaved repetitions (benchmarks/rollout.py counts the tokens alike)."""
+    from actor.data import load_prompts
+    from benchmarks.rollout import rates, sample_ours, sample_theirs
+    from policy.model import load_policy
+    from protocol.config import LoraConfig, SamplingConfig
+
+    policy, tokenizer, _ = load_policy(str(model), LoraConfig())
+    prompt_ids = [load_prompts(PROMPTS, tokenizer, 1024)[0].prompt_ids]
+    params = SamplingConfig(temperature=SETTINGS["temperature"], top_p=SETTINGS["top_p"],
+                            max_tokens=a.max_tokens)
+    rows = {"completion_batch_size": a.group_size, "prefill_batch_size": a.group_size}
+    eos = set(tokenizer.eos_token_ids)
+    log(f"rollout alone: sample_groups vs batch_generate, {a.group_size} rows, {a.repeats} repetitions")
+    medians, runs = rates({
+        "ours": lambda s: sample_ours(policy, prompt_ids, a.group_size, params, eos, s),
+        "batch_generate": lambda s: sample_theirs(policy, tokenizer, prompt_ids, a.group_size, a.max_tokens,
+                                                  s, rows, SETTINGS["temperature"], SETTINGS["top_p"]),
+    }, a.repeats)
+    return {"ours_tok_s": medians["ours"], "batch_generate_tok_s": medians["batch_generate"],
+            "ratio": medians["ours"] / medians["batch_generate"], "runs": runs}
 
 
 def spread(values: list[float]) -> str:
@@ -200,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="per run; the first is a warm-up")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--actor-bits", type=int, default=4, choices=[0, 4, 8],
+                   help="also run synchronous with actor.quantize_bits (0: no such run)")
     p.add_argument("--mlxrl-rollout", choices=["naive", "prefix"], default="naive",
                    help="naive is what `mlxrl train` runs; prefix its prefix-cached path")
     p.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "mlxrl-ipc-models")
@@ -222,13 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     for bits in a.bits:
         name = (f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-"
-                f"{a.dtype}{f'-{bits}bit' if bits else ''}")
+                f"{a.dtype}{f'-{bits}bit' if bits else ''}-x{LOGIT_SCALE:g}")
         log(f"model {name}")
         model = build_model(a.models_dir / name, shape, bits or None, a.dtype)
         with tempfile.TemporaryDirectory(prefix="rs-") as tmp:
-            runs = measure(a, model, Path(tmp))
-        out["results"][name] = runs
-        text += [f"\n### {name}\n", table(runs)]
+            runs = measure(a, model, Path(tmp), bool(bits))
+        alone = rollout_alone(model, a)
+        out["results"][name] = {**runs, "rollout_alone": alone}
+        text += [f"\n### {name}\n", table(runs),
+                 f"\nRollout alone ({a.group_size} rows, one process): this project's sampler "
+                 f"{alone['ours_tok_s']:.1f} tok/s, mlx-lm batch_generate "
+                 f"{alone['batch_generate_tok_s']:.1f} tok/s ({alone['ratio']:.2f}x)\n"]
     out["wall_s"] = time.time() - started
     report = "".join(text)
     print(report)

@@ -44,7 +44,7 @@ def sample_ours(model, prompt_ids: list[list[int]], group_size: int, params, eos
 
 
 def sample_theirs(model, tokenizer, prompt_ids: list[list[int]], group_size: int, max_tokens: int,
-                  seed: int, batch_kwargs: dict) -> int:
+                  seed: int, batch_kwargs: dict, temperature: float = 1.0, top_p: float = 1.0) -> int:
     """batch_generate with each prompt repeated G times; return the tokens produced."""
     import mlx.core as mx
     from mlx_lm.generate import batch_generate
@@ -53,7 +53,8 @@ def sample_theirs(model, tokenizer, prompt_ids: list[list[int]], group_size: int
     mx.random.seed(seed)
     sequences = [p for p in prompt_ids for _ in range(group_size)]
     response = batch_generate(model, tokenizer, sequences, max_tokens=max_tokens,
-                              sampler=make_sampler(temp=1.0), return_token_ids=True, **batch_kwargs)
+                              sampler=make_sampler(temp=temperature, top_p=top_p), return_token_ids=True,
+                              **batch_kwargs)
     # A sequence shorter than max_tokens stopped on an EOS that token_ids leaves out.
     return sum(len(ids) + (len(ids) < max_tokens) for ids in response.token_ids)
 
