@@ -25,7 +25,7 @@ from policy.logprobs import (
     sequence_logprobs_and_entropy,
 )
 from policy.model import adapters_disabled
-from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig
+from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig, logit_chunk_positions
 
 # exp() of a sequence's summed log-ratio overflows float32 beyond ~88.
 MAX_LOG_WEIGHT = 80.0
@@ -35,11 +35,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Logits:
-    """How the learner forms the logits: all at once inside the differentiated forward
-    (head None), or `chunk` positions at a time through the model's output `head`."""
+    """How the learner forms the logits: all at once inside the differentiated forward,
+    or, for a micro-batch of more than `chunk` positions, `chunk` positions at a time
+    through the model's output `head` (None: always whole)."""
 
     head: Callable[[mx.array], mx.array] | None = None
     chunk: int = 0
+
+    def chunked(self, tokens: mx.array) -> bool:
+        """Whether the logits of `tokens` [rows, L] (L-1 positions a row) go by chunks."""
+        return self.head is not None and tokens.shape[0] * (tokens.shape[1] - 1) > self.chunk
 
 
 WHOLE = Logits()
@@ -185,7 +190,7 @@ def prepare(model: nn.Module, batch: Batch, temperature: float, beta: float,
 def _logprobs(model: nn.Module, tokens: mx.array, temperature: float, logits: Logits,
               entropy: bool = False) -> tuple[mx.array, mx.array | None]:
     """Logprobs (and entropy) without a graph, evaluated: by chunks when `logits` says."""
-    if logits.head is not None:
+    if logits.chunked(tokens):
         logp, ent, _ = chunked_sequence_terms(model, logits.head, tokens, temperature, logits.chunk, entropy)
         return logp, ent
     if entropy:
@@ -247,7 +252,7 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
     grad_fn = nn.value_and_grad(model, whole_logits)
     loss, grads, parts = 0.0, None, []
     for sl in row_slices(batch.tokens.shape[0], micro_batch_size):
-        if logits.head is None:
+        if not logits.chunked(batch.tokens[sl]):
             (part_loss, diag), part_grads = grad_fn(model, sl)
         else:
             (part_loss, diag), part_grads = _chunked_value_and_grad(
@@ -300,7 +305,7 @@ class Trainer:
         self.fused = algorithm.num_iterations == 1 and train.fuse_old_logprobs
         self.temperature = sampling.temperature
         self.max_grad_norm, self.micro_batch_size = train.max_grad_norm, train.micro_batch_size
-        self.logits = logits_plan(model, train.logit_chunk)
+        self.logits = logits_plan(model, train.logit_chunk_mb)
 
     def prepare(self, batch: Batch) -> Prepared:
         return prepare(self.model, batch, self.temperature, self.beta, self.correction, self.micro_batch_size,
@@ -311,14 +316,16 @@ class Trainer:
                               self.temperature, self.max_grad_norm, self.micro_batch_size, self.logits)
 
 
-def logits_plan(model: nn.Module, chunk: int) -> Logits:
-    """Chunked logits when asked for and the model allows it, else whole (and say why)."""
-    if chunk <= 0:
+def logits_plan(model: nn.Module, chunk_mb: float) -> Logits:
+    """Chunks of `chunk_mb` MB of logits when asked for and the model allows, else whole
+    (and say why)."""
+    if chunk_mb <= 0:
         return WHOLE
     head = output_head(model)
     if head is None:
-        log.warning("train.logit_chunk = %d is not used: this model's output layer is not a plain, "
+        log.warning("train.logit_chunk_mb = %g is not used: this model's output layer is not a plain, "
                     "frozen projection of model.model's output (or its forward is random, e.g. LoRA "
-                    "dropout); the learner forms each micro-batch's logits at once", chunk)
+                    "dropout); the learner forms each micro-batch's logits at once", chunk_mb)
         return WHOLE
-    return Logits(head, chunk)
+    vocab = model(mx.array([[0]])).shape[-1]
+    return Logits(head, logit_chunk_positions(chunk_mb, vocab))

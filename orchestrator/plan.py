@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from protocol.config import QUANT_GROUP, Config, ConfigError
+from protocol.config import QUANT_GROUP, Config, ConfigError, logit_chunk_positions
 
 MB = 1 << 20
 GB = 1 << 30
@@ -35,7 +35,7 @@ CHECKPOINT_BLOCKS = 1.5
 # tests/test_plan.py measures it on a 16k-vocabulary model where logits are the peak, at
 # temperature 1 and 0.7, with the old-policy pass fused and apart.
 LOGIT_COPIES = 3
-# With train.logit_chunk the logits exist one chunk of positions at a time, in three copies
+# With train.logit_chunk_mb the logits exist one chunk of positions at a time, in three copies
 # at the step's peak (logits, logsumexp's exp, and the backward's softmax and gather
 # gradient), four when the step also takes the entropy (old-policy pass fused), beside
 # three float32 [tokens, hidden] arrays (last hidden states, their jacobian, the
@@ -151,7 +151,7 @@ class Shape:
     lora_layers: int
     lora_keys: tuple[str, ...]
     actor_bits: int = 0  # actor.quantize_bits
-    logit_chunk: int = 0  # train.logit_chunk
+    logit_chunk_mb: float = 0.0  # train.logit_chunk_mb
     fused: bool = True  # the old-policy pass fused into the step (num_iterations 1)
 
     @property
@@ -189,7 +189,8 @@ def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         # Dropping finished rows (cache filter) and growing past a 256-token block both
         # build the new cache while the old one is alive: measured peaks are 1.5x the cache.
         "kv_copy": kv / 2,
-        "prefill": s.prompt_tokens * (m.vocab * 4 + 4 * m.hidden * m.act_bytes),
+        # The prompts' forward, with logits for their last positions only.
+        "prefill": s.batch_size * (m.vocab * 4 + 4 * s.prompt_tokens * m.hidden * m.act_bytes),
         "sampling": rows * m.vocab * 4 * 4,  # logits, logprobs, sorted copy, mask
     }
 
@@ -218,10 +219,11 @@ def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
 
 def logits_bytes(m: ModelShape, s: Shape, tokens: int) -> float:
     """The learner's logits at its peak: a micro-batch's whole, or one chunk's."""
-    if s.logit_chunk <= 0:
+    chunk = logit_chunk_positions(s.logit_chunk_mb, m.vocab)
+    if chunk <= 0 or tokens <= chunk:
         return LOGIT_COPIES * tokens * m.vocab * 4
     copies = CHUNK_LOGIT_COPIES + s.fused
-    return (copies * min(s.logit_chunk, tokens) * m.vocab * 4
+    return (copies * chunk * m.vocab * 4
             + CHUNK_HIDDEN_COPIES * tokens * m.hidden * 4)
 
 
@@ -266,7 +268,7 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
     s, t, lora = cfg.sampling, cfg.train, cfg.lora
     return Shape(s.group_size, t.batch_size, prompt_tokens, s.max_tokens, t.micro_batch_size,
                  t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, cfg.actor.quantize_bits,
-                 t.logit_chunk, t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1)
+                 t.logit_chunk_mb, t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1)
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:

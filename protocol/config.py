@@ -113,6 +113,11 @@ class SamplingConfig:
                     "in the data stream")
 
 
+def logit_chunk_positions(chunk_mb: float, vocab: int) -> int:
+    """Positions (rows x tokens) per chunk of `train.logit_chunk_mb` at a vocabulary; 0 = whole."""
+    return max(1, int(chunk_mb * (1 << 20) / (4 * vocab))) if chunk_mb > 0 else 0
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = key(100, "optimizer steps", _range(1))
@@ -127,9 +132,10 @@ class TrainConfig:
     fuse_old_logprobs: bool = key(True, "with `algorithm.num_iterations = 1`, take the old-policy logprobs "
                                   "from the training forward (stop-gradient) instead of a forward of "
                                   "their own; the same update, one forward fewer")
-    logit_chunk: int = key(128, "positions (rows x tokens) whose vocabulary-sized logits the learner "
-                                "holds at once; 0 = a micro-batch's at once (one body forward fewer, much "
-                                "more memory at large vocabularies)", _range(0))
+    logit_chunk_mb: float = key(64.0, "MB of float32 logits the learner forms at once (one copy; its step "
+                                      "holds about four): a micro-batch whose logits are larger is done a "
+                                      "chunk of positions at a time, running the model body once more; "
+                                      "0 = always whole", _range(0))
     max_staleness: int = key(0, "batches the actor may sample ahead of training (0 = on-policy)", _range(0))
     checkpoint_every: int = key(10, "write a checkpoint every N steps (and always at the end or on "
                                 "Ctrl-C); 0 = only then", _range(0))

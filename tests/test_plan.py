@@ -118,15 +118,21 @@ def measured_learner_peak(model_path: str, rows: int, prompt: int, completion: i
         block.__call__ = original  # other tests use the same class
 
 
+def chunk_mb(positions: int, vocab: int) -> float:
+    """train.logit_chunk_mb that gives chunks of `positions` at `vocab`."""
+    return positions * vocab * 4 / MB
+
+
 @pytest.mark.parametrize("rows,prompt,completion,checkpoint,chunk", [
     (16, 16, 48, False, 0), (64, 16, 112, False, 0), (32, 32, 224, False, 128), (8, 64, 448, False, 128),
     (32, 32, 224, True, 0), (32, 32, 224, True, 128),
 ])
 def test_learner_estimate_is_within_15_percent_of_measured_peaks(rows, prompt, completion, checkpoint, chunk):
     measured = measured_learner_peak(str(TINY_MODEL), rows, prompt, completion, checkpoint, chunk=chunk)
-    est = sum(learner_terms(read_shape(str(TINY_MODEL)),
-                            shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion,
-                                  grad_checkpoint=checkpoint, logit_chunk=chunk)).values())
+    m = read_shape(str(TINY_MODEL))
+    s = shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion, grad_checkpoint=checkpoint,
+              logit_chunk_mb=chunk_mb(chunk, m.vocab))
+    est = sum(learner_terms(m, s).values())
     assert abs(est / measured - 1) <= 0.15, (est / MB, measured / MB)
 
 
@@ -259,13 +265,13 @@ def test_at_a_151936_vocabulary_the_learner_s_peak_follows_the_logit_chunk(qwen_
     m = read_shape(qwen_vocab_model)
     whole_copy = rows * (prompt + completion) * m.vocab * 4
     weights = sum(learner_terms(m, shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion,
-                                         logit_chunk=1)).values())  # everything but the logits, about
+                                         logit_chunk_mb=chunk_mb(1, m.vocab))).values())  # all but logits
     peaks = {}
     for chunk in (16, 64):
         peaks[chunk] = measured_learner_peak(qwen_vocab_model, rows, prompt, completion, False, 0.7, fused,
                                              chunk)
         planned = sum(learner_terms(m, shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion,
-                                             logit_chunk=chunk, fused=fused)).values())
+                                             logit_chunk_mb=chunk_mb(chunk, m.vocab), fused=fused)).values())
         assert abs(planned / peaks[chunk] - 1) <= 0.15, (chunk, planned / MB, peaks[chunk] / MB)
         assert peaks[chunk] - weights < 2 * whole_copy
     whole = measured_learner_peak(qwen_vocab_model, rows, prompt, completion, False, 0.7, fused)

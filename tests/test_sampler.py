@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from actor.sampler import _noise, _row_keys, _sample, reference_sample, sample_groups, truncate
+from actor.sampler import _row_keys, _sample, reference_sample, sample_groups, truncate
 from policy.logprobs import sequence_logprobs, token_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
 from protocol.config import LoraConfig, SamplingConfig
@@ -40,6 +40,14 @@ def test_min_p_keeps_tokens_above_a_fraction_of_the_best():
     assert kept(SamplingConfig(min_p=0.29)) == [True, True, True, False, False]
 
 
+def test_tied_tokens_are_kept_or_cut_together():
+    # .3 .3 .3 .1: top_p=0.5 reaches p inside the tie, so all three tied tokens stay;
+    # top_k=2 keeps the k-th's ties too.
+    tied = mx.array(np.log([[0.3, 0.1, 0.3, 0.3]]), dtype=mx.float32)
+    for params in (SamplingConfig(top_p=0.5), SamplingConfig(top_k=2)):
+        assert np.isfinite(np.array(truncate(tied, params))[0]).tolist() == [True, False, True, True]
+
+
 def test_truncation_keeps_kept_logprobs_unchanged():
     out = np.array(truncate(LOGPROBS, SamplingConfig(top_k=3)))[0]
     np.testing.assert_allclose(out[:3], np.log(PROBS[:3]), rtol=1e-6)
@@ -54,7 +62,7 @@ def test_sampler_and_learner_logprobs_agree_on_the_same_logits(temperature, mode
     rng = np.random.default_rng(7)
     logits = mx.array((rng.standard_normal((6, 300)) * 4).astype(np.float32)).astype(mx.bfloat16)
     params = SamplingConfig(temperature=temperature, **mode)
-    tokens, sampled = _sample(logits, _noise(_row_keys(0, list(range(6))), 0, 300), params)
+    tokens, sampled = _sample(logits, _row_keys(0, list(range(6))), 0, params)
     learner = token_logprobs(logits, tokens, temperature)
     np.testing.assert_allclose(np.array(sampled), np.array(learner), rtol=0, atol=1e-6)
     # ...and both are the untruncated log-softmax, computed independently in float64.
@@ -207,12 +215,10 @@ def test_caches_that_merge_but_are_not_plain_kv_caches_sample_the_same(policy, m
 def test_gumbel_sampling_draws_from_the_truncated_distribution(params):
     """20,000 rows, one step: token frequencies match the tempered, truncated, renormalised
     distribution within 4 standard errors, and the reported logprobs are the untruncated."""
-    from actor.sampler import _noise, _row_keys, _sample
-
     probs = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
     n = 20_000
     logits = mx.broadcast_to(mx.array(np.log(probs), dtype=mx.float32), (n, 5))
-    tokens, picked = _sample(logits, _noise(_row_keys(7, list(range(n))), 0, 5), params)
+    tokens, picked = _sample(logits, _row_keys(7, list(range(n))), 0, params)
     tempered = probs ** (1 / params.temperature)
     tempered /= tempered.sum()
     keep = np.array(truncate(mx.log(mx.array(tempered, dtype=mx.float32))[None], params))[0] > -np.inf
@@ -220,3 +226,67 @@ def test_gumbel_sampling_draws_from_the_truncated_distribution(params):
     freq = np.bincount(np.array(tokens), minlength=5) / n
     np.testing.assert_allclose(freq, expected, atol=4 * np.sqrt(0.25 / n))
     np.testing.assert_allclose(np.array(picked), np.log(tempered)[np.array(tokens)], atol=1e-5)
+
+
+def full_sort_definition(logprobs: np.ndarray, p: SamplingConfig) -> np.ndarray:
+    """Which tokens top-k, min-p and top-p keep, written independently in numpy (float64
+    masses): kept if among the k largest values (ties included), within log(min_p) of the
+    best, and if the mass of kept tokens strictly more likely is below top_p."""
+    keep = np.ones_like(logprobs, dtype=bool)
+    for r, row in enumerate(logprobs.astype(np.float64)):
+        if p.top_k:
+            keep[r] &= row >= np.sort(row)[::-1][p.top_k - 1]
+        if p.min_p:
+            keep[r] &= row >= row.max() + np.log(p.min_p)
+        if p.top_p < 1:
+            desc = np.sort(np.where(keep[r], row, -np.inf))[::-1]
+            probs = np.exp(desc)
+            before = np.concatenate([[0.0], np.cumsum(probs)[:-1]])
+            first = np.searchsorted(-desc, -row, side="left")  # where a value's ties begin
+            keep[r] &= before[first] < p.top_p
+    return keep
+
+
+def random_logits(rows: int, vocab: int, spread: float, ties: bool, seed: int) -> mx.array:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, vocab)) * spread
+    if ties:  # coarse values: many exact ties, also among the most likely tokens
+        x = np.round(x * 2) / 2
+    return mx.array(x.astype(np.float32))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingConfig(temperature=0.7, top_p=0.95), SamplingConfig(top_p=1.0), SamplingConfig(top_k=50),
+    SamplingConfig(min_p=0.05), SamplingConfig(temperature=1.3, top_k=40, top_p=0.9, min_p=0.01),
+    SamplingConfig(top_p=0.3), SamplingConfig(top_k=2000, top_p=0.99),
+], ids=["top_p", "p=1", "top_k", "min_p", "all", "small_p", "large_k"])
+@pytest.mark.parametrize("spread,ties", [(6.0, False), (6.0, True), (0.5, False)],
+                         ids=["peaked", "peaked-ties", "flat"])
+def test_candidate_sampling_equals_the_full_sort_definition(params, spread, ties, monkeypatch):
+    """At a vocabulary larger than the candidates, the sampler draws the very token (and
+    logprob) that the definition (whole-vocabulary sort, noise for every token) draws, on
+    peaked logits (the cut inside the candidates), with ties, and on flat ones (it falls
+    back). The definition's kept set is checked against an independent numpy one."""
+    import actor.sampler as sampler
+
+    vocab, rows = 6000, 8
+    logits = random_logits(rows, vocab, spread, ties, seed=3)
+    calls = []
+    full = sampler._sample_all
+    monkeypatch.setattr(sampler, "_sample_all", lambda *a: calls.append(1) or full(*a))
+    for t in range(5):
+        keys = _row_keys(11, list(range(rows)))
+        tokens, lps = _sample(logits, keys, t, params)
+        scaled = logits / params.temperature
+        ref_tokens, ref_lps = full(scaled, mx.logsumexp(scaled, axis=-1), keys, t, params)
+        assert np.array(tokens).tolist() == np.array(ref_tokens).tolist()
+        np.testing.assert_array_equal(np.array(lps), np.array(ref_lps))
+    logprobs = logits / params.temperature
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    kept = np.isfinite(np.array(truncate(logprobs, params)))
+    np.testing.assert_array_equal(kept, full_sort_definition(np.array(logprobs), params))
+    truncates = params.top_k or params.min_p or params.top_p < 1
+    if spread > 1 and truncates and params.top_k != 2000:
+        assert not calls  # the cut was among the candidates every time: no sort of the vocabulary
+    if not truncates or spread < 1 and params.top_p > 0.5 and not params.top_k:
+        assert len(calls) == 5  # no truncation, or a flat distribution: the definition draws

@@ -174,8 +174,9 @@ def test_trainer_runs_the_step_with_the_run_settings():
 
     by_hand, _ = model_with(start)
     alg = make_algorithm("dapo", epsilon=0.1, beta=0.04, max_tokens=6)
-    assert trainer.logits.chunk == 128 and trainer.logits.head is not None  # train.logit_chunk
-    logits = Logits(output_head(by_hand), 128)
+    assert trainer.logits.head is not None  # train.logit_chunk_mb: 64 MB of logits of 57 tokens each
+    assert trainer.logits.chunk == 64 * 2**20 // (4 * 57)
+    logits = Logits(output_head(by_hand), trainer.logits.chunk)  # one chunk holds the batch: whole
     prepared = prepare(by_hand, batch, 0.7, 0.04, Correction("truncate", "token", CAP), 3, fused=True,
                        logits=logits)
     theirs = optimizer_step(by_hand, optim.Adam(learning_rate=1e-2), alg, batch, prepared, advantages,
@@ -257,6 +258,8 @@ def test_logits_are_formed_whole_where_chunks_would_be_wrong():
     chunked path: the trainer falls back to the whole logits rather than a wrong gradient."""
     model, _ = model_with()
     assert logits_plan(model, 64).head is not None and logits_plan(model, 0) is WHOLE
+    assert Logits(output_head(model), 40).chunked(mx.zeros((2, 30))) and not Logits(None, 40).chunked(
+        mx.zeros((2, 30))) and not Logits(output_head(model), 58).chunked(mx.zeros((2, 30)))
     mx.random.seed(0)
     trained_head, _ = model_with()
     trained_head.model.embed_tokens.unfreeze()  # tied: the output layer is the embedding
