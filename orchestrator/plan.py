@@ -182,7 +182,7 @@ def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
     rows = s.batch_size * s.group_size  # every group of a batch decodes together
     ctx = math.ceil(s.tokens / KV_STEP) * KV_STEP
     kv = rows * ctx * m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes
-    return {
+    terms = {
         "weights": quantized_bytes(m, s.actor_bits) if s.actor_bits else m.weight_bytes,
         "lora": 4 * lora_params(m, s),
         "kv_cache": kv,
@@ -193,6 +193,12 @@ def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         "prefill": s.batch_size * (m.vocab * 4 + 4 * s.prompt_tokens * m.hidden * m.act_bytes),
         "sampling": rows * m.vocab * 4 * 4,  # logits, logprobs, sorted copy, mask
     }
+    if s.actor_bits and not m.bits:
+        # Quantizing as it loads, the largest weight (the embedding) exists once in full
+        # precision, before any sampling: the peak is the larger of that and the sampling.
+        running = sum(v for k, v in terms.items() if k not in ("weights", "lora"))
+        terms["quantize_load"] = max(0.0, m.vocab * m.hidden * m.act_bytes - running)
+    return terms
 
 
 def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
@@ -209,7 +215,7 @@ def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         "optimizer": 2 * lora,  # Adam's m and v
         "gradients": lora,
         "activations": activations,
-        "logits": logits_bytes(m, s, tokens),
+        "logits": logits_bytes(m, s, tokens, activations),
         # The old-policy and reference passes run before the step, one micro-batch at a
         # time and without a graph: their peak (a forward's logits) stays below the
         # step's, so they add nothing to the total. Listed to show they were counted.
@@ -217,14 +223,17 @@ def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
     }
 
 
-def logits_bytes(m: ModelShape, s: Shape, tokens: int) -> float:
-    """The learner's logits at its peak: a micro-batch's whole, or one chunk's."""
+def logits_bytes(m: ModelShape, s: Shape, tokens: int, activations: float) -> float:
+    """The learner's logits at its peak beyond the activations: a micro-batch's whole
+    logits live beside the activations of the differentiated forward; by chunks they
+    exist while the body runs without a graph, and the body's backward runs without them,
+    so the peak holds the larger of the two (their excess is this term)."""
     chunk = logit_chunk_positions(s.logit_chunk_mb, m.vocab)
     if chunk <= 0 or tokens <= chunk:
         return LOGIT_COPIES * tokens * m.vocab * 4
     copies = CHUNK_LOGIT_COPIES + s.fused
-    return (copies * chunk * m.vocab * 4
-            + CHUNK_HIDDEN_COPIES * tokens * m.hidden * 4)
+    chunked = copies * chunk * m.vocab * 4 + CHUNK_HIDDEN_COPIES * tokens * m.hidden * 4
+    return max(0.0, chunked - activations)
 
 
 @dataclass
@@ -320,7 +329,8 @@ def prompt_tokens(cfg: Config, context: int | None = None) -> int:
     from actor.data import check_context, load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir(cfg.model.path)))
-    prompts = load_prompts(cfg.data.prompts, tokenizer, cfg.sampling.max_prompt_tokens)
+    d = cfg.data
+    prompts = load_prompts(d.prompts, tokenizer, cfg.sampling.max_prompt_tokens, d.split, d.prompt_column)
     check_context(prompts, context, cfg.sampling.max_tokens)
     return max(len(p.prompt_ids) for p in prompts)
 

@@ -278,3 +278,21 @@ def test_at_a_151936_vocabulary_the_learner_s_peak_follows_the_logit_chunk(qwen_
     assert whole - weights > 2.5 * whole_copy  # what chunks avoid: three copies of the whole
     # four times the chunk, about four times the logits' part of the peak
     assert (peaks[64] - weights) / (peaks[16] - weights) == pytest.approx(4, rel=0.25)
+
+
+def test_a_quantized_actor_s_load_peak_is_planned(qwen_vocab_model):
+    """Quantizing as it loads, the actor holds the full-precision embedding once (at a
+    151,936 vocabulary, most of the model): the plan counts it, within 15%."""
+    from orchestrator.plan import actor_terms
+
+    m = read_shape(qwen_vocab_model)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    model, _, _ = load_policy(qwen_vocab_model, LoraConfig(), quantize_bits=4)
+    measured = mx.get_peak_memory() - base
+    terms = actor_terms(m, shape(actor_bits=4, group_size=1, prompt_tokens=1, max_tokens=1))
+    planned = terms["weights"] + terms["lora"] + terms["quantize_load"]
+    assert terms["quantize_load"] > 0.8 * m.vocab * m.hidden * 4
+    assert abs(planned / measured - 1) <= 0.15, (planned / MB, measured / MB)
+    del model
