@@ -59,8 +59,8 @@ class E2ERun:
             "weights_mb": last.get("weights_mb"),
             **{f"weights_{part}_ms": _median_ms([x.get(f"weights_{part}_s") for x in m[1:]])
                for part in ("serialize", "transfer", "apply")},
-            "reward_first": m[0].get("reward_mean") if m else None,
-            "reward_last": last.get("reward_mean"),
+            "reward_first": m[0].get("reward") if m else None,
+            "reward_last": last.get("reward"),
         }
 
 

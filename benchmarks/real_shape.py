@@ -128,7 +128,7 @@ dir = "{run_dir}"
             "learner_step_s": statistics.median(x["step_s"] for x in m),
             "learner_peak_mb": learner, "actor_peak_mb": actor, "peak_mb": learner + actor,
             "planned_learner_mb": plan["learner"], "planned_actor_mb": plan["actor"],
-            "reward_mean": statistics.mean(x["reward_mean"] for x in run.metrics)}
+            "reward_mean": statistics.mean(x["reward"] for x in run.metrics)}
 
 
 def planned(toml: Path) -> dict:

@@ -11,6 +11,7 @@ the rows, divides each micro-batch's sum by the *whole* batch's normaliser, and 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -55,15 +56,29 @@ def masked_mean(x: mx.array, mask: mx.array) -> mx.array:
     return (x * mask).sum() / mx.maximum(mask.sum(), 1.0)
 
 
+def row_mean(x: mx.array, mask: mx.array) -> mx.array:
+    """[B]: each row's mean over its masked tokens."""
+    return (x * mask).sum(-1) / mx.maximum(mask.sum(-1), 1.0)
+
+
 def scale(centered: np.ndarray, rewards: np.ndarray, how: str) -> np.ndarray:
     """Divide centred rewards by the group's or the batch's sample std, or not at all."""
     if how == "none":
         return centered
-    if how == "group":
-        std = rewards.std(axis=1, ddof=1, keepdims=True)
-    else:
-        std = rewards.std(ddof=1) if rewards.size > 1 else 0.0
+    with warnings.catch_warnings():  # a group of one scored completion: NaN, then 0
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if how == "group":
+            std = np.nanstd(rewards, axis=1, ddof=1, keepdims=True)
+        else:
+            std = np.nanstd(rewards, ddof=1) if rewards.size > 1 else 0.0
     return centered / (std + STD_EPS)
+
+
+def nanmean_rows(rewards: np.ndarray) -> np.ndarray:
+    """Each group's mean over its scored completions ([groups, 1]; NaN if none is)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(rewards, axis=1, keepdims=True)
 
 
 @dataclass(frozen=True)
@@ -80,8 +95,11 @@ class GRPO:
     asymmetric: ClassVar[bool] = False
 
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
-        centered = rewards - rewards.mean(axis=1, keepdims=True)
-        return scale(centered, rewards, self.scale_rewards).reshape(-1)
+        """[groups * G] from [groups, G] rewards. NaN (unscorable, as TRL marks a completion
+        no reward function scored) is left out of the group's mean and std, and its own
+        advantage is 0: no signal."""
+        centered = rewards - nanmean_rows(rewards)
+        return np.nan_to_num(scale(centered, rewards, self.scale_rewards), nan=0.0).reshape(-1)
 
     def keep_group(self, rewards: np.ndarray) -> bool:
         return True
@@ -95,6 +113,9 @@ class GRPO:
     def ratio(self, x: LossInputs) -> mx.array:
         return mx.exp(x.logp - x.old_logp)
 
+    def clip_mean(self, clipped: mx.array, mask: mx.array) -> mx.array:
+        return masked_mean(clipped, mask)
+
     def loss_sum(self, x: LossInputs) -> tuple[mx.array, dict[str, mx.array]]:
         ratio = self.ratio(x)
         adv = x.advantages[:, None]
@@ -105,11 +126,15 @@ class GRPO:
         low = (ratio < 1 - self.epsilon_low) & (adv < 0)
         high = (ratio > 1 + self.epsilon_high) & (adv > 0)
         return self.row_loss(per_token, x.mask), {
-            "policy_loss": self.row_loss(surrogate, x.mask),
+            "surrogate_loss": self.row_loss(surrogate, x.mask),
             "kl": masked_mean(kl, x.mask),
-            "clip_low_frac": masked_mean(low, x.mask),
-            "clip_high_frac": masked_mean(high, x.mask),
-            "clip_frac": masked_mean(low | high, x.mask),
+            # TRL's clip_ratio/*: fractions of tokens (GSPO: of completions) clipped below,
+            # above, either; and the least / most clipped completion's own fraction.
+            "clip_ratio/low_mean": self.clip_mean(low, x.mask),
+            "clip_ratio/high_mean": self.clip_mean(high, x.mask),
+            "clip_ratio/region_mean": self.clip_mean(low | high, x.mask),
+            "clip_ratio/low_min": mx.min(row_mean(low, x.mask)),
+            "clip_ratio/high_max": mx.max(row_mean(high, x.mask)),
             "ratio_mean": masked_mean(ratio, x.mask),
             "ratio_max": mx.max(mx.where(x.mask > 0, ratio, -mx.inf)),
             "ratio_min": mx.min(mx.where(x.mask > 0, ratio, mx.inf)),
@@ -138,7 +163,8 @@ class DAPO(BNPO):
     asymmetric: ClassVar[bool] = True
 
     def keep_group(self, rewards: np.ndarray) -> bool:
-        return bool(np.ptp(rewards) > 0)
+        scored = rewards[~np.isnan(rewards)]
+        return scored.size > 1 and bool(np.ptp(scored) > 0)
 
 
 @dataclass(frozen=True)
@@ -165,6 +191,9 @@ class GSPO(GRPO):
         seq_log_ratio = ((x.logp - x.old_logp) * x.mask).sum(-1, keepdims=True) / n
         return mx.broadcast_to(mx.exp(seq_log_ratio), x.logp.shape)
 
+    def clip_mean(self, clipped: mx.array, mask: mx.array) -> mx.array:
+        return row_mean(clipped, mask).mean()  # one ratio per completion: a fraction of them
+
 
 @dataclass(frozen=True)
 class RLOO(GRPO):
@@ -174,9 +203,11 @@ class RLOO(GRPO):
     scale_rewards: str = "none"
 
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
-        g = rewards.shape[1]
-        centered = (rewards - rewards.mean(axis=1, keepdims=True)) * g / (g - 1)
-        return scale(centered, rewards, self.scale_rewards).reshape(-1)
+        g = (~np.isnan(rewards)).sum(axis=1, keepdims=True)  # the scored completions (G unless None)
+        with np.errstate(divide="ignore", invalid="ignore"):  # one scored: 0 / 0, then 0
+            centered = (rewards - nanmean_rows(rewards)) * g / (g - 1)
+        return np.nan_to_num(scale(centered, rewards, self.scale_rewards), nan=0.0, posinf=0.0,
+                             neginf=0.0).reshape(-1)
 
 
 ALGORITHMS = {"grpo": GRPO, "bnpo": BNPO, "dapo": DAPO, "dr_grpo": DrGRPO, "gspo": GSPO, "rloo": RLOO}

@@ -17,22 +17,38 @@ from protocol.lifecycle import write_atomic
 
 def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarray, advantages: np.ndarray,
                   step: int, metric_name: Callable[[str], str]) -> dict[str, Any]:
-    """What a batch says before any optimizer step: its rewards, advantages and
-    completions, how stale it was at `step`, and what the actor measured sampling it."""
-    lens = [len(s.completion_ids) for s in samples]
+    """What a batch says before any optimizer step, under TRL's names where TRL has the
+    metric (README, "Metrics"): its rewards, completions and how stale it was at `step`,
+    and what the actor measured sampling it.
+
+    As in TRL, a completion that every reward function left unscored (None) is left out of
+    `reward` and `reward_std`, and a function's None values out of its own statistics;
+    standard deviations are the sample ones (n - 1)."""
+    lens = np.array([len(s.completion_ids) for s in samples])
+    stopped = np.array([s.finish_reason == "stop" for s in samples])
+    scored = rewards.astype(np.float64).copy()
+    scored[unscorable(groups)] = np.nan
+    group_std = np.array([nanstd(row) for row in scored])
     gen_s = sum(g.gen_s for g in groups)
     actor_peaks = [g.actor_peak_mb for g in groups if g.actor_peak_mb is not None]
+    terminated = lens[stopped] if stopped.any() else np.zeros(1)
     return {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()),
-        **reward_means(groups, metric_name),
+        "reward": nanmean(scored.ravel()),
+        "reward_std": nanstd(scored.ravel()),
+        **function_rewards(groups, metric_name),
+        # TRL: is the group's std close to 0 (torch.isclose), per completion, i.e. per group here
+        "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
+        "completions/mean_length": float(lens.mean()),
+        "completions/min_length": float(lens.min()),
+        "completions/max_length": float(lens.max()),
+        "completions/clipped_ratio": float(np.mean(~stopped)),
+        "completions/mean_terminated_length": float(terminated.mean()),
+        "completions/min_terminated_length": float(terminated.min()),
+        "completions/max_terminated_length": float(terminated.max()),
         "advantage_mean": float(advantages.mean()),
         "advantage_std": float(advantages.std()),
-        "completion_len_mean": float(np.mean(lens)),
-        "completion_len_max": int(max(lens)),
-        "truncated_frac": float(np.mean([s.finish_reason == "length" for s in samples])),
         "version_lag_mean": float(np.mean([step - g.policy_version for g in groups])),
-        "rollout_tokens_per_s": sum(lens) / gen_s if gen_s > 0 else None,
+        "rollout_tokens_per_s": float(lens.sum()) / gen_s if gen_s > 0 else None,
         # as the actor measured them for the weights it sampled this batch with
         "weights_transfer_s": newest(groups, "weights_transfer_s"),
         "weights_apply_s": newest(groups, "weights_apply_s"),
@@ -40,24 +56,73 @@ def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarra
     }
 
 
+def batch_tokens(samples: list[Sample]) -> int:
+    """Prompt and completion tokens of a batch: what TRL's `num_tokens` adds up."""
+    return sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+
+
+def unscorable(groups: list[Group]) -> np.ndarray:
+    """[groups, G]: True where every reward function left the completion unscored."""
+    out = []
+    for g in groups:
+        by_fn = list(g.rewards_by_function.values())
+        out.append([bool(by_fn) and all(v[i] is None for v in by_fn) for i in range(len(g.completion_ids))])
+    return np.array(out, dtype=bool)
+
+
+def nanmean(x: np.ndarray) -> float | None:
+    x = x[~np.isnan(x)]
+    return float(x.mean()) if x.size else None
+
+
+def nanstd(x: np.ndarray) -> float | None:
+    """The sample standard deviation (n - 1) of the values that are not NaN, as TRL's
+    `nanstd`; None (TRL: NaN) with fewer than two."""
+    x = x[~np.isnan(x)]
+    return float(x.std(ddof=1)) if x.size > 1 else None
+
+
 def newest(groups: list[Group], key: str) -> float | None:
     values = [g.timings.get(key) for g in groups if g.timings.get(key) is not None]
     return values[-1] if values else None
 
 
-def reward_means(groups: list[Group], metric_name: Callable[[str], str]) -> dict[str, float | None]:
-    """Each reward function's mean over the batch, None values left out."""
+def function_rewards(groups: list[Group], metric_name: Callable[[str], str]) -> dict[str, float | None]:
+    """`rewards/<name>/mean` and `/std` of each reward function's own (unweighted) scores
+    over the batch, its None values left out."""
     out = {}
     for key in groups[0].rewards_by_function:
-        values = [v for g in groups for v in g.rewards_by_function.get(key, []) if v is not None]
-        out[f"reward/{metric_name(key)}"] = float(np.mean(values)) if values else None
+        scores = [v for g in groups for v in g.rewards_by_function.get(key, [])]
+        values = np.array([np.nan if v is None else v for v in scores], dtype=np.float64)
+        out[f"rewards/{metric_name(key)}/mean"] = nanmean(values)
+        out[f"rewards/{metric_name(key)}/std"] = nanstd(values)
     return out
 
 
+def completion_rows(step: int, groups: list[Group], advantages: np.ndarray,
+                    metric_name: Callable[[str], str]) -> list[dict[str, Any]]:
+    """`completions.jsonl` lines for `groups`, trained at `step`: one per completion, with
+    what a user needs to judge it (README, "What a run leaves behind")."""
+    size = len(groups[0].completion_ids)
+    scorable = ~unscorable(groups)
+    rows = []
+    for gi, g in enumerate(groups):
+        for i, text in enumerate(g.texts):
+            rows.append({
+                "step": step, "policy_version": g.policy_version, "group_id": g.group_id, "index": i,
+                "prompt": g.prompt, "completion": text, "finish_reason": g.finish_reasons[i],
+                "tokens": len(g.completion_ids[i]),
+                "reward": float(g.rewards[i]) if scorable[gi, i] else None,
+                "rewards": {metric_name(k): v[i] for k, v in g.rewards_by_function.items()},
+                "advantage": float(advantages[gi * size + i]),
+            })
+    return rows
+
+
 class MetricsFile:
-    """`metrics.jsonl`, appended a line per step. A learner that resumes from the
-    checkpoint of step N first drops the lines of later steps, so that a step number never
-    appears twice."""
+    """A JSON-lines file of the run (`metrics.jsonl`, `completions.jsonl`), appended. A
+    learner that resumes from the checkpoint of step N first drops the lines of later
+    steps, so that a step never appears twice."""
 
     def __init__(self, path: Path, resume_at: int | None = None) -> None:
         if resume_at is not None:

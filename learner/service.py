@@ -24,7 +24,7 @@ from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
-from learner.metrics import MetricsFile, batch_metrics
+from learner.metrics import MetricsFile, batch_metrics, batch_tokens, completion_rows
 from learner.rollouts import MB, RolloutSocket
 from learner.step import Sample, Trainer, make_batch
 from policy.memory import apply_memory_share
@@ -63,10 +63,13 @@ class Learner:
         vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else len(tokenizer.get_vocab())
         self.pad_id = tokenizer.pad_token_id or 0
         self.step = 0  # optimizer steps taken: also the version of the weights (policy_version)
+        self.num_tokens = 0  # prompt and completion tokens trained on (TRL's num_tokens)
         self.ledger = Ledger()
         if resume:
             self.resume()
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl", self.step if resume else None)
+        self.completions = (MetricsFile(self.run_dir / "completions.jsonl", self.step if resume else None)
+                            if cfg.log.completions_every else None)
         self.intake = Intake(self.scorer, self.trainer.algorithm.keep_group, self.ledger)
         identity = {"model": cfg.model.path, "tokenizer": tokenizer_fingerprint(tokenizer),
                     "lora": as_dict(cfg.lora), "instance": instance}
@@ -88,6 +91,7 @@ class Learner:
         state = load_checkpoint(path, self.model, self.trainer.optimizer)
         self.step = state["step"]
         self.ledger = Ledger.from_state(state)
+        self.num_tokens = state.get("num_tokens", 0)
         self.scorer.restore_stats(state.get("reward_stats", {}))
         log.info("resumed from %s: step %d, adapters %s", path.name, self.step, state["adapters_digest"])
 
@@ -126,8 +130,10 @@ class Learner:
                    for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)]
         batch = make_batch(samples, self.pad_id)
         prepared = self.trainer.prepare(batch)
+        self.num_tokens += batch_tokens(samples)
+        self.log_completions(groups, advantages)
         shared = {**batch_metrics(groups, samples, rewards, advantages, self.step, self.scorer.metric_name),
-                  **prepared.stats}
+                  **prepared.stats, "num_tokens": self.num_tokens}
         for iteration in range(self.trainer.num_iterations):
             stats = self.trainer.step(batch, prepared, advantages)
             self.step += 1
@@ -145,9 +151,20 @@ class Learner:
             if self.step >= train.steps or self.signals.requested:
                 break
 
+    def log_completions(self, groups: list[Group], advantages: np.ndarray) -> None:
+        """Write a sample of the batch to completions.jsonl when one of its steps is due."""
+        every, first = self.cfg.log.completions_every, self.step + 1
+        if self.completions is None or not any(s % every == 0
+                                               for s in range(first, first + self.trainer.num_iterations)):
+            return
+        picked = groups[:self.cfg.log.completions_groups]
+        for row in completion_rows(first, picked, advantages, self.scorer.metric_name):
+            self.completions.write(row)
+
     def checkpoint(self) -> None:
-        state = {"step": self.step, "version": self.step, **self.ledger.state(),
-                 "reward_stats": self.scorer.worker_stats(), "config": self.cfg.to_dict()}
+        state = {"step": self.step, "version": self.step, "num_tokens": self.num_tokens,
+                 **self.ledger.state(), "reward_stats": self.scorer.worker_stats(),
+                 "config": self.cfg.to_dict()}
         save_checkpoint(self.run_dir, self.model, self.trainer.optimizer, self.adapter_config, state,
                         self.cfg.train.keep_checkpoints)
 
@@ -169,6 +186,8 @@ class Learner:
     def close(self, reason: str = "training finished") -> None:
         self.rollouts.close(reason)
         self.metrics.close()
+        if self.completions is not None:
+            self.completions.close()
         self.scorer.close(reason)
         self.ctx.term()
 

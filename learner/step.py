@@ -17,7 +17,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
-from learner.algorithms import Algorithm, LossInputs, make_algorithm, masked_mean
+from learner.algorithms import Algorithm, LossInputs, make_algorithm, masked_mean, row_mean
 from policy.logprobs import (
     chunked_sequence_terms,
     output_head,
@@ -130,7 +130,14 @@ def correction_weights(old: mx.array, behavior: mx.array, mask: mx.array,
         cut = mx.zeros_like(on)
         used = mx.ones_like(w)
     stats["is_cut_frac"] = masked_mean(cut, mask)
-    return used * mask, stats
+    weights = used * mask
+    if c.mode != "none":  # TRL's names, for the weights as used (after the cap)
+        if c.level == "sequence":
+            used, on = row_mean(used, mask), mask.sum(-1) > 0  # one weight per completion
+        stats["sampling/importance_sampling_ratio/min"] = mx.min(mx.where(on, used, mx.inf))
+        stats["sampling/importance_sampling_ratio/mean"] = masked_mean(used, on)
+        stats["sampling/importance_sampling_ratio/max"] = mx.max(mx.where(on, used, -mx.inf))
+    return weights, stats
 
 
 def mismatch_metrics(behavior: mx.array, old: mx.array, mask: mx.array) -> dict[str, mx.array]:
@@ -138,8 +145,8 @@ def mismatch_metrics(behavior: mx.array, old: mx.array, mask: mx.array) -> dict[
     diff = (old - behavior) * mask
     return {
         "mismatch_kl": masked_mean(mx.expm1(diff) - diff, mask),  # k3 estimate of KL(behavior || old)
-        "mismatch_abs_mean": masked_mean(mx.abs(diff), mask),
-        "mismatch_abs_max": mx.max(mx.abs(diff)),
+        "sampling/sampling_logp_difference/mean": masked_mean(mx.abs(diff), mask),  # TRL's names
+        "sampling/sampling_logp_difference/max": mx.max(mx.abs(diff)),
     }
 
 
@@ -207,11 +214,11 @@ def _combine(parts: list[tuple[dict, float]]) -> dict[str, float]:
     out = {}
     for key in parts[0][0]:
         values = [float(d[key].item()) for d, _ in parts]
-        if key.endswith("_max"):
+        if key.endswith(("_max", "/max")):
             out[key] = max(values)
-        elif key.endswith("_min"):
+        elif key.endswith(("_min", "/min")):
             out[key] = min(values)
-        elif key == "policy_loss":
+        elif key == "surrogate_loss":
             out[key] = sum(values)
         else:
             out[key] = sum(v * n for v, (_, n) in zip(values, parts)) / total
@@ -241,7 +248,7 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
             old, is_weight = prepared.old[sl], prepared.is_weight[sl]
         ref = prepared.ref[sl] if prepared.ref is not None else None
         total, diag = algorithm.loss_sum(LossInputs(logp, old, ref, adv[sl], mask, is_weight))
-        diag["policy_loss"] = diag["policy_loss"] / norm
+        diag["surrogate_loss"] = diag["surrogate_loss"] / norm
         return total / norm, {**diag, **extra}
 
     def whole_logits(model: nn.Module, sl: slice) -> tuple[mx.array, dict]:
@@ -265,7 +272,8 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
     grads, grad_norm = optim.clip_grad_norm(grads, max_grad_norm)
     optimizer.update(model, grads)
     mx.eval(model.parameters(), optimizer.state, grad_norm)
-    return {"loss": loss, "grad_norm": float(grad_norm.item()), **_combine(parts)}
+    lr = float(mx.array(optimizer.learning_rate).item())
+    return {"loss": loss, "grad_norm": float(grad_norm.item()), "learning_rate": lr, **_combine(parts)}
 
 
 def _chunked_value_and_grad(model: nn.Module, logits: Logits, tokens: mx.array, temperature: float,

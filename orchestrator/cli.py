@@ -131,6 +131,28 @@ def reward_worker(
     raise typer.Exit(code)
 
 
+show_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Show a run's files.")
+app.add_typer(show_app, name="show")
+
+
+@show_app.command("completions")
+def show_completions(
+    run_dir: str = typer.Option(..., "--run-dir", help="The run's directory."),
+    step: int | None = typer.Option(None, help="The logged step to show; default: the last."),
+    width: int | None = typer.Option(None, help="Line width; default: the terminal's."),
+) -> None:
+    """Print the completions the learner logged (log.completions_every) as a table."""
+    from pathlib import Path
+
+    from orchestrator.show import completions_table, read_lines
+
+    path = Path(run_dir) / "completions.jsonl"
+    if not path.exists():
+        typer.echo(f"error: {path} does not exist (set log.completions_every to log completions)", err=True)
+        raise typer.Exit(2)
+    typer.echo(completions_table(read_lines(path), step, width))
+
+
 @app.callback()
 def _root() -> None:
     """Keep subcommands explicit."""

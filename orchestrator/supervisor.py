@@ -86,11 +86,14 @@ def spawn(name: str, args: list[str], run_dir: Path, lifeline: lifecycle.Lifelin
 
 
 def format_step(m: dict, steps: int) -> str:
+    """A step's progress line: what says a run is healthy (GRPO's loss is ~0 by design,
+    so it is not shown): reward and its spread, KL, clipping, length, speed."""
     def f(key: str, fmt: str) -> str:
         v = m.get(key)
         return "-" if v is None else format(v, fmt)
-    return (f"step {m['step']:>4}/{steps}  reward {f('reward_mean', '.3f')}  "
-            f"loss {f('loss', '+.4f')}  kl {f('kl', '.4f')}  mismatch_kl {f('mismatch_kl', '.1e')}  "
+    return (f"step {m['step']:>4}/{steps}  reward {f('reward', '.3f')} ± {f('reward_std', '.3f')}  "
+            f"kl {f('kl', '.4f')}  clip {f('clip_ratio/region_mean', '.3f')}  "
+            f"len {f('completions/mean_length', '.0f')}  "
             f"rollout {f('rollout_tokens_per_s', '.0f')} tok/s  {f('step_s', '.2f')} s/step")
 
 

@@ -92,7 +92,13 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    prompts: str = key(doc="JSONL prompt file (relative to the config file)")
+    prompts: str = key(doc="prompt rows: a JSONL, JSON, CSV or parquet file, a `datasets` `save_to_disk` "
+                           "folder (paths relative to the config file), or a dataset name in the local "
+                           "Hugging Face cache")
+    split: str | None = key(None, "the split to read where there are several (a saved DatasetDict, a "
+                                  "cached dataset)", shown="train")
+    prompt_column: str = key("prompt", "the column that holds the prompt (text or chat messages); every "
+                                       "other column goes to the reward functions")
     shuffle: bool = key(True, "reshuffle the prompts each epoch")
     seed: int = key(0, "the shuffle's seed")
 
@@ -176,6 +182,14 @@ class ActorConfig:
 
 
 @dataclass(frozen=True)
+class LogConfig:
+    completions_every: int = key(0, "every N steps, write a sample of the batch's groups (prompt, "
+                                    "completions, rewards, advantages) to `completions.jsonl`; 0 = never",
+                                 _range(0))
+    completions_groups: int = key(2, "groups written at each such step", _range(1))
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     functions: tuple[str, ...] = key(doc="list of `module:function` and/or `\"worker\"` (external "
                                      "workers), each once", check=_reward_functions)
@@ -209,6 +223,7 @@ class Config:
     algorithm: AlgorithmConfig = AlgorithmConfig()
     actor: ActorConfig = ActorConfig()
     reward: RewardConfig
+    log: LogConfig = LogConfig()
     run: RunConfig = RunConfig()
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -353,6 +368,10 @@ def load_run_config(run_dir: str | Path, overrides: Iterable[str] = (), steps: i
     return resolve_paths(validate(raw), Path.cwd())
 
 
+# Files data.prompts may name (anything else that is no path is a dataset name).
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
 def resolve_paths(cfg: Config, base: Path) -> Config:
     """Make file paths absolute. A model path that is not a local directory is a hub id."""
     model = cfg.model.path
@@ -361,12 +380,16 @@ def resolve_paths(cfg: Config, base: Path) -> Config:
     elif model.startswith((".", "/")):
         raise ConfigError(f"model.path {model!r} is not a directory")
     prompts = base / cfg.data.prompts
-    if not prompts.is_file():
+    if prompts.exists():
+        prompts = str(prompts)
+    elif cfg.data.prompts.startswith((".", "/")) or Path(cfg.data.prompts).suffix in DATA_SUFFIXES:
         raise ConfigError(f"data.prompts file {prompts} does not exist")
+    else:
+        prompts = cfg.data.prompts  # a dataset name, looked up in the Hugging Face cache
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, path=model),
-        data=dataclasses.replace(cfg.data, prompts=str(prompts)),
+        data=dataclasses.replace(cfg.data, prompts=prompts),
         run=dataclasses.replace(cfg.run, dir=str((Path.cwd() / cfg.run.dir).resolve())),
         # Reward modules are looked up beside the config file first, like a local import.
         reward=dataclasses.replace(cfg.reward, search_path=str(base / (cfg.reward.search_path or ""))),

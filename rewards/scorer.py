@@ -1,8 +1,9 @@
 """Scoring a group: every configured reward, in-process or external, then their weighted sum.
 
 In-process functions run at once; a `"worker"` entry waits for the reward socket. As in
-TRL, a None reward is left out of the weighted sum (a completion no function scores gets
-0), and each function's mean is reported on its own.
+TRL, a None reward is left out of the weighted sum, a completion that no function scores
+has the total NaN (unscorable: left out of its group's statistics, advantage 0), and each
+function's mean is reported on its own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rewards.functions import WORKER, RewardError, call_reward, load_reward_func
 @dataclass
 class Scored:
     key: str
-    total: np.ndarray  # [G] weighted sum
+    total: np.ndarray  # [G] weighted sum; NaN where every function returned None
     by_function: dict[str, list[float | None]] = field(default_factory=dict)
 
 
@@ -109,11 +110,12 @@ class Scorer:
 
     def combine(self, key: str, by_fn: dict[str, list]) -> Scored:
         n = len(next(iter(by_fn.values())))
-        total = np.zeros(n)
+        total, scored = np.zeros(n), np.zeros(n, dtype=bool)
         for name, _, weight in self.entries:
             values = np.array([np.nan if v is None else v for v in by_fn[name]], dtype=np.float64)
             total += np.nan_to_num(weight * values, nan=0.0)
-        return Scored(key, total, by_fn)
+            scored |= ~np.isnan(values)
+        return Scored(key, np.where(scored, total, np.nan), by_fn)
 
     def close(self, reason: str = "run finished") -> None:
         """Tell attached workers to exit, with the reason, and close the reward socket."""

@@ -58,10 +58,35 @@ def test_toy_loss_and_gradient_by_hand(name, kwargs, loss, grad):
 def test_clip_fractions_low_and_high_by_hand():
     d = diagnostics(make_algorithm("grpo"), LOGP, OLD, ADV, MASK)
     # row 0 token 0: ratio 1.5 > 1.2 with A > 0 (high); row 1: 0.5 < 0.8 with A < 0 (low)
-    assert d["clip_high_frac"] == pytest.approx(1 / 3)
-    assert d["clip_low_frac"] == pytest.approx(1 / 3)
-    assert d["clip_frac"] == pytest.approx(2 / 3)
+    assert d["clip_ratio/high_mean"] == pytest.approx(1 / 3)
+    assert d["clip_ratio/low_mean"] == pytest.approx(1 / 3)
+    assert d["clip_ratio/region_mean"] == pytest.approx(2 / 3)
+    # per completion: high-clipped 1/2 (row 0) and 0 (row 1); low-clipped 0 and 1
+    assert d["clip_ratio/high_max"] == pytest.approx(1 / 2) and d["clip_ratio/low_min"] == 0.0
     assert d["ratio_max"] == pytest.approx(1.5) and d["ratio_min"] == pytest.approx(0.5)
+
+
+def test_sequence_level_clip_fractions_count_completions_as_trl_does():
+    # GSPO, epsilon 0.2: s0 = sqrt(1.35) = 1.16 is inside, s1 = 0.5 < 0.8 with A < 0 is
+    # clipped below: one completion of two (TRL's region_mean for a sequence-level ratio),
+    # not one token of three.
+    d = diagnostics(make_algorithm("gspo", epsilon=0.2), LOGP, OLD, ADV, MASK)
+    assert d["clip_ratio/low_mean"] == pytest.approx(1 / 2) == d["clip_ratio/region_mean"]
+    assert d["clip_ratio/high_mean"] == 0.0 and d["clip_ratio/low_min"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo", "dr_grpo"])
+def test_an_unscorable_completion_follows_trl_s_rule(name):
+    """Rewards [1, 0, unscorable, 1]: TRL leaves the unscorable one out of the group's
+    mean (2/3) and sample std (sqrt(1/3)) and gives it advantage 0. By hand."""
+    alg = make_algorithm(name)
+    got = alg.advantages(np.array([[1.0, 0.0, np.nan, 1.0], [0.0, 0.0, 1.0, 1.0]]))
+    std = np.sqrt(1 / 3) + 1e-4 if alg.scale_rewards == "group" else 1.0
+    np.testing.assert_allclose(got[:4], [1 / 3 / std, -2 / 3 / std, 0.0, 1 / 3 / std], rtol=1e-6)
+    assert alg.keep_group(np.array([1.0, 0.0, np.nan, 1.0]))
+    # one scored completion: no signal (advantage 0), and dynamic sampling drops the group
+    np.testing.assert_array_equal(alg.advantages(np.array([[np.nan, 1.0, np.nan, np.nan]])), 0.0)
+    assert alg.keep_group(np.array([np.nan, 1.0, np.nan, np.nan])) == (name != "dapo")
 
 
 def test_k3_kl_by_hand():

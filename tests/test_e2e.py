@@ -20,8 +20,8 @@ import protocol
 from tests.conftest import ROOT, write_config
 
 REQUIRED_METRICS = {
-    "step", "policy_version", "reward_mean", "reward_std", "loss", "kl", "clip_frac", "mismatch_kl",
-    "completion_len_mean", "rollout_tokens_per_s", "step_s", "learner_peak_mb", "actor_peak_mb",
+    "step", "policy_version", "reward", "reward_std", "loss", "kl", "clip_ratio/region_mean", "mismatch_kl",
+    "completions/mean_length", "rollout_tokens_per_s", "step_s", "learner_peak_mb", "actor_peak_mb",
 }
 
 
@@ -53,7 +53,7 @@ def test_up_trains_end_to_end(tmp_path):
         # nothing lost: every group received is trained, dropped with a reason, or queued
         assert m["groups_received"] == m["groups_trained"] + m["groups_dropped"] + m["groups_queued"]
     # Step 0: identical weights on both sides, float32. Tolerance: KL 1e-8, |diff| 1e-4.
-    assert metrics[0]["mismatch_kl"] < 1e-8 and metrics[0]["mismatch_abs_max"] < 1e-4
+    assert metrics[0]["mismatch_kl"] < 1e-8 and metrics[0]["sampling/sampling_logp_difference/max"] < 1e-4
     assert metrics[-1]["groups_trained"] == 3 * 2
     for m in metrics:  # weight sync, measured on both sides
         assert m["weights_mb"] > 0 and m["weights_serialize_s"] >= 0
@@ -76,7 +76,7 @@ def test_up_trains_end_to_end(tmp_path):
 def test_default_run_raises_the_reward(default_run):
     """README promises: over the default run, the mean reward of the last 5 steps exceeds
     that of the first 5 by at least 0.2."""
-    rewards = [m["reward_mean"] for m in read_metrics(default_run)]
+    rewards = [m["reward"] for m in read_metrics(default_run)]
     assert len(rewards) == 60
     assert np.mean(rewards[-5:]) - np.mean(rewards[:5]) >= 0.2, rewards
 
@@ -157,9 +157,10 @@ def test_every_objective_trains_end_to_end(tmp_path, name):
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert [m["iteration"] for m in metrics] == [0, 1, 0]  # two optimizer steps per batch
     for m in metrics:
-        for key in ("loss", "policy_loss", "kl", "clip_low_frac", "clip_high_frac", "entropy",
+        for key in ("loss", "surrogate_loss", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy",
                     "advantage_mean", "advantage_std", "is_ratio_mean", "is_cut_frac",
-                    "completion_len_max", "truncated_frac"):
+                    "sampling/importance_sampling_ratio/mean", "completions/max_length",
+                    "completions/clipped_ratio", "num_tokens", "learning_rate"):
             assert np.isfinite(m[key]), (key, m)
         assert m["groups_received"] == m["groups_trained"] + m["groups_dropped"] + m["groups_queued"]
     assert metrics[0]["ratio_min"] == 1.0 == metrics[0]["ratio_max"]  # first pass on a fresh batch
@@ -205,3 +206,32 @@ def test_a_quantized_actor_trains_and_its_mismatch_shows(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[0]["mismatch_kl"] > 1e-6 and metrics[0]["is_ratio_max"] > 1.0
     assert "(base weights: 4-bit)" in (tmp_path / "run" / "actor.log").read_text()
+
+
+def test_completions_are_logged_at_the_configured_steps_and_shown(tmp_path):
+    """log.completions_every = 2, one group each: completions.jsonl holds steps 2 and 4,
+    each completion with its rewards, advantage and finish reason; `orchestrator show
+    completions` prints one of them."""
+    cfg = write_config(tmp_path, "[log]\ncompletions_every = 2\ncompletions_groups = 1", steps=4)
+    code, out = run_up(cfg)
+    assert code == 0, out
+    run = tmp_path / "run"
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2] * 4 + [4] * 4  # one group of G = 4, twice
+    metrics = read_metrics(run)
+    for step in (2, 4):
+        group = [r for r in rows if r["step"] == step]
+        assert len({r["group_id"] for r in group}) == 1 and [r["index"] for r in group] == [0, 1, 2, 3]
+        assert all(r["rewards"].keys() == {"reward"} and r["reward"] == r["rewards"]["reward"] for r in group)
+        rewards = np.array([r["reward"] for r in group])
+        advantages = np.array([r["advantage"] for r in group])
+        # GRPO's advantage of each completion, from its group's rewards (scale_rewards = group)
+        expected = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-4)
+        np.testing.assert_allclose(advantages, expected, atol=1e-3)
+        assert all(r["finish_reason"] in ("stop", "length") and 0 < r["tokens"] <= 6 for r in group)
+        assert group[0]["policy_version"] <= step - 1 and metrics[step - 1]["step"] == step
+    shown = orchestrator("show", "completions", "--run-dir", str(run), "--step", "2", "--width", "200")
+    text, _ = shown.communicate(timeout=60)
+    assert shown.returncode == 0, text
+    assert "step 2" in text and rows[0]["prompt"] in text
+    assert rows[0]["completion"].replace("\n", " ⏎ ") in text

@@ -185,3 +185,63 @@ def test_the_metrics_file_drops_steps_after_the_checkpoint_it_resumes(tmp_path):
     resumed.close()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"step": 1}, {"step": 2}, {"step": 3, "again": True}]
+
+
+# -- TRL's metric names --------------------------------------------------------------------
+
+def scored_group(group_id: str, lens, finish, by_function: dict, weights: dict):
+    g = group_from_message(b"a", rollout(group_id, lens=lens), 100, len(lens))
+    g.finish_reasons = finish
+    g.rewards_by_function = by_function
+    g.rewards = np.array([sum(weights[k] * (v[i] or 0.0) for k, v in by_function.items())
+                          for i in range(len(lens))])
+    return g
+
+
+def test_batch_metrics_carry_trl_s_names_and_meanings():
+    """Two groups of three, two reward functions weighted 1 and 0.5; completion 2 of group
+    b is unscored by both (None): TRL leaves it out of `reward` and `reward_std` and each
+    function's None out of its own statistics. Every value computed by hand."""
+    from learner.metrics import batch_metrics, batch_tokens
+    from learner.step import Sample
+
+    w = {"f": 1.0, "g": 0.5}
+    a = scored_group("a", (2, 3, 4), ["stop", "length", "stop"],
+                     {"f": [1.0, 0.0, 1.0], "g": [0.0, 0.0, 1.0]}, w)
+    b = scored_group("b", (5, 1, 6), ["length", "length", "stop"],
+                     {"f": [1.0, 1.0, None], "g": [1.0, 1.0, None]}, w)
+    samples = [Sample(g.prompt_ids, ids, lp, fr) for g in (a, b)
+               for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)]
+    m = batch_metrics([a, b], samples, np.stack([a.rewards, b.rewards]), np.zeros(6), 3, lambda k: k)
+    totals = np.array([1.0, 0.0, 1.5, 1.5, 1.5])  # the five scored completions' weighted sums
+    assert m["reward"] == pytest.approx(totals.mean())
+    assert m["reward_std"] == pytest.approx(np.std(totals, ddof=1))
+    assert m["rewards/f/mean"] == pytest.approx(0.8) and m["rewards/f/std"] == pytest.approx(np.std(
+        [1, 0, 1, 1, 1], ddof=1))
+    assert m["rewards/g/mean"] == pytest.approx(0.6) and m["rewards/g/std"] == pytest.approx(np.std(
+        [0, 0, 1, 1, 1], ddof=1))
+    # group b's scored rewards are 1.5 and 1.5: std 0; group a's are not
+    assert m["frac_reward_zero_std"] == pytest.approx(0.5)
+    assert (m["completions/mean_length"], m["completions/min_length"], m["completions/max_length"]) == (
+        pytest.approx(21 / 6), 1.0, 6.0)
+    assert m["completions/clipped_ratio"] == pytest.approx(3 / 6)  # no EOS: cut at max_tokens
+    assert (m["completions/mean_terminated_length"], m["completions/min_terminated_length"],
+            m["completions/max_terminated_length"]) == (pytest.approx(4.0), 2.0, 6.0)
+    assert batch_tokens(samples) == 6 * 2 + 21  # TRL's num_tokens adds prompts and completions
+
+
+def test_the_completions_table_shows_each_group_under_its_prompt():
+    from orchestrator.show import completions_table
+
+    row = {"step": 3, "policy_version": 2, "group_id": "g1", "prompt": [{"role": "user", "content": "2+2?"}],
+           "finish_reason": "stop", "tokens": 3, "rewards": {"f": 1.0, "g": None}, "advantage": 0.5}
+    rows = [{**row, "index": 0, "completion": "4\nok", "reward": 1.0},
+            {**row, "index": 1, "completion": "five", "reward": None, "rewards": {"f": None, "g": None}},
+            {**row, "step": 1, "index": 0, "completion": "old", "reward": 0.0}]
+    text = completions_table(rows, None, width=100)
+    lines = text.splitlines()
+    assert lines[0] == "step 3" and '"content": "2+2?"' in lines[2] and "policy version 2" in lines[2]
+    assert "4 ⏎ ok" in lines[4] and "1.000" in lines[4] and "+0.500" in lines[4]
+    assert lines[5].split()[1:3] == ["-", "+0.500"]  # unscored: no reward, each function "-"
+    assert "old" not in text
+    assert "logged steps: 1, 3" in completions_table(rows, 2)

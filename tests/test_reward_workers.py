@@ -82,8 +82,8 @@ def test_a_worker_from_protocol_md_alone_trains_a_run(tmp_path):
     assert metrics[-1]["groups_dropped"] == 0
     assert metrics[-1]["reward_rejected_replies"] == 0
     for m in metrics:
-        assert m["reward/worker"] == pytest.approx(m["reward_mean"])
-        assert m["reward/worker:digits"] == pytest.approx(m["reward_mean"])
+        assert m["rewards/worker/mean"] == pytest.approx(m["reward"])
+        assert m["rewards/worker:digits/mean"] == pytest.approx(m["reward"])
 
 
 def test_progress_says_when_no_worker_is_attached(tmp_path):

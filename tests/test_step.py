@@ -61,7 +61,7 @@ def test_first_iteration_ratio_is_exactly_one_and_later_ones_are_not():
     prepared = prepare(model, batch, 1.0, 0.0, Correction())
     opt = optim.Adam(learning_rate=1e-2)
     first = optimizer_step(model, opt, alg, batch, prepared, alg.advantages(REWARDS), 1.0, 1.0)
-    assert first["ratio_min"] == 1.0 and first["ratio_max"] == 1.0 and first["clip_frac"] == 0.0
+    assert first["ratio_min"] == 1.0 and first["ratio_max"] == 1.0 and first["clip_ratio/region_mean"] == 0.0
     second = optimizer_step(model, opt, alg, batch, prepared, alg.advantages(REWARDS), 1.0, 1.0)
     # old-policy logprobs stay frozen: after an update the ratio moves away from 1
     assert second["ratio_max"] > 1.0 or second["ratio_min"] < 1.0

@@ -104,7 +104,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_run(tmp_path):
     ma, mb = read_metrics(a / "run"), read_metrics(b / "run")
     assert [m["step"] for m in mb] == [1, 2, 3, 4]
     for x, y in zip(ma, mb):
-        for key in ("reward_mean", "loss", "kl", "mismatch_kl", "completion_len_mean"):
+        for key in ("reward", "loss", "kl", "mismatch_kl", "completions/mean_length", "num_tokens"):
             assert y[key] == pytest.approx(x[key], abs=1e-6), (x["step"], key)
     digests = [json.loads((r / "run" / "checkpoints" / "step_000004" / "state.json").read_text())
                ["adapters_digest"] for r in (a, b)]

@@ -1,0 +1,53 @@
+"""`orchestrator show`: a run's files, for a person at a terminal."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+
+def read_lines(path: Path) -> list[dict]:
+    """A run's JSON-lines file; a last line cut short by a kill is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def one_line(text: str, width: int) -> str:
+    text = text.replace("\n", " ⏎ ")
+    return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
+
+
+def completions_table(rows: list[dict], step: int | None, width: int | None = None) -> str:
+    """The logged completions of `step` (default: the last logged step) as a table per
+    group: its prompt, then one line per completion."""
+    if not rows:
+        return "no completions logged (set log.completions_every)"
+    steps = sorted({r["step"] for r in rows})
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        return f"no completions logged at step {step}; logged steps: {', '.join(map(str, steps))}"
+    width = width or shutil.get_terminal_size((120, 20)).columns
+    out = [f"step {step}"]
+    names = sorted({k for r in rows if r["step"] == step for k in r["rewards"]})
+    head = f"{'#':>2}  {'reward':>7}  {'adv':>7}  " + "".join(f"{n[:10]:>11}" for n in names) + \
+        f"  {'finish':<6}  {'tok':>4}  completion"
+    for group_id in dict.fromkeys(r["group_id"] for r in rows if r["step"] == step):
+        group = [r for r in rows if r["step"] == step and r["group_id"] == group_id]
+        prompt = group[0]["prompt"]
+        prompt = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+        title = f"group {group_id} (policy version {group[0]['policy_version']}): {prompt}"
+        out += ["", one_line(title, width), head]
+        for r in group:
+            reward = "-" if r["reward"] is None else f"{r['reward']:.3f}"
+            scores = "".join(f"{'-' if r['rewards'].get(n) is None else format(r['rewards'][n], '.3f'):>11}"
+                             for n in names)
+            cells = f"{r['index']:>2}  {reward:>7}  {r['advantage']:>+7.3f}  {scores}  " \
+                    f"{r['finish_reason']:<6}  {r['tokens']:>4}  "
+            out.append(cells + one_line(r["completion"], width - len(cells)))
+    return "\n".join(out)
