@@ -29,7 +29,8 @@ def run(run_dir: str = typer.Option(..., help="Run directory written by `orchest
 @app.command()
 def sample(
     config: str = typer.Option(..., "--config", "-c", help="TOML run config (model, sampling, rewards)."),
-    prompts: str | None = typer.Option(None, help="JSONL prompts; default: the config's data.prompts."),
+    prompts: str | None = typer.Option(None, help="Prompt rows (any form data.prompts takes); "
+                                       "default: the config's data.prompts."),
     num_samples: int = typer.Option(4, "--num-samples", "-k", min=1, help="Completions per prompt."),
     out: str = typer.Option("samples.jsonl", help="Where to write one JSON row per sample."),
     adapter: str | None = typer.Option(None, help="mlx-lm adapter directory; default: the base model."),

@@ -32,7 +32,7 @@ def adapter_lora(adapter: str | Path) -> LoraConfig:
 
 def pass_at_k(rewards: list[list[float]]) -> float | None:
     """Fraction of prompts with at least one reward of 1, when every reward is 0 or 1."""
-    flat = [r for row in rewards for r in row]
+    flat = [r for row in rewards for r in row if r is not None]
     if not flat or any(r not in (0.0, 1.0) for r in flat):
         return None
     return float(np.mean([max(row) == 1.0 for row in rewards]))
@@ -59,7 +59,8 @@ def run_sample(cfg: Config, prompts_path: str, num_samples: int, out_path: str,
     """Sample, score and write rows; return (and print) the summary."""
     lora = adapter_lora(adapter) if adapter else cfg.lora
     model, tok, _ = load_policy(cfg.model.path, lora, adapter_path=adapter)
-    prompts = load_prompts(prompts_path, tok, cfg.sampling.max_prompt_tokens)[:limit]
+    prompts = load_prompts(prompts_path, tok, cfg.sampling.max_prompt_tokens, cfg.data.split,
+                           cfg.data.prompt_column)[:limit]
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="mlxrl-sample-") as sockets:  # removed when done
         scorer = Scorer(cfg.reward, ctx, f"ipc://{sockets}/reward.sock")
@@ -93,7 +94,7 @@ def _sample_and_score(model, tok, cfg: Config, prompts: list, num_samples: int, 
             scored = scores.get(str(p.index))
             row_rewards = []
             for k, (c, text) in enumerate(zip(completions, texts)):
-                reward = None if scored is None else float(scored.total[k])
+                reward = None if scored is None or np.isnan(scored.total[k]) else float(scored.total[k])
                 row_rewards.append(reward)
                 f.write(json.dumps({
                     "prompt_index": p.index, "sample": k, "prompt": p.prompt, "completion": text,
@@ -101,7 +102,7 @@ def _sample_and_score(model, tok, cfg: Config, prompts: list, num_samples: int, 
                     "reward": reward}) + "\n")
             if scored is not None:
                 rewards.append(row_rewards)
-    flat = [r for row in rewards for r in row]
+    flat = [r for row in rewards for r in row if r is not None]
     summary = {
         "prompts": len(prompts), "samples_per_prompt": num_samples,
         "mean_reward": float(np.mean(flat)) if flat else None,

@@ -45,7 +45,8 @@ class Actor:
         self.model, self.tokenizer, _ = load_policy(self.cfg.model.path, self.cfg.lora, quantize_bits=bits)
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         data = self.cfg.data
-        prompts = load_prompts(data.prompts, self.tokenizer, s.max_prompt_tokens)
+        prompts = load_prompts(data.prompts, self.tokenizer, s.max_prompt_tokens, data.split,
+                               data.prompt_column)
         check_context(prompts, getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
                       s.max_tokens)
         self.stream = PromptStream(prompts, data.shuffle, data.seed)

@@ -37,7 +37,9 @@ def _real_batch(model, tokenizer, cfg: Config):
     from rewards.scorer import Scorer
 
     s = cfg.sampling
-    prompts = load_prompts(cfg.data.prompts, tokenizer, s.max_prompt_tokens)[:cfg.train.batch_size]
+    d = cfg.data
+    prompts = load_prompts(d.prompts, tokenizer, s.max_prompt_tokens, d.split, d.prompt_column)
+    prompts = prompts[:cfg.train.batch_size]
     scorer = Scorer(cfg.reward)  # the config's rewards, scored as the learner scores them
     eos_ids = set(tokenizer.eos_token_ids)
     groups = sampler.sample_groups(model, [p.prompt_ids for p in prompts], s.group_size, s, eos_ids, s.seed)

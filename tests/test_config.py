@@ -78,7 +78,7 @@ def error_of(path: Path, **kw) -> str:
 def test_example_config_loads_and_resolves():
     cfg = load_config(str(TINY))
     assert list(cfg.to_dict()) == list(SECTIONS) == ["model", "lora", "data", "sampling", "train",
-                                                     "algorithm", "actor", "reward", "run"]
+                                                     "algorithm", "actor", "reward", "log", "run"]
     # Values from the file.
     assert cfg.lora.rank == 8
     assert cfg.lora.scale == 20.0
@@ -303,9 +303,20 @@ def test_missing_prompts_file(tmp_path):
     assert str(tmp_path.resolve() / "nope.jsonl") in msg
 
 
-def test_prompts_is_a_directory(tmp_path):
-    msg = error_of(write_config(tmp_path, data={"prompts": json.dumps(str(EXAMPLES))}))
-    assert msg.startswith("data.prompts file ")
+def test_prompts_may_be_a_folder_or_a_dataset_name_but_not_a_missing_file(tmp_path, tiny):
+    """A folder is a `datasets` save_to_disk folder, read when the data loads (a folder that
+    is none is a data error then); a bare name is a dataset of the Hugging Face cache."""
+    from actor.data import DataError, load_prompts
+
+    folder = load_config(write_config(tmp_path, data={"prompts": json.dumps(str(EXAMPLES))}))
+    assert folder.data.prompts == str(EXAMPLES)
+    with pytest.raises(DataError, match=f"{re.escape(str(EXAMPLES))}: not a `datasets` save_to_disk folder"):
+        load_prompts(folder.data.prompts, tiny[1], 64)
+    named = load_config(write_config(tmp_path, data={"prompts": '"acme/prompts"'}))
+    assert named.data.prompts == "acme/prompts"
+    for missing in ("./acme/prompts", "rows.csv", "rows.parquet"):
+        assert error_of(write_config(tmp_path, data={"prompts": json.dumps(missing)})).startswith(
+            "data.prompts file ")
 
 
 @pytest.mark.parametrize("model", ["./nope", "../nope", "/definitely/not/here", "./tiny_prompts.jsonl"])

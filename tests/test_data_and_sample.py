@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,16 +46,102 @@ def test_long_prompts_keep_their_end(tiny, tmp_path):
 
 @pytest.mark.parametrize("line,problem", [
     ("{not json", "p.jsonl:2: not valid JSON"),
-    ('{"question": "x"}', "p.jsonl:2: each row must be an object with a 'prompt' field"),
-    ('{"prompt": ""}', "p.jsonl:2: 'prompt' must be a non-empty string or a message list"),
-    ('{"prompt": [{"role": "user"}]}', "p.jsonl:2: a chat prompt must be a non-empty list"),
-    ('{"prompt": 7}', "p.jsonl:2: 'prompt' must be a non-empty string"),
+    ('{"question": "x"}', "p.jsonl:2: no column 'prompt' (columns: question); set data.prompt_column"),
+    ('{"prompt": ""}', "p.jsonl:2, column 'prompt': must be a non-empty string or a message list"),
+    ('{"prompt": [{"role": "user"}]}', "p.jsonl:2, column 'prompt': a chat prompt must be a non-empty list"),
+    ('{"prompt": 7}', "p.jsonl:2, column 'prompt': must be a non-empty string"),
+    ("[1, 2]", "p.jsonl:2: each row must be an object with a 'prompt' column"),
 ])
 def test_bad_rows_name_file_and_line(tiny, tmp_path, line, problem):
     _, tok = tiny
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, line])
-    with pytest.raises(DataError, match=problem.replace("[", r"\[")):
+    with pytest.raises(DataError, match=re.escape(problem)):
         load_prompts(path, tok, 64)
+
+
+ROWS = [{"question": "repeat 3", "answer": "3", "level": "easy"},
+        {"question": "repeat 42", "answer": "42", "level": "hard"},
+        {"question": "hi", "answer": "", "level": "easy"}]
+
+
+def write_every_format(tmp_path) -> dict[str, str]:
+    """ROWS as each form data.prompts takes; returns the data.prompts value and the split."""
+    import csv
+
+    import datasets
+
+    out = {"jsonl": write_jsonl(tmp_path / "p.jsonl", ROWS)}
+    out["json"] = tmp_path / "p.json"
+    out["json"].write_text(json.dumps(ROWS))
+    out["json lines"] = write_jsonl(tmp_path / "lines.json", ROWS)
+    out["csv"] = tmp_path / "p.csv"
+    with open(out["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(ROWS[0]))
+        writer.writeheader()
+        writer.writerows(ROWS)
+    data = datasets.Dataset.from_list(ROWS)
+    out["parquet"] = tmp_path / "p.parquet"
+    data.to_parquet(str(out["parquet"]))
+    data.save_to_disk(str(tmp_path / "saved"))
+    out["save_to_disk"] = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:1]), "test": data}).save_to_disk(
+        str(tmp_path / "saved-dict"))
+    out["save_to_disk, split test"] = tmp_path / "saved-dict"
+    return {k: str(v) for k, v in out.items()}
+
+
+def test_every_data_format_loads_the_same_rows(tiny, tmp_path):
+    """JSONL, a JSON array, JSON lines in a .json file, CSV, parquet, a save_to_disk folder
+    and a split of a saved DatasetDict: the same prompts and columns, the prompt taken from
+    the column data.prompt_column names."""
+    _, tok = tiny
+    for form, source in write_every_format(tmp_path).items():
+        split = "test" if "split" in form else None
+        prompts = load_prompts(source, tok, 64, split=split, prompt_column="question")
+        assert [p.prompt for p in prompts] == [r["question"] for r in ROWS], form
+        columns = [{"answer": r["answer"], "level": r["level"]} for r in ROWS]
+        assert [p.columns for p in prompts] == columns, form
+        assert [p.prompt_ids for p in prompts] == [list(tok.encode(r["question"])) for r in ROWS], form
+        assert [p.index for p in prompts] == [0, 1, 2]
+
+
+def test_a_dataset_in_the_local_hugging_face_cache_loads_offline(tiny, tmp_path, monkeypatch):
+    """data.prompts = "acme/tiny-prompts": a dataset in the `datasets` cache (what an
+    earlier download leaves: Arrow files under acme___tiny-prompts/default/), read
+    without the network through the library's own offline lookup."""
+    import shutil
+
+    import datasets
+    from datasets.packaged_modules.json.json import Json
+
+    _, tok = tiny
+    builder = Json(data_files={"train": str(write_jsonl(tmp_path / "train.jsonl", ROWS))},
+                   dataset_name="tiny-prompts", hash="0" * 16, cache_dir=str(tmp_path / "build"))
+    builder.download_and_prepare()
+    cache = tmp_path / "datasets"
+    (cache / "acme___tiny-prompts").mkdir(parents=True)
+    shutil.move(str(Path(builder.cache_dir).parents[1]), cache / "acme___tiny-prompts" / "default")
+    # datasets reads these once, at import: an earlier test imported it
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    prompts = load_prompts("acme/tiny-prompts", tok, 64, prompt_column="question")
+    assert [p.prompt for p in prompts] == [r["question"] for r in ROWS]
+    assert [p.columns["answer"] for p in prompts] == [r["answer"] for r in ROWS]
+    with pytest.raises(DataError, match="'acme/nothing' is neither a file nor a dataset in the local"):
+        load_prompts("acme/nothing", tok, 64)
+
+
+@pytest.mark.parametrize("form,problem", [
+    ("csv", r"p\.csv:2: no column 'prompt' \(columns: question, answer, level\)"),
+    ("parquet", r"p\.parquet row 0: no column 'prompt'"),
+    ("save_to_disk", r"saved row 0: no column 'prompt'"),
+    ("save_to_disk, split test", r"saved-dict: no split 'validation' \(splits: train, test\); set data"),
+])
+def test_bad_data_names_the_file_row_and_column(tiny, tmp_path, form, problem):
+    _, tok = tiny
+    source = write_every_format(tmp_path)[form]
+    with pytest.raises(DataError, match=problem):
+        load_prompts(source, tok, 64, split="validation" if "split" in form else None)
 
 
 def test_prompt_stream_shuffles_by_seed_and_resumes_from_its_cursor(tiny):
@@ -84,12 +172,13 @@ def test_reward_inputs_repeat_columns_and_shape_completions_like_the_prompt():
 
 def test_weighted_rewards_leave_none_out_like_trl(tmp_path):
     (tmp_path / "two.py").write_text(
-        "def a(completions, **kw):\n    return [1.0, None, 0.5]\n"
-        "def b(completions, **kw):\n    return [2.0, 3.0, None]\n")
+        "def a(completions, **kw):\n    return [1.0, None, 0.5, None]\n"
+        "def b(completions, **kw):\n    return [2.0, 3.0, None, None]\n")
     scorer = Scorer(RewardConfig(("two:a", "two:b"), (1.0, 0.5), search_path=str(tmp_path)))
-    scored = scorer.submit("k", "q", ["x", "y", "z"], [[1], [2], [3]], {})
-    np.testing.assert_allclose(scored.total, [1.0 + 1.0, 1.5, 0.5])
-    assert scored.by_function == {"two:a": [1.0, None, 0.5], "two:b": [2.0, 3.0, None]}
+    scored = scorer.submit("k", "q", ["x", "y", "z", "w"], [[1], [2], [3], [4]], {})
+    # the last completion no function scores: unscorable, NaN (TRL's marking)
+    np.testing.assert_allclose(scored.total, [1.0 + 1.0, 1.5, 0.5, np.nan])
+    assert scored.by_function == {"two:a": [1.0, None, 0.5, None], "two:b": [2.0, 3.0, None, None]}
     assert [scorer.metric_name(k) for k in scored.by_function] == ["a", "b"]
 
 
