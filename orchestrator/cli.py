@@ -153,6 +153,29 @@ def show_completions(
     typer.echo(completions_table(read_lines(path), step, width))
 
 
+@app.command()
+def plot(
+    run_dir: str = typer.Option(..., "--run-dir", help="The run's directory."),
+    out: str | None = typer.Option(None, help="PNG to write; default: RUN_DIR/curves.png."),
+) -> None:
+    """Write a PNG of the run's main curves (reward ± std, KL, length, clipping, entropy,
+    rollout speed) from metrics.jsonl. Needs the `plot` extra."""
+    from pathlib import Path
+
+    from orchestrator.show import plot_metrics, read_lines
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        typer.echo(f"error: {path} does not exist", err=True)
+        raise typer.Exit(2)
+    try:
+        written = plot_metrics(read_lines(path), Path(out or Path(run_dir) / "curves.png"), str(run_dir))
+    except RuntimeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {written}")
+
+
 @app.callback()
 def _root() -> None:
     """Keep subcommands explicit."""

@@ -51,3 +51,44 @@ def completions_table(rows: list[dict], step: int | None, width: int | None = No
                     f"{r['finish_reason']:<6}  {r['tokens']:>4}  "
             out.append(cells + one_line(r["completion"], width - len(cells)))
     return "\n".join(out)
+
+
+# The curves `orchestrator plot` draws: (title, metric, its std for a band, if any).
+CURVES = [
+    ("reward", "reward", "reward_std"),
+    ("KL to the reference", "kl", None),
+    ("completion length", "completions/mean_length", None),
+    ("clipped fraction", "clip_ratio/region_mean", None),
+    ("entropy", "entropy", None),
+    ("rollout tokens/s", "rollout_tokens_per_s", None),
+]
+
+
+def plot_metrics(rows: list[dict], out: Path, title: str) -> Path:
+    """A PNG of the main curves against the step (matplotlib, the `plot` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("plotting needs matplotlib: pip install 'mlx-rl-ipc[plot]'") from None
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
+    for ax, (name, key, std) in zip(axes.flat, CURVES):
+        points = [(r["step"], r[key], r.get(std) if std else None) for r in rows if r.get(key) is not None]
+        if points:
+            steps, values, spread = zip(*points)
+            ax.plot(steps, values, lw=1.5)
+            if std and all(s is not None for s in spread):
+                low = [v - s for v, s in zip(values, spread)]
+                high = [v + s for v, s in zip(values, spread)]
+                ax.fill_between(steps, low, high, alpha=0.2)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

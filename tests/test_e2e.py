@@ -235,3 +235,23 @@ def test_completions_are_logged_at_the_configured_steps_and_shown(tmp_path):
     assert shown.returncode == 0, text
     assert "step 2" in text and rows[0]["prompt"] in text
     assert rows[0]["completion"].replace("\n", " ⏎ ") in text
+
+
+def test_plot_writes_a_png_of_the_run_s_curves(default_run, tmp_path):
+    """`orchestrator plot` on the default run: a PNG of six panels that is not blank; a
+    metrics file without some metrics still plots (those panels say so)."""
+    import matplotlib.image
+
+    out = tmp_path / "curves.png"
+    proc = orchestrator("plot", "--run-dir", str(default_run), "--out", str(out))
+    text, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and f"wrote {out}" in text, text
+    image = matplotlib.image.imread(str(out))
+    assert image.shape[:2] == (650, 1300) and image[..., :3].std() > 0.05  # drawn on, not blank
+    sparse = tmp_path / "sparse"
+    sparse.mkdir()
+    lines = [json.dumps({"step": s, "reward": s / 10}) + "\n" for s in (1, 2)]
+    (sparse / "metrics.jsonl").write_text("".join(lines))
+    proc = orchestrator("plot", "--run-dir", str(sparse))
+    assert proc.communicate(timeout=120)[0].strip() == f"wrote {sparse / 'curves.png'}"
+    assert (sparse / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
