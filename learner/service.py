@@ -24,7 +24,7 @@ from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
-from learner.metrics import MetricsFile, batch_metrics, batch_tokens, completion_rows
+from learner.metrics import MetricsFile, TensorBoard, batch_metrics, batch_tokens, completion_rows
 from learner.rollouts import MB, RolloutSocket
 from learner.step import Sample, Trainer, make_batch
 from policy.memory import apply_memory_share
@@ -70,6 +70,8 @@ class Learner:
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl", self.step if resume else None)
         self.completions = (MetricsFile(self.run_dir / "completions.jsonl", self.step if resume else None)
                             if cfg.log.completions_every else None)
+        tensorboard = "tensorboard" in cfg.log.report_to
+        self.reporters = [TensorBoard(self.run_dir / "tensorboard")] if tensorboard else []
         self.intake = Intake(self.scorer, self.trainer.algorithm.keep_group, self.ledger)
         identity = {"model": cfg.model.path, "tokenizer": tokenizer_fingerprint(tokenizer),
                     "lora": as_dict(cfg.lora), "instance": instance}
@@ -140,11 +142,14 @@ class Learner:
             self.rollouts.publish(self.step)
             if iteration == 0:
                 self.ledger.train([(g.sender, g.cursor) for g in groups])
-            self.metrics.write({
+            line = {
                 "step": self.step, "policy_version": self.step, "iteration": iteration, **shared, **stats,
                 "step_s": time.perf_counter() - t0, **self.rollouts.weight_sync,
                 "learner_peak_mb": mx.get_peak_memory() / MB, **self.shares, **self.group_counts(),
-            })
+            }
+            self.metrics.write(line)
+            for reporter in self.reporters:
+                reporter.write(line)
             if train.checkpoint_every and self.step % train.checkpoint_every == 0:
                 self.checkpoint()
             t0 = time.perf_counter()
@@ -188,6 +193,8 @@ class Learner:
         self.metrics.close()
         if self.completions is not None:
             self.completions.close()
+        for reporter in self.reporters:
+            reporter.close()
         self.scorer.close(reason)
         self.ctx.term()
 

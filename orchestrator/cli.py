@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import typer
@@ -36,6 +37,10 @@ def up(
     except ConfigError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from None
+    if "tensorboard" in cfg.log.report_to and importlib.util.find_spec("tensorboardX") is None:
+        typer.echo("config error: log.report_to = ['tensorboard'] needs tensorboardX: "
+                   "pip install 'mlx-rl-ipc[tensorboard]'", err=True)
+        raise typer.Exit(2)
     shares = check_plan(cfg, available_memory_gb)
     from orchestrator.supervisor import up as run_up
 

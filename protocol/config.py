@@ -187,6 +187,10 @@ class LogConfig:
                                     "completions, rewards, advantages) to `completions.jsonl`; 0 = never",
                                  _range(0))
     completions_groups: int = key(2, "groups written at each such step", _range(1))
+    report_to: tuple[str, ...] = key((), "where else metrics go, beside metrics.jsonl (TRL's name): "
+                                         "`tensorboard` (RUN/tensorboard, the `tensorboard` extra)",
+                                     lambda v: None if set(v) <= {"tensorboard"} else
+                                     "entries must be 'tensorboard' (trackio and wandb: not yet)")
 
 
 @dataclass(frozen=True)
