@@ -155,7 +155,9 @@ def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
     Pipelined: the forward of step t+1 is queued (async_eval) before the tokens of step t
     are read back, so the device never waits for Python. A row that finished at step t is
     dropped from the batch (cache `filter`) after step t+1 was queued for it; that one
-    extra step is ignored."""
+    extra step is ignored. A truncated step at a vocabulary above the candidates waits
+    for its own logits once (`_sample` checks that the cut lies among the candidates), so
+    there the next forward overlaps less of this loop's Python work."""
     n = len(rows)
     tokens: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[float]] = [[] for _ in range(n)]
