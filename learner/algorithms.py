@@ -187,8 +187,7 @@ class GSPO(GRPO):
     epsilon_high: float = 4e-4
 
     def ratio(self, x: LossInputs) -> mx.array:
-        n = mx.maximum(x.mask.sum(-1, keepdims=True), 1.0)
-        seq_log_ratio = ((x.logp - x.old_logp) * x.mask).sum(-1, keepdims=True) / n
+        seq_log_ratio = row_mean(x.logp - x.old_logp, x.mask)[:, None]
         return mx.broadcast_to(mx.exp(seq_log_ratio), x.logp.shape)
 
     def clip_mean(self, clipped: mx.array, mask: mx.array) -> mx.array:

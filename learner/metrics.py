@@ -21,13 +21,12 @@ def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarra
     metric (README, "Metrics"): its rewards, completions and how stale it was at `step`,
     and what the actor measured sampling it.
 
-    As in TRL, a completion that every reward function left unscored (None) is left out of
-    `reward` and `reward_std`, and a function's None values out of its own statistics;
-    standard deviations are the sample ones (n - 1)."""
+    As in TRL, a completion that every reward function left unscored (its reward NaN, as
+    the scorer marks it) is left out of `reward` and `reward_std`, and a function's None
+    values out of its own statistics; standard deviations are the sample ones (n - 1)."""
     lens = np.array([len(s.completion_ids) for s in samples])
     stopped = np.array([s.finish_reason == "stop" for s in samples])
-    scored = rewards.astype(np.float64).copy()
-    scored[unscorable(groups)] = np.nan
+    scored = rewards.astype(np.float64)
     group_std = np.array([nanstd(row) for row in scored])
     gen_s = sum(g.gen_s for g in groups)
     actor_peaks = [g.actor_peak_mb for g in groups if g.actor_peak_mb is not None]
@@ -59,15 +58,6 @@ def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarra
 def batch_tokens(samples: list[Sample]) -> int:
     """Prompt and completion tokens of a batch: what TRL's `num_tokens` adds up."""
     return sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-
-
-def unscorable(groups: list[Group]) -> np.ndarray:
-    """[groups, G]: True where every reward function left the completion unscored."""
-    out = []
-    for g in groups:
-        by_fn = list(g.rewards_by_function.values())
-        out.append([bool(by_fn) and all(v[i] is None for v in by_fn) for i in range(len(g.completion_ids))])
-    return np.array(out, dtype=bool)
 
 
 def nanmean(x: np.ndarray) -> float | None:
@@ -104,7 +94,6 @@ def completion_rows(step: int, groups: list[Group], advantages: np.ndarray,
     """`completions.jsonl` lines for `groups`, trained at `step`: one per completion, with
     what a user needs to judge it (README, "What a run leaves behind")."""
     size = len(groups[0].completion_ids)
-    scorable = ~unscorable(groups)
     rows = []
     for gi, g in enumerate(groups):
         for i, text in enumerate(g.texts):
@@ -112,7 +101,7 @@ def completion_rows(step: int, groups: list[Group], advantages: np.ndarray,
                 "step": step, "policy_version": g.policy_version, "group_id": g.group_id, "index": i,
                 "prompt": g.prompt, "completion": text, "finish_reason": g.finish_reasons[i],
                 "tokens": len(g.completion_ids[i]),
-                "reward": float(g.rewards[i]) if scorable[gi, i] else None,
+                "reward": None if np.isnan(g.rewards[i]) else float(g.rewards[i]),  # NaN: unscored
                 "rewards": {metric_name(k): v[i] for k, v in g.rewards_by_function.items()},
                 "advantage": float(advantages[gi * size + i]),
             })

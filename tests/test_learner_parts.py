@@ -193,7 +193,9 @@ def scored_group(group_id: str, lens, finish, by_function: dict, weights: dict):
     g = group_from_message(b"a", rollout(group_id, lens=lens), 100, len(lens))
     g.finish_reasons = finish
     g.rewards_by_function = by_function
+    # as the scorer sums them: None left out, NaN where no function scored the completion
     g.rewards = np.array([sum(weights[k] * (v[i] or 0.0) for k, v in by_function.items())
+                          if any(v[i] is not None for v in by_function.values()) else np.nan
                           for i in range(len(lens))])
     return g
 
