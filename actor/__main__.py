@@ -17,7 +17,7 @@ def run(run_dir: str = typer.Option(..., help="Run directory written by `orchest
     Exit codes (protocol.lifecycle): 0 told to stop by the learner, 4 a user error (the
     data file does not parse, a prompt does not fit the model, the learner refused our
     model or LoRA config), 128 + N stopped by signal N, 1 anything unexpected."""
-    from actor.data import DataError
+    from policy.data import DataError
     from protocol import lifecycle
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -46,18 +46,48 @@ def sample(
     except ConfigError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from None
-    from actor.data import DataError
     from actor.sample import run_sample
+    from policy.data import DataError
 
     try:
         summary = run_sample(cfg, prompts or cfg.data.prompts, num_samples, out, adapter, seed, limit)
     except (DataError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    show_summary({**summary, "samples": out})
+
+
+@app.command("eval")
+def eval_(
+    config: str = typer.Option(..., "--config", "-c", help="TOML run config with an [eval] section."),
+    adapter: str | None = typer.Option(None, help="mlx-lm adapter directory; default: the base model."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value."),
+) -> None:
+    """Evaluate on the held-out prompts: the eval/* numbers a training run logs."""
+    from protocol.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, set_)
+        if not cfg.eval.prompts:
+            raise ConfigError("eval.prompts is not set (the held-out prompt rows)")
+    except ConfigError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2) from None
+    from actor.sample import run_eval
+    from policy.data import DataError
+
+    try:
+        summary = run_eval(cfg, adapter)
+    except (DataError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    show_summary(summary)
+
+
+def show_summary(summary: dict) -> None:
     for key, value in summary.items():
         shown = "-" if value is None else (f"{value:.4f}" if isinstance(value, float) else value)
-        typer.echo(f"{key:>20}  {shown}")
-    typer.echo(f"{'samples':>20}  {out}")
+        typer.echo(f"{key:>28}  {shown}")
 
 
 @app.callback()

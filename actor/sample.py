@@ -1,24 +1,24 @@
-"""`actor sample`: the actor alone, for evaluation. Samples K completions per prompt with
-the base model or an adapter, scores them with the configured rewards, writes JSONL."""
+"""The actor alone, for evaluation: `actor sample` samples K completions per prompt with
+the base model or an adapter, scores them with the configured rewards and writes JSONL;
+`actor eval` reports the held-out numbers a training run logs as eval/* (policy/evaluation.py
+computes both)."""
 
 from __future__ import annotations
 
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import IO
 
-import numpy as np
 import zmq
 
-from actor.data import load_prompts
-from actor.sampler import sample_groups
+from policy.data import load_prompts
+from policy.evaluation import Sampled, eval_sampling, load_eval_prompts, rewards_of, sample_prompts, summarize
 from policy.model import load_policy
 from protocol.config import Config, LoraConfig
 from rewards.functions import RewardError
-from rewards.scorer import Scorer
+from rewards.scorer import Scored, Scorer
 
 
 def adapter_lora(adapter: str | Path) -> LoraConfig:
@@ -28,14 +28,6 @@ def adapter_lora(adapter: str | Path) -> LoraConfig:
     return LoraConfig(rank=params["rank"], scale=float(params["scale"]),
                       dropout=float(params.get("dropout", 0.0)), num_layers=saved.get("num_layers", -1),
                       keys=tuple(params.get("keys") or ()))
-
-
-def pass_at_k(rewards: list[list[float]]) -> float | None:
-    """Fraction of prompts with at least one reward of 1, when every reward is 0 or 1."""
-    flat = [r for row in rewards for r in row if r is not None]
-    if not flat or any(r not in (0.0, 1.0) for r in flat):
-        return None
-    return float(np.mean([max(row) == 1.0 for row in rewards]))
 
 
 def wait_for_scores(scorer: Scorer, n: int, err: IO[str]) -> dict[str, object]:
@@ -53,73 +45,72 @@ def wait_for_scores(scorer: Scorer, n: int, err: IO[str]) -> dict[str, object]:
     return results
 
 
+def load_model(cfg: Config, adapter: str | None):
+    lora = adapter_lora(adapter) if adapter else cfg.lora
+    model, tok, _ = load_policy(cfg.model.path, lora, adapter_path=adapter)
+    return model, tok
+
+
+def scorer_for(cfg: Config):
+    """A scorer with its own reward socket in a temporary directory (for "worker" rewards),
+    and a function that closes both."""
+    ctx = zmq.Context()
+    sockets = tempfile.TemporaryDirectory(prefix="mlxrl-sample-")
+    scorer = Scorer(cfg.reward, ctx, f"ipc://{sockets.name}/reward.sock")
+
+    def close() -> None:
+        scorer.close()
+        ctx.term()
+        sockets.cleanup()
+    return scorer, close
+
+
 def run_sample(cfg: Config, prompts_path: str, num_samples: int, out_path: str,
                adapter: str | None = None, seed: int = 0, limit: int | None = None,
                err: IO[str] = sys.stderr) -> dict:
-    """Sample, score and write rows; return (and print) the summary."""
-    lora = adapter_lora(adapter) if adapter else cfg.lora
-    model, tok, _ = load_policy(cfg.model.path, lora, adapter_path=adapter)
+    """`actor sample`: sample, score and write one row per sample; return the summary."""
+    model, tok = load_model(cfg, adapter)
     prompts = load_prompts(prompts_path, tok, cfg.sampling.max_prompt_tokens, cfg.data.split,
                            cfg.data.prompt_column)[:limit]
-    ctx = zmq.Context()
-    with tempfile.TemporaryDirectory(prefix="mlxrl-sample-") as sockets:  # removed when done
-        scorer = Scorer(cfg.reward, ctx, f"ipc://{sockets}/reward.sock")
-        try:
-            return _sample_and_score(model, tok, cfg, prompts, num_samples, out_path, seed, scorer, err)
-        finally:
-            scorer.close()
-            ctx.term()
-
-
-def _sample_and_score(model, tok, cfg: Config, prompts: list, num_samples: int, out_path: str, seed: int,
-                      scorer: Scorer, err: IO[str]) -> dict:
-    params = cfg.sampling
-    rows, rewards, tokens, t0 = [], [], 0, time.perf_counter()
-    for start in range(0, len(prompts), 8):  # up to 8 prompts decode as one batch
-        batch = prompts[start:start + 8]
-        # Row ids follow the prompt's position, so a prompt's samples depend only on --seed.
-        groups = sample_groups(model, [p.prompt_ids for p in batch], num_samples, params,
-                               set(tok.eos_token_ids), seed=seed, row_offset=start * num_samples)
-        for p, completions in zip(batch, groups):
-            texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-            tokens += sum(len(c.token_ids) for c in completions)
-            rows.append((p, completions, texts))
-        rate = tokens / (time.perf_counter() - t0)
-        print(f"\rsampling {len(rows)}/{len(prompts)} prompts  {rate:.0f} tok/s", end="", file=err,
-              flush=True)
-    gen_s = time.perf_counter() - t0
-    scores = score_all(scorer, rows, err)
+    rows, rate = sample_prompts(model, tok, prompts, num_samples, cfg.sampling, seed, err)
+    scorer, close = scorer_for(cfg)
+    try:
+        scores = score_all(scorer, rows, err)
+    finally:
+        close()
     with open(out_path, "w") as f:
-        for p, completions, texts in rows:
-            scored = scores.get(str(p.index))
-            row_rewards = []
-            for k, (c, text) in enumerate(zip(completions, texts)):
-                reward = None if scored is None or np.isnan(scored.total[k]) else float(scored.total[k])
-                row_rewards.append(reward)
+        for row in rows:
+            rewards = rewards_of(scores.get(str(row.prompt.index))) or [None] * len(row.completions)
+            for k, (c, text, reward) in enumerate(zip(row.completions, row.texts, rewards)):
                 f.write(json.dumps({
-                    "prompt_index": p.index, "sample": k, "prompt": p.prompt, "completion": text,
-                    "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                    "reward": reward}) + "\n")
-            if scored is not None:
-                rewards.append(row_rewards)
-    flat = [r for row in rewards for r in row if r is not None]
-    summary = {
-        "prompts": len(prompts), "samples_per_prompt": num_samples,
-        "mean_reward": float(np.mean(flat)) if flat else None,
-        f"pass@{num_samples}": pass_at_k(rewards),
-        "tokens_per_s": tokens / gen_s if gen_s > 0 else None,
-        "unscored_prompts": len(prompts) - len(rewards),
-    }
-    print(file=err)
-    return summary
+                    "prompt_index": row.prompt.index, "sample": k, "prompt": row.prompt.prompt,
+                    "completion": text, "token_ids": c.token_ids, "logprobs": c.logprobs,
+                    "finish_reason": c.finish_reason, "reward": reward}) + "\n")
+    return {"samples_per_prompt": num_samples, **summarize(rows, scores, cfg.eval.pass_threshold, ""),
+            "tokens_per_s": rate}
 
 
-def score_all(scorer: Scorer, rows: list, err: IO[str]) -> dict:
+def run_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.stderr) -> dict:
+    """`actor eval`: the numbers a training run logs as eval/*, for the base model or an adapter."""
+    model, tok = load_model(cfg, adapter)
+    params = eval_sampling(cfg)
+    rows, rate = sample_prompts(model, tok, load_eval_prompts(cfg, tok), cfg.eval.num_samples, params,
+                                params.seed, err)
+    scorer, close = scorer_for(cfg)
+    try:
+        scores = score_all(scorer, rows, err)
+    finally:
+        close()
+    return {**summarize(rows, scores, cfg.eval.pass_threshold, "eval/"), "tokens_per_s": rate}
+
+
+def score_all(scorer: Scorer, rows: list[Sampled], err: IO[str]) -> dict[str, Scored]:
     """Score every prompt's completions; a prompt whose rewards fail stays unscored."""
     scores, waiting = {}, 0
-    for p, completions, texts in rows:
+    for row in rows:
+        p = row.prompt
         try:
-            scored = scorer.submit(str(p.index), p.prompt, texts, [c.token_ids for c in completions],
+            scored = scorer.submit(str(p.index), p.prompt, row.texts, [c.token_ids for c in row.completions],
                                    p.columns)
         except RewardError as e:
             print(f"\nprompt {p.index}: {e}", file=err)

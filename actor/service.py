@@ -24,10 +24,10 @@ import numpy as np
 import zmq
 
 import protocol
-from actor.data import PromptStream, check_context, load_prompts
-from actor.sampler import sample_groups
+from policy.data import PromptStream, check_context, load_prompts
 from policy.memory import apply_memory_share
 from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint
+from policy.sampler import sample_groups
 from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
 from protocol.heartbeat import start_heartbeat

@@ -31,9 +31,9 @@ class LearnerResult:
 def _real_batch(model, tokenizer, cfg: Config):
     """Sample batch_size groups with our sampler and score them: (samples, rewards)."""
 
-    import actor.sampler as sampler
-    from actor.data import load_prompts
+    import policy.sampler as sampler
     from learner.step import Sample
+    from policy.data import load_prompts
     from rewards.scorer import Scorer
 
     s = cfg.sampling

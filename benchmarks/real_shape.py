@@ -186,8 +186,8 @@ def rollout_alone(model: Path, a: argparse.Namespace) -> dict:
     """This project's sampler against mlx-lm's batch_generate in one process: the same
     model object with LoRA attached, the same G rows of one prompt, temperature and top-p,
     interleaved repetitions (benchmarks/rollout.py counts the tokens alike)."""
-    from actor.data import load_prompts
     from benchmarks.rollout import rates, sample_ours, sample_theirs
+    from policy.data import load_prompts
     from policy.model import load_policy
     from protocol.config import LoraConfig, SamplingConfig
 

@@ -37,7 +37,7 @@ class RolloutResult:
 def sample_ours(model, prompt_ids: list[list[int]], group_size: int, params, eos_ids: set[int],
                 seed: int) -> int:
     """Sample every prompt's group with our sampler, as the actor does; return the tokens produced."""
-    from actor.sampler import sample_groups
+    from policy.sampler import sample_groups
 
     groups = sample_groups(model, prompt_ids, group_size, params, eos_ids, seed)
     return sum(len(c.token_ids) for group in groups for c in group)
@@ -75,7 +75,7 @@ def rates(contenders: dict, reps: int) -> tuple[dict[str, float], dict[str, list
 def run(num_prompts: int, group_sizes: tuple[int, ...], max_tokens: int, reps: int) -> list[RolloutResult]:
     from mlx_lm import load
 
-    from actor.data import load_prompts
+    from policy.data import load_prompts
     from policy.model import load_policy
     from protocol.config import SamplingConfig
 

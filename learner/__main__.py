@@ -1,8 +1,8 @@
 """`python -m learner --run-dir RUN`: started by the orchestrator, reads RUN/config.json.
 
-Exit codes (protocol.lifecycle): 0 trained to the end, 4 a reward function failed (a
-restart would fail again), 5 the run directory belongs to another live run, 128 + N
-stopped by signal N after a checkpoint, 1 anything unexpected.
+Exit codes (protocol.lifecycle): 0 trained to the end, 4 a reward function failed or the
+eval prompts do not load (a restart would fail again), 5 the run directory belongs to
+another live run, 128 + N stopped by signal N after a checkpoint, 1 anything unexpected.
 """
 
 import argparse
@@ -19,8 +19,10 @@ def cli() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from learner.service import main
+    from policy.data import DataError
 
-    lifecycle.exit_with(lambda: main(args.run_dir, args.resume), logging.getLogger("learner"), (RewardError,))
+    lifecycle.exit_with(lambda: main(args.run_dir, args.resume), logging.getLogger("learner"),
+                        (RewardError, DataError))
 
 
 if __name__ == "__main__":

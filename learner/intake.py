@@ -48,7 +48,10 @@ class Intake:
                 self.awaiting[key] = g
             else:
                 self.accept(g, scored)
-        done, failed, errors = self.scorer.poll(0)
+        self.take(*self.scorer.poll(0))
+
+    def take(self, done: list[Scored], failed: list[tuple[str, str]], errors: list[tuple[str, str]]) -> None:
+        """Groups whose external rewards came back (or failed), as `Scorer.poll` gives them."""
         for scored in done:
             self.accept(self.awaiting.pop(scored.key), scored)
         for key, reason in failed:

@@ -108,28 +108,6 @@ def completion_rows(step: int, groups: list[Group], advantages: np.ndarray,
     return rows
 
 
-class TensorBoard:
-    """Each step's numeric metrics as TensorBoard scalars in RUN/tensorboard, under the same
-    names (TRL's `train/` prefix added); metrics.jsonl stays the record."""
-
-    def __init__(self, log_dir: Path) -> None:
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            raise RuntimeError("log.report_to = ['tensorboard'] needs tensorboardX: "
-                               "pip install 'mlx-rl-ipc[tensorboard]'") from None
-        self.writer = SummaryWriter(str(log_dir))
-
-    def write(self, metrics: dict[str, Any]) -> None:
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
-                self.writer.add_scalar(f"train/{key}", value, metrics["step"])
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 class MetricsFile:
     """A JSON-lines file of the run (`metrics.jsonl`, `completions.jsonl`), appended. A
     learner that resumes from the checkpoint of step N first drops the lines of later

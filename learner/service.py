@@ -21,10 +21,12 @@ import zmq
 
 import protocol
 from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.evaluation import Evaluator
 from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
-from learner.metrics import MetricsFile, TensorBoard, batch_metrics, batch_tokens, completion_rows
+from learner.metrics import MetricsFile, batch_metrics, batch_tokens, completion_rows
+from learner.reporters import open_reporters
 from learner.rollouts import MB, RolloutSocket
 from learner.step import Sample, Trainer, make_batch
 from policy.memory import apply_memory_share
@@ -60,6 +62,7 @@ class Learner:
 
             grad_checkpoint(self.model.layers[0])
         self.trainer = Trainer(self.model, cfg.algorithm, cfg.train, cfg.sampling)
+        self.evaluator = Evaluator(cfg, tokenizer) if cfg.eval.prompts else None
         vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else len(tokenizer.get_vocab())
         self.pad_id = tokenizer.pad_token_id or 0
         self.step = 0  # optimizer steps taken: also the version of the weights (policy_version)
@@ -70,8 +73,7 @@ class Learner:
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl", self.step if resume else None)
         self.completions = (MetricsFile(self.run_dir / "completions.jsonl", self.step if resume else None)
                             if cfg.log.completions_every else None)
-        tensorboard = "tensorboard" in cfg.log.report_to
-        self.reporters = [TensorBoard(self.run_dir / "tensorboard")] if tensorboard else []
+        self.reporters = open_reporters(self.run_dir, cfg)
         self.intake = Intake(self.scorer, self.trainer.algorithm.keep_group, self.ledger)
         identity = {"model": cfg.model.path, "tokenizer": tokenizer_fingerprint(tokenizer),
                     "lora": as_dict(cfg.lora), "instance": instance}
@@ -104,6 +106,8 @@ class Learner:
         self.write_status("waiting_for_actor")
         last_status = 0.0
         try:
+            if self.step == 0:
+                self.evaluate()  # the base of comparison; a resumed run has it already
             while self.step < train.steps and not self.signals.requested:
                 hello = {"data_cursor": self.ledger.data_cursor}  # where a new actor's data begins
                 self.intake.add(self.rollouts.receive(100, self.step, hello))
@@ -115,6 +119,8 @@ class Learner:
                 if time.time() - last_status > 0.5 or batch is not None:
                     self.write_status(self.phase())
                     last_status = time.time()
+            if self.step >= train.steps:
+                self.evaluate()  # unless the last step was just evaluated
         except RewardError:
             self.checkpoint()
             self.write_status("failed")
@@ -152,9 +158,23 @@ class Learner:
                 reporter.write(line)
             if train.checkpoint_every and self.step % train.checkpoint_every == 0:
                 self.checkpoint()
+            if self.step < train.steps:  # the last step's evaluation comes after the loop
+                self.evaluate()
             t0 = time.perf_counter()
             if self.step >= train.steps or self.signals.requested:
                 break
+
+    def evaluate(self) -> None:
+        """Evaluate on the held-out prompts when [eval] says this step is due."""
+        if self.evaluator is None or not self.evaluator.due(self.step):
+            return
+        self.write_status("evaluating")
+        line = self.evaluator.run(self.model, self.step, self.scorer, self.intake.take,
+                                  lambda: self.signals.requested)
+        if line is not None:
+            self.metrics.write(line)
+            for reporter in self.reporters:
+                reporter.write(line)
 
     def log_completions(self, groups: list[Group], advantages: np.ndarray) -> None:
         """Write a sample of the batch to completions.jsonl when one of its steps is due."""

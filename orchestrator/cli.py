@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import typer
@@ -37,9 +36,10 @@ def up(
     except ConfigError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from None
-    if "tensorboard" in cfg.log.report_to and importlib.util.find_spec("tensorboardX") is None:
-        typer.echo("config error: log.report_to = ['tensorboard'] needs tensorboardX: "
-                   "pip install 'mlx-rl-ipc[tensorboard]'", err=True)
+    from learner.reporters import missing_backends
+
+    for problem in missing_backends(cfg.log.report_to):
+        typer.echo(f"config error: {problem}", err=True)
         raise typer.Exit(2)
     shares = check_plan(cfg, available_memory_gb)
     from orchestrator.supervisor import up as run_up
@@ -50,8 +50,8 @@ def up(
 def check_plan(cfg: Config, available_gb: float | None, show: bool = False) -> dict[str, float]:
     """Refuse (exit 3) a run that does not fit, naming the knob, and (exit 4) data that
     does not parse or fit the model's context; else return the shares."""
-    from actor.data import DataError
     from orchestrator.plan import MB, PlanError, plan_for, render, suggestion
+    from policy.data import DataError
 
     try:
         plan, model, shape = plan_for(cfg, available_gb)

@@ -321,17 +321,22 @@ def render(plan: Plan) -> str:
 
 def prompt_tokens(cfg: Config, context: int | None = None) -> int:
     """The longest prompt of the data, in tokens (capped at max_prompt_tokens). Loads
-    only the tokenizer. Raises DataError for a row that does not parse or does not fit
-    the model's context, so a run stops on it before any process starts."""
+    only the tokenizer. Raises DataError for a row (of the data or the eval prompts) that
+    does not parse or does not fit the model's context, so a run stops on it before any
+    process starts."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch not found" notice
     from transformers import AutoTokenizer
 
-    from actor.data import check_context, load_prompts
+    from policy.data import check_context, load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir(cfg.model.path)))
     d = cfg.data
     prompts = load_prompts(d.prompts, tokenizer, cfg.sampling.max_prompt_tokens, d.split, d.prompt_column)
     check_context(prompts, context, cfg.sampling.max_tokens)
+    if cfg.eval.prompts:
+        held_out = load_prompts(cfg.eval.prompts, tokenizer, cfg.sampling.max_prompt_tokens, d.split,
+                                d.prompt_column)
+        check_context(held_out, context, cfg.eval.max_tokens or cfg.sampling.max_tokens)
     return max(len(p.prompt_ids) for p in prompts)
 
 

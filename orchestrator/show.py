@@ -61,6 +61,8 @@ CURVES = [
     ("clipped fraction", "clip_ratio/region_mean", None),
     ("entropy", "entropy", None),
     ("rollout tokens/s", "rollout_tokens_per_s", None),
+    ("held-out pass@1 ([eval])", "eval/pass@1", None),
+    ("held-out reward ([eval])", "eval/reward_mean", "eval/reward_std"),
 ]
 
 
@@ -73,7 +75,7 @@ def plot_metrics(rows: list[dict], out: Path, title: str) -> Path:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
+    fig, axes = plt.subplots(2, 4, figsize=(17, 6.5), constrained_layout=True)
     for ax, (name, key, std) in zip(axes.flat, CURVES):
         points = [(r["step"], r[key], r.get(std) if std else None) for r in rows if r.get(key) is not None]
         if points:

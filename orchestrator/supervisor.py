@@ -21,6 +21,7 @@ from typing import IO
 
 import protocol
 from orchestrator.plan import thread_count
+from orchestrator.progress import display_for, is_eval
 from protocol import lifecycle
 from protocol.config import MEMORY_SHARE_ENV, Config, write_run_config
 from protocol.heartbeat import heartbeat_path, seconds_since_beat
@@ -85,16 +86,9 @@ def spawn(name: str, args: list[str], run_dir: Path, lifeline: lifecycle.Lifelin
     return Child(name, proc, log_path)
 
 
-def format_step(m: dict, steps: int) -> str:
-    """A step's progress line: what says a run is healthy (GRPO's loss is ~0 by design,
-    so it is not shown): reward and its spread, KL, clipping, length, speed."""
-    def f(key: str, fmt: str) -> str:
-        v = m.get(key)
-        return "-" if v is None else format(v, fmt)
-    return (f"step {m['step']:>4}/{steps}  reward {f('reward', '.3f')} ± {f('reward_std', '.3f')}  "
-            f"kl {f('kl', '.4f')}  clip {f('clip_ratio/region_mean', '.3f')}  "
-            f"len {f('completions/mean_length', '.0f')}  "
-            f"rollout {f('rollout_tokens_per_s', '.0f')} tok/s  {f('step_s', '.2f')} s/step")
+def line_order(m: dict) -> tuple[int, bool]:
+    """Where a metrics line falls: a step's evaluation comes after its training line."""
+    return m["step"], is_eval(m)
 
 
 class Supervisor:
@@ -114,20 +108,25 @@ class Supervisor:
         self.resume = resume
         self.shares_mb = shares_mb or {}
         self.signals = signals or lifecycle.StopSignals()
+        self.display = display_for(out, cfg.train.steps)
         # The lock comes before anything in the directory is touched: a live run's
         # metrics must never be cleared by a second `up`.
-        self.lock_fd = lifecycle.acquire_run_lock(cfg.run.dir, ORPHAN_WAIT_S, self.say)
+        try:
+            self.lock_fd = lifecycle.acquire_run_lock(cfg.run.dir, ORPHAN_WAIT_S, self.say)
+        except lifecycle.RunBusy:
+            self.display.close()
+            raise
         self.lifeline = lifecycle.Lifeline()
         self.run_dir = prepare_run_dir(cfg, resume)
         (self.run_dir / "plan.json").write_text(json.dumps({"shares_mb": self.shares_mb}) + "\n")
         self.warned: set[str] = set()
         self.children: dict[str, Child] = {}
         self.restarts = {"learner": 0, "actor": 0}
-        self.last_step = 0
+        self.last_line = (0, False)  # line_order of the last metrics line shown
         self.phase = None
 
     def say(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
+        self.display.say(text)
 
     def start(self) -> None:
         self.say(f"run directory: {self.run_dir}")
@@ -144,8 +143,9 @@ class Supervisor:
 
     def poll_progress(self) -> None:
         for metrics in self.new_metrics():
-            self.say(format_step(metrics, self.cfg.train.steps))
-            self.check_memory(metrics)
+            self.display.metrics(metrics)
+            if not is_eval(metrics):
+                self.check_memory(metrics)
         status_path = self.run_dir / "status.json"
         try:
             status = json.loads(status_path.read_text())
@@ -179,12 +179,12 @@ class Supervisor:
                 rows.append(json.loads(line))
             except ValueError:
                 continue
-        if rows and rows[-1]["step"] < self.last_step:
+        if rows and line_order(rows[-1]) < self.last_line:
             self.say(f"continuing from the checkpoint of step {rows[-1]['step']}")
-            self.last_step = rows[-1]["step"]
-        new = [m for m in rows if m["step"] > self.last_step]
+            self.last_line = line_order(rows[-1])
+        new = [m for m in rows if line_order(m) > self.last_line]
         if new:
-            self.last_step = new[-1]["step"]
+            self.last_line = line_order(new[-1])
         return new
 
     def check_memory(self, metrics: dict) -> None:
@@ -319,5 +319,6 @@ def up(cfg: Config, out: IO[str] = sys.stdout, resume: bool = False,
         sup.kill()
         return lifecycle.signal_exit_code(e.signum)
     finally:
+        sup.display.close()
         if all(c.proc.poll() is not None for c in sup.children.values()):
             sup.close()

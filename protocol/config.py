@@ -188,9 +188,28 @@ class LogConfig:
                                  _range(0))
     completions_groups: int = key(2, "groups written at each such step", _range(1))
     report_to: tuple[str, ...] = key((), "where else metrics go, beside metrics.jsonl (TRL's name): "
-                                         "`tensorboard` (RUN/tensorboard, the `tensorboard` extra)",
-                                     lambda v: None if set(v) <= {"tensorboard"} else
-                                     "entries must be 'tensorboard' (trackio and wandb: not yet)")
+                                         "`tensorboard` (RUN/tensorboard), `trackio` (RUN/trackio), `wandb` "
+                                         "(offline, RUN/wandb); each its own extra",
+                                     lambda v: None if set(v) <= {"tensorboard", "trackio", "wandb"} else
+                                     "entries must be 'tensorboard', 'trackio' or 'wandb'")
+    project: str = key("mlx-rl-ipc", "the trackio / W&B project; the run is named after its directory")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    prompts: str | None = key(None, "held-out prompt rows, in any form `data.prompts` takes; unset = no "
+                                    "evaluation", shown="unset")
+    every: int = key(0, "evaluate every N steps; with `prompts` set, always before the first step and "
+                        "after the last (0 = only then)", _range(0))
+    num_samples: int = key(4, "completions per prompt (n): pass@1 and pass@k for k = 2, 4, ... up to n",
+                           _range(1))
+    temperature: float | None = key(None, "sampling temperature", _range(0, lo_open=True),
+                                    shown="`sampling.temperature`")
+    max_tokens: int | None = key(None, "completion length limit", _range(1), shown="`sampling.max_tokens`")
+    limit: int = key(0, "evaluate the first N prompts; 0 = all", _range(0))
+    pass_threshold: float = key(1.0, "a completion passes when its total reward is at least this")
+    seed: int = key(0, "sampling seed; the same at every evaluation, so steps are compared on the same "
+                       "draws")
 
 
 @dataclass(frozen=True)
@@ -228,6 +247,7 @@ class Config:
     actor: ActorConfig = ActorConfig()
     reward: RewardConfig
     log: LogConfig = LogConfig()
+    eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -311,6 +331,8 @@ def validate(raw: dict[str, Any]) -> Config:
     if reward.weights and len(reward.weights) != len(reward.functions):
         raise ConfigError(f"reward.weights has {len(reward.weights)} entries for "
                           f"{len(reward.functions)} reward.functions")
+    if cfg.eval.every and not cfg.eval.prompts:
+        raise ConfigError("eval.every needs eval.prompts (the held-out prompt rows)")
     return cfg
 
 
@@ -383,21 +405,26 @@ def resolve_paths(cfg: Config, base: Path) -> Config:
         model = str(base / model)
     elif model.startswith((".", "/")):
         raise ConfigError(f"model.path {model!r} is not a directory")
-    prompts = base / cfg.data.prompts
-    if prompts.exists():
-        prompts = str(prompts)
-    elif cfg.data.prompts.startswith((".", "/")) or Path(cfg.data.prompts).suffix in DATA_SUFFIXES:
-        raise ConfigError(f"data.prompts file {prompts} does not exist")
-    else:
-        prompts = cfg.data.prompts  # a dataset name, looked up in the Hugging Face cache
+    eval_prompts = cfg.eval.prompts and _resolve_prompts("eval.prompts", cfg.eval.prompts, base)
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, path=model),
-        data=dataclasses.replace(cfg.data, prompts=prompts),
+        data=dataclasses.replace(cfg.data, prompts=_resolve_prompts("data.prompts", cfg.data.prompts, base)),
+        eval=dataclasses.replace(cfg.eval, prompts=eval_prompts),
         run=dataclasses.replace(cfg.run, dir=str((Path.cwd() / cfg.run.dir).resolve())),
         # Reward modules are looked up beside the config file first, like a local import.
         reward=dataclasses.replace(cfg.reward, search_path=str(base / (cfg.reward.search_path or ""))),
     )
+
+
+def _resolve_prompts(name: str, value: str, base: Path) -> str:
+    """A prompt file's absolute path, or a dataset name (looked up in the Hugging Face cache)."""
+    path = base / value
+    if path.exists():
+        return str(path)
+    if value.startswith((".", "/")) or Path(value).suffix in DATA_SUFFIXES:
+        raise ConfigError(f"{name} file {path} does not exist")
+    return value
 
 
 def write_run_config(run_dir: str | Path, cfg: Config) -> None:

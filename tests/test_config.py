@@ -78,7 +78,7 @@ def error_of(path: Path, **kw) -> str:
 def test_example_config_loads_and_resolves():
     cfg = load_config(str(TINY))
     assert list(cfg.to_dict()) == list(SECTIONS) == ["model", "lora", "data", "sampling", "train",
-                                                     "algorithm", "actor", "reward", "log", "run"]
+                                                     "algorithm", "actor", "reward", "log", "eval", "run"]
     # Values from the file.
     assert cfg.lora.rank == 8
     assert cfg.lora.scale == 20.0
@@ -306,7 +306,7 @@ def test_missing_prompts_file(tmp_path):
 def test_prompts_may_be_a_folder_or_a_dataset_name_but_not_a_missing_file(tmp_path, tiny):
     """A folder is a `datasets` save_to_disk folder, read when the data loads (a folder that
     is none is a data error then); a bare name is a dataset of the Hugging Face cache."""
-    from actor.data import DataError, load_prompts
+    from policy.data import DataError, load_prompts
 
     folder = load_config(write_config(tmp_path, data={"prompts": json.dumps(str(EXAMPLES))}))
     assert folder.data.prompts == str(EXAMPLES)

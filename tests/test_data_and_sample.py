@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actor.data import DataError, PromptStream, load_prompts
+from policy.data import DataError, PromptStream, load_prompts
 from protocol.config import RewardConfig
 from rewards.functions import reward_inputs
 from rewards.scorer import Scorer
@@ -237,7 +237,7 @@ def actor_sample(tmp_path, name, *args):
 def test_actor_sample_shows_the_trained_adapter_is_better(tmp_path, default_run):
     base_out, base = actor_sample(tmp_path, "base")
     tuned_out, tuned = actor_sample(tmp_path, "tuned", "--adapter", str(default_run / "adapters"))
-    assert float(tuned["mean_reward"]) > float(base["mean_reward"]) + 0.3, (base, tuned)
+    assert float(tuned["reward_mean"]) > float(base["reward_mean"]) + 0.3, (base, tuned)
     rows = [json.loads(line) for line in tuned_out.read_text().splitlines()]
     assert len(rows) == 16 * 4
     for r in rows:

@@ -247,7 +247,7 @@ def test_plot_writes_a_png_of_the_run_s_curves(default_run, tmp_path):
     text, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and f"wrote {out}" in text, text
     image = matplotlib.image.imread(str(out))
-    assert image.shape[:2] == (650, 1300) and image[..., :3].std() > 0.05  # drawn on, not blank
+    assert image.shape[:2] == (650, 1700) and image[..., :3].std() > 0.05  # drawn on, not blank
     sparse = tmp_path / "sparse"
     sparse.mkdir()
     lines = [json.dumps({"step": s, "reward": s / 10}) + "\n" for s in (1, 2)]
@@ -255,36 +255,3 @@ def test_plot_writes_a_png_of_the_run_s_curves(default_run, tmp_path):
     proc = orchestrator("plot", "--run-dir", str(sparse))
     assert proc.communicate(timeout=120)[0].strip() == f"wrote {sparse / 'curves.png'}"
     assert (sparse / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of a TensorBoard event file, read back from its records (length,
-    length CRC, an Event protobuf, its CRC) with tensorboardX's protobuf classes."""
-    import struct
-
-    from tensorboardX.proto import event_pb2
-
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in log_dir.glob("events.out.tfevents.*"):
-        data, at = path.read_bytes(), 0
-        while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
-            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
-            at += 12 + length + 4
-            for v in event.summary.value:
-                scalars.setdefault(v.tag, []).append((event.step, v.simple_value))
-    return scalars
-
-
-def test_tensorboard_gets_every_step_s_metrics(tmp_path):
-    """log.report_to = ["tensorboard"]: the event file holds each step's numbers under
-    train/<metric>, equal to metrics.jsonl."""
-    cfg = write_config(tmp_path, '[log]\nreport_to = ["tensorboard"]', steps=3)
-    code, out = run_up(cfg)
-    assert code == 0, out
-    metrics = read_metrics(tmp_path / "run")
-    scalars = read_scalars(tmp_path / "run" / "tensorboard")
-    for key in ("reward", "reward_std", "kl", "completions/mean_length", "num_tokens", "learning_rate"):
-        assert [s for s, _ in scalars[f"train/{key}"]] == [1, 2, 3]
-        logged = [v for _, v in scalars[f"train/{key}"]]
-        np.testing.assert_allclose(logged, [m[key] for m in metrics], rtol=1e-6)

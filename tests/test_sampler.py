@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from actor.sampler import _row_keys, _sample, reference_sample, sample_groups, truncate
 from policy.logprobs import sequence_logprobs, token_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
+from policy.sampler import _row_keys, _sample, reference_sample, sample_groups, truncate
 from protocol.config import LoraConfig, SamplingConfig
 from tests.conftest import TINY_MODEL
 
@@ -267,7 +267,7 @@ def test_candidate_sampling_equals_the_full_sort_definition(params, spread, ties
     logprob) that the definition (whole-vocabulary sort, noise for every token) draws, on
     peaked logits (the cut inside the candidates), with ties, and on flat ones (it falls
     back). The definition's kept set is checked against an independent numpy one."""
-    import actor.sampler as sampler
+    import policy.sampler as sampler
 
     vocab, rows = 6000, 8
     logits = random_logits(rows, vocab, spread, ties, seed=3)

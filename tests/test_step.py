@@ -6,7 +6,6 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from actor.sampler import sample_groups
 from learner.algorithms import ALGORITHMS, make_algorithm
 from learner.step import (
     WHOLE,
@@ -22,6 +21,7 @@ from learner.step import (
 )
 from policy.logprobs import output_head
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
+from policy.sampler import sample_groups
 from protocol.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
 from tests.conftest import TINY_MODEL
 

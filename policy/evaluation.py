@@ -1,0 +1,115 @@
+"""Evaluation both processes do: sample n completions of each prompt, and summarise their
+scores as pass@k (the unbiased estimator) and the eval/* metrics. The learner evaluates
+during training ([eval], learner/evaluation.py); `actor sample` and `actor eval` run alone.
+Scoring is the caller's (a Scorer): the learner shares its reward socket with training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import IO
+
+import numpy as np
+
+from policy.data import Prompt, load_prompts
+from policy.sampler import Completion, sample_groups
+from protocol.config import Config, SamplingConfig
+from rewards.scorer import Scored
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that at least one of k completions, drawn without replacement from n of
+    which c pass, passes: 1 - C(n-c, k) / C(n, k), the unbiased estimator of Chen et al.
+    (2021, "Evaluating Large Language Models Trained on Code")."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k reported for n samples a prompt: 1, 2, 4, ... below n, and n."""
+    return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
+
+
+def eval_metrics(rewards: list[list[float | None]], lengths: list[int], threshold: float,
+                 prefix: str = "eval/") -> dict[str, float | int | None]:
+    """Summary of scored samples, one list of total rewards per prompt (None: unscored).
+    A completion passes when its reward is at least `threshold`; an unscored one fails.
+    pass@k is averaged over the prompts."""
+    flat = [r for row in rewards for r in row if r is not None]
+    n = min((len(row) for row in rewards), default=0)
+    passed = [sum(r is not None and r >= threshold for r in row[:n]) for row in rewards]
+    out: dict[str, float | int | None] = {
+        f"{prefix}reward_mean": float(np.mean(flat)) if flat else None,
+        f"{prefix}reward_std": float(np.std(flat)) if flat else None,
+    }
+    for k in pass_ks(n) if n else []:
+        out[f"{prefix}pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in passed]))
+    out[f"{prefix}completions/mean_length"] = float(np.mean(lengths)) if lengths else None
+    out[f"{prefix}prompts"] = len(rewards)
+    return out
+
+
+@dataclass
+class Sampled:
+    """One prompt's completions, decoded."""
+
+    prompt: Prompt
+    completions: list[Completion]
+    texts: list[str]
+
+
+def sample_prompts(model, tok, prompts: list[Prompt], num_samples: int, params: SamplingConfig, seed: int,
+                   err: IO[str] | None = None) -> tuple[list[Sampled], float]:
+    """`num_samples` completions of each prompt, about 64 rows decoding as one batch; and
+    the tokens per second. Row ids follow the prompt's position, so a prompt's samples
+    depend only on the seed and the model."""
+    rows, tokens, t0 = [], 0, time.perf_counter()
+    per_batch = max(1, 64 // num_samples)
+    for start in range(0, len(prompts), per_batch):
+        batch = prompts[start:start + per_batch]
+        groups = sample_groups(model, [p.prompt_ids for p in batch], num_samples, params,
+                               set(tok.eos_token_ids), seed=seed, row_offset=start * num_samples)
+        for p, completions in zip(batch, groups):
+            texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+            tokens += sum(len(c.token_ids) for c in completions)
+            rows.append(Sampled(p, completions, texts))
+        if err is not None:
+            rate = tokens / (time.perf_counter() - t0)
+            print(f"\rsampling {len(rows)}/{len(prompts)} prompts  {rate:.0f} tok/s", end="", file=err,
+                  flush=True)
+    if err is not None:
+        print(file=err)
+    elapsed = time.perf_counter() - t0
+    return rows, tokens / elapsed if elapsed > 0 else 0.0
+
+
+def rewards_of(scored: Scored | None) -> list[float | None] | None:
+    """A prompt's total rewards (None where unscored), or None when the prompt is unscored."""
+    if scored is None:
+        return None
+    return [None if np.isnan(r) else float(r) for r in scored.total]
+
+
+def summarize(rows: list[Sampled], scores: dict[str, Scored], threshold: float, prefix: str) -> dict:
+    """eval_metrics over the scored prompts, and how many could not be scored."""
+    rewards = [r for row in rows if (r := rewards_of(scores.get(str(row.prompt.index)))) is not None]
+    lengths = [len(c.token_ids) for row in rows for c in row.completions]
+    unscored = len(rows) - len(rewards)
+    return {**eval_metrics(rewards, lengths, threshold, prefix), f"{prefix}unscored_prompts": unscored}
+
+
+def eval_sampling(cfg: Config) -> SamplingConfig:
+    """The run's sampling settings with [eval]'s temperature, length and seed."""
+    e = cfg.eval
+    return dataclasses.replace(cfg.sampling, temperature=e.temperature or cfg.sampling.temperature,
+                               max_tokens=e.max_tokens or cfg.sampling.max_tokens, seed=e.seed)
+
+
+def load_eval_prompts(cfg: Config, tok) -> list[Prompt]:
+    prompts = load_prompts(cfg.eval.prompts, tok, cfg.sampling.max_prompt_tokens, cfg.data.split,
+                           cfg.data.prompt_column)
+    return prompts[:cfg.eval.limit or None]
