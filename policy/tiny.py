@@ -44,10 +44,10 @@ MODEL_CONFIG = {
 EMBED_STD = 0.15
 
 
-def _write_tokenizer(out: Path) -> None:
+def _write_tokenizer(out: Path, chars: list[str]) -> None:
     from tokenizers import Tokenizer, decoders, models
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
     # A BPE model without merges is a character tokenizer that still loads as a fast tokenizer.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     tok.add_special_tokens(SPECIAL_TOKENS)
@@ -67,16 +67,17 @@ def _write_tokenizer(out: Path) -> None:
     )
 
 
-def save_model(out_dir: str | Path, model, config: dict) -> Path:
-    """An mlx-lm model directory: `model`'s weights, `config` as config.json, and the tiny
-    tokenizer. Tests and benchmarks save models of other shapes with it too: ids beyond the
-    tokenizer's 57 decode to nothing, and every id still costs its logit."""
+def save_model(out_dir: str | Path, model, config: dict, chars: list[str] = CHARS) -> Path:
+    """An mlx-lm model directory: `model`'s weights, `config` as config.json, and a
+    character tokenizer of the special tokens and `chars` (by default the tiny one's). Tests
+    and benchmarks save models of other shapes with it too: ids beyond the tokenizer's
+    decode to nothing, and every id still costs its logit."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _write_tokenizer(out)
+    _write_tokenizer(out, chars)
     return out
 
 
