@@ -84,6 +84,47 @@ def eval_(
     show_summary(summary)
 
 
+@app.command()
+def serve(
+    config: str | None = typer.Option(None, "--config", "-c", help="TOML run config (model, LoRA)."),
+    run_dir: str | None = typer.Option(None, help="Follow a training run: serve its adapter, each new "
+                                       "version as it is trained (instead of --config)."),
+    adapter: str | None = typer.Option(None, help="mlx-lm adapter directory; default: the base model."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (no authentication: loopback)."),
+    port: int = typer.Option(8000, help="Port; 0 picks a free one."),
+    name: str | None = typer.Option(None, help="Model id in the API; default: the model's directory name."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value."),
+) -> None:
+    """Serve the policy as an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
+    /v1/models); every response also holds token ids, logprobs and the policy version."""
+    from pathlib import Path
+
+    from protocol.config import ConfigError, load_config, read_run_config
+
+    if (config is None) == (run_dir is None):
+        typer.echo("error: give --config (a fixed adapter) or --run-dir (follow a training run)", err=True)
+        raise typer.Exit(2)
+    if run_dir is not None and adapter is not None:
+        typer.echo("error: --adapter goes with --config; a followed run's comes from its learner", err=True)
+        raise typer.Exit(2)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = read_run_config(run_dir) if run_dir is not None else load_config(config, set_)
+    except (ConfigError, FileNotFoundError) as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        typer.echo(f"warning: listening on {host}: anyone who can reach it can use the model", err=True)
+    from actor.sample import load_model
+    from actor.serve import Follower, Policy
+    from actor.serve import serve as run_server
+
+    model, tok = load_model(cfg, None if run_dir else adapter)
+    policy = Policy(model, tok, name or Path(cfg.model.path).name, cfg.sampling, None)
+    follower = Follower(run_dir, cfg, policy) if run_dir else None
+    raise typer.Exit(run_server(policy, host, port, follower))
+
+
 def show_summary(summary: dict) -> None:
     for key, value in summary.items():
         shown = "-" if value is None else (f"{value:.4f}" if isinstance(value, float) else value)

@@ -41,6 +41,8 @@ class RolloutSocket:
         self.check_group = check_group
         self.weights = weights
         self.actors: dict[bytes, dict] = {}
+        # `actor serve --run-dir`: gets every weights version, sends nothing, has no credit.
+        self.observers: dict[bytes, dict] = {}
         self.weight_sync: dict[str, float] = {}  # the newest publish's size and serialize time
 
     def send(self, actor: bytes, kind: str, header: dict | None = None) -> None:
@@ -79,13 +81,14 @@ class RolloutSocket:
             log.error("refused %s (pid %s): %s", msg["role"], msg["pid"], problem)
             self.send(actor, protocol.STOP, {"reason": f"incompatible: {problem}"})
             return
-        self.actors[actor] = msg.header
-        log.info("actor pid %s attached; sending weights of version %d", msg["pid"], version)
+        role = msg["role"]
+        (self.observers if role == "observer" else self.actors)[actor] = msg.header
+        log.info("%s pid %s attached; sending weights of version %d", role, msg["pid"], version)
         self.send(actor, protocol.HELLO, {"role": "learner", "pid": os.getpid(), **self.identity, **hello})
         self.publish(version, [actor])
 
     def incompatibility(self, msg: protocol.Message) -> str | None:
-        if msg["role"] != "actor":
+        if msg["role"] not in ("actor", "observer"):
             return f"role {msg['role']!r} cannot attach to the rollout socket"
         if msg["tokenizer"] != self.identity["tokenizer"]:
             return "tokenizer fingerprint differs"
@@ -108,13 +111,13 @@ class RolloutSocket:
 
     def publish(self, version: int, actors: list[bytes] | None = None) -> None:
         """Send the adapter weights, as `version`, to `actors` (default: every attached
-        actor), serialised once."""
+        actor and observer), serialised once."""
         t0 = time.perf_counter()
         frames = protocol.encode(protocol.WEIGHTS, {"version": version, "sent_at": time.time()},
                                  self.weights())
         self.weight_sync = {"weights_mb": sum(len(f) for f in frames) / MB,
                             "weights_serialize_s": time.perf_counter() - t0}
-        for actor in self.actors if actors is None else actors:
+        for actor in [*self.actors, *self.observers] if actors is None else actors:
             self.sock.send_multipart([actor, *frames], copy=False)
 
     def send_credits(self) -> None:
@@ -123,7 +126,7 @@ class RolloutSocket:
             self.send(actor, protocol.CREDIT, {"groups_consumed": n})
 
     def close(self, reason: str) -> None:
-        for actor in self.actors:
+        for actor in [*self.actors, *self.observers]:
             self.send(actor, protocol.STOP, {"reason": reason})
         self.sock.close()
 

@@ -26,7 +26,7 @@ MAX_NDIM = 8
 MAX_DIM = 1 << 32
 
 DTYPES = {"uint8", "int32", "int64", "float16", "float32"}
-ROLES = {"actor", "learner", "reward_worker", "orchestrator"}
+ROLES = {"actor", "observer", "learner", "reward_worker", "orchestrator"}
 FINISH_REASONS = {"stop", "length"}
 
 HELLO = "hello"

@@ -1,0 +1,272 @@
+"""`actor serve`: the policy behind an OpenAI-compatible HTTP API.
+
+`GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions`, with OpenAI's
+request and response fields; each response also carries what an RL client needs and
+OpenAI does not give: `prompt_token_ids`, each choice's `token_ids` (as sampled, an EOS
+included) and `token_logprobs`, and the `policy_version` that sampled it (as vLLM returns
+token ids). Alone it serves the base model or one adapter; with `--run-dir` it attaches
+to a training run's learner as an observer and applies each new adapter version between
+requests, so its `policy_version` follows training.
+
+One request at a time, on the main thread: MLX runs one stream, and the weights change
+only between requests. Standard library HTTP, so the core install stays small. It listens
+on loopback unless told otherwise: there is no authentication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any
+
+import zmq
+
+import protocol
+from policy.data import encode_prompt
+from policy.model import set_adapter_weights, tokenizer_fingerprint
+from policy.sampler import Completion, sample_groups
+from protocol import lifecycle, sockets
+from protocol.config import Config, SamplingConfig, as_dict
+
+log = logging.getLogger("actor.serve")
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class BadRequest(ValueError):
+    """A request that cannot be served; the message names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Policy:
+    """The model being served, its tokenizer, and the version of its adapter weights."""
+
+    def __init__(self, model, tokenizer, name: str, sampling: SamplingConfig, version: int | None) -> None:
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.sampling, self.version = sampling, version
+        self.context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        self.seeds = itertools.count(int(time.time()))  # a request without `seed` draws anew
+
+    def params(self, body: dict) -> tuple[SamplingConfig, int]:
+        """Sampling settings from OpenAI's fields; temperature 0 is greedy (top-k 1)."""
+        def number(name: str, default, lo=None, hi=None, kind=float):
+            v = body.get(name, default)
+            if v is None:
+                return default
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or (kind is int and v != int(v)):
+                raise BadRequest(f"{name} must be a number", name)
+            if (lo is not None and v < lo) or (hi is not None and v > hi):
+                raise BadRequest(f"{name} must be between {lo} and {hi}", name)
+            return kind(v)
+        temperature = number("temperature", 1.0, 0.0, 2.0)
+        max_tokens = number("max_completion_tokens", None, 1, None, int) or number(
+            "max_tokens", DEFAULT_MAX_TOKENS, 1, None, int)
+        top_k = 1 if temperature == 0 else number("top_k", 0, 0, None, int)
+        top_p, min_p = number("top_p", 1.0, 0.0, 1.0), number("min_p", 0.0, 0.0, 1.0)
+        params = dataclasses.replace(self.sampling, temperature=temperature or 1.0, top_k=top_k, top_p=top_p,
+                                     min_p=min_p, max_tokens=max_tokens)
+        if params.top_p == 0:
+            raise BadRequest("top_p must be above 0", "top_p")
+        seed = number("seed", None, 0, None, int)
+        return params, next(self.seeds) if seed is None else seed
+
+    def generate(self, prompt_ids: list[int], body: dict) -> list[tuple[Completion, str]]:
+        """`n` completions of the prompt, each cut at the first stop string, with its text."""
+        n = body.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
+            raise BadRequest("n must be an integer from 1 to 64", "n")
+        params, seed = self.params(body)
+        if self.context and len(prompt_ids) + params.max_tokens > self.context:
+            raise BadRequest(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
+                             f"model's context of {self.context}", "max_tokens")
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else stops
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise BadRequest("stop must be a string or a list of strings", "stop")
+        eos = set(self.tokenizer.eos_token_ids)
+        (group,) = sample_groups(self.model, [prompt_ids], n, params, eos, seed=seed)
+        return [self.cut(c, stops) for c in group]
+
+    def cut(self, c: Completion, stops: list[str]) -> tuple[Completion, str]:
+        """The completion up to (not including) the first stop string, and its text."""
+        text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if at < 0:
+            return c, text
+        for k in range(len(c.token_ids) + 1):  # the fewest tokens whose text reaches the stop
+            if len(self.tokenizer.decode(c.token_ids[:k], skip_special_tokens=True)) >= at:
+                break
+        return Completion(c.token_ids[:k], c.logprobs[:k], "stop"), text[:at]
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def chat_prompt(policy: Policy, body: dict) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise BadRequest("messages must be a non-empty list of {role, content} with string content",
+                         "messages")
+    return encode_prompt(policy.tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
+
+
+def text_prompt(policy: Policy, body: dict) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt  # token ids, as OpenAI allows
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("prompt must be a non-empty string (or one string, or token ids)", "prompt")
+    return encode_prompt(policy.tokenizer, prompt)
+
+
+def respond(policy: Policy, body: dict, chat: bool) -> dict:
+    """The response body of a chat or text completion request."""
+    prompt_ids = chat_prompt(policy, body) if chat else text_prompt(policy, body)
+    out = policy.generate(prompt_ids, body)
+    choices = []
+    for i, (c, text) in enumerate(out):
+        choice: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason,
+                                  "token_ids": c.token_ids, "token_logprobs": c.logprobs}
+        tokens = [policy.token_text(t) for t in c.token_ids]
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = {"content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(tokens, c.logprobs)]} if body.get("logprobs") else None
+        else:
+            choice["text"] = text
+            offsets = list(itertools.accumulate([0] + [len(t) for t in tokens[:-1]]))
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": None,
+                                  "text_offset": offsets} if body.get("logprobs") is not None else None
+        choices.append(choice)
+    completion_tokens = sum(len(c.token_ids) for c, _ in out)
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": policy.name, "choices": choices,
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                  "total_tokens": len(prompt_ids) + completion_tokens},
+        "prompt_token_ids": prompt_ids, "policy_version": policy.version,
+    }
+
+
+def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        # HTTP/1.0: the connection closes after each response, so an idle keep-alive client
+        # cannot hold the one-request-at-a-time loop; a silent one is dropped after 30 s.
+        protocol_version = "HTTP/1.0"
+        timeout = 30
+
+        def reply(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def error(self, status: int, message: str, param: str | None = None) -> None:
+            self.reply(status, {"error": {"message": message, "type": "invalid_request_error",
+                                          "param": param, "code": None}})
+
+        def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
+            if self.path.rstrip("/") == "/v1/models":
+                self.reply(200, {"object": "list", "data": [
+                    {"id": policy.name, "object": "model", "created": 0, "owned_by": "mlx-rl-ipc",
+                     "policy_version": policy.version}]})
+            elif self.path.rstrip("/") == "/health":
+                self.reply(200, {"status": "ok", "policy_version": policy.version})
+            else:
+                self.error(404, f"no route {self.path}")
+
+        def do_POST(self) -> None:  # noqa: N802
+            route = self.path.rstrip("/")
+            if route not in ("/v1/chat/completions", "/v1/completions"):
+                self.error(404, f"no route {self.path}")
+                return
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if not isinstance(body, dict):
+                    raise BadRequest("the request body must be a JSON object")
+                if body.get("stream"):
+                    raise BadRequest("stream is not supported", "stream")
+                self.reply(200, respond(policy, body, chat=route == "/v1/chat/completions"))
+            except json.JSONDecodeError as e:
+                self.error(400, f"the request body is not JSON: {e}")
+            except BadRequest as e:
+                self.error(400, str(e), e.param)
+
+        def log_message(self, fmt: str, *args) -> None:
+            log.info("%s %s", self.address_string(), fmt % args)
+
+    return Handler
+
+
+class Follower:
+    """Attached to a training run's learner as an observer: takes each new adapter version."""
+
+    def __init__(self, run_dir: str, cfg: Config, policy: Policy) -> None:
+        self.policy = policy
+        self.ctx = zmq.Context()
+        self.sock, self.watch = sockets.connect(self.ctx, protocol.read_endpoints(run_dir)["learner"])
+        self.sock.send_multipart(protocol.encode(protocol.HELLO, {
+            "role": "observer", "model": cfg.model.path, "tokenizer": tokenizer_fingerprint(policy.tokenizer),
+            "lora": as_dict(cfg.lora), "pid": os.getpid()}))
+        self.stopped: str | None = None
+
+    def poll(self) -> None:
+        newest = None
+        for incoming in sockets.incoming(self.sock, 0):
+            msg = incoming.msg
+            if msg is None:
+                log.error("dropped a malformed message: %s", incoming.error)
+            elif msg.kind == protocol.WEIGHTS:
+                newest = msg if newest is None or msg["version"] > newest["version"] else newest
+            elif msg.kind == protocol.STOP:
+                self.stopped = msg["reason"]
+        if newest is not None:
+            try:
+                set_adapter_weights(self.policy.model, newest.arrays)
+                self.policy.version = newest["version"]
+            except ValueError as e:
+                log.error("ignored weights of version %d: %s", newest["version"], e)
+
+    def close(self) -> None:
+        self.watch.close()
+        self.sock.close()
+        self.ctx.term()
+
+
+def serve(policy: Policy, host: str, port: int, follower: Follower | None = None,
+          signals: lifecycle.StopSignals | None = None) -> int:
+    """Serve until a stop signal (or the followed run ends); returns the exit code."""
+    signals = signals or lifecycle.StopSignals().install()
+    server = HTTPServer((host, port), handler_for(policy))
+    server.timeout = 0.1
+    print(f"serving {policy.name} on http://{host}:{server.server_port}/v1", flush=True)
+    try:
+        while not signals.requested:
+            server.handle_request()
+            if follower is not None:
+                follower.poll()
+                if follower.stopped:
+                    print(f"the run ended ({follower.stopped}); stopping", flush=True)
+                    return lifecycle.EXIT_OK
+    finally:
+        server.server_close()
+        if follower is not None:
+            follower.close()
+    return lifecycle.signal_exit_code(signals.signum)
