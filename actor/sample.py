@@ -51,18 +51,17 @@ def load_model(cfg: Config, adapter: str | None):
     return model, tok
 
 
-def scorer_for(cfg: Config):
-    """A scorer with its own reward socket in a temporary directory (for "worker" rewards),
-    and a function that closes both."""
+def score_rows(cfg: Config, rows: list[Sampled], err: IO[str]) -> dict[str, Scored]:
+    """Score every prompt's completions with the config's rewards, through a reward socket
+    of our own in a temporary directory (for "worker" rewards), closed when done."""
     ctx = zmq.Context()
-    sockets = tempfile.TemporaryDirectory(prefix="mlxrl-sample-")
-    scorer = Scorer(cfg.reward, ctx, f"ipc://{sockets.name}/reward.sock")
-
-    def close() -> None:
-        scorer.close()
-        ctx.term()
-        sockets.cleanup()
-    return scorer, close
+    with tempfile.TemporaryDirectory(prefix="mlxrl-sample-") as sockets:
+        scorer = Scorer(cfg.reward, ctx, f"ipc://{sockets}/reward.sock")
+        try:
+            return score_all(scorer, rows, err)
+        finally:
+            scorer.close()
+            ctx.term()
 
 
 def run_sample(cfg: Config, prompts_path: str, num_samples: int, out_path: str,
@@ -73,11 +72,7 @@ def run_sample(cfg: Config, prompts_path: str, num_samples: int, out_path: str,
     prompts = load_prompts(prompts_path, tok, cfg.sampling.max_prompt_tokens, cfg.data.split,
                            cfg.data.prompt_column)[:limit]
     rows, rate = sample_prompts(model, tok, prompts, num_samples, cfg.sampling, seed, err)
-    scorer, close = scorer_for(cfg)
-    try:
-        scores = score_all(scorer, rows, err)
-    finally:
-        close()
+    scores = score_rows(cfg, rows, err)
     with open(out_path, "w") as f:
         for row in rows:
             rewards = rewards_of(scores.get(str(row.prompt.index))) or [None] * len(row.completions)
@@ -96,11 +91,7 @@ def run_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.stderr)
     params = eval_sampling(cfg)
     rows, rate = sample_prompts(model, tok, load_eval_prompts(cfg, tok), cfg.eval.num_samples, params,
                                 params.seed, err)
-    scorer, close = scorer_for(cfg)
-    try:
-        scores = score_all(scorer, rows, err)
-    finally:
-        close()
+    scores = score_rows(cfg, rows, err)
     return {**summarize(rows, scores, cfg.eval.pass_threshold, "eval/"), "tokens_per_s": rate}
 
 

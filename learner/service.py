@@ -120,7 +120,7 @@ class Learner:
                     self.write_status(self.phase())
                     last_status = time.time()
             if self.step >= train.steps:
-                self.evaluate()  # unless the last step was just evaluated
+                self.evaluate()  # a run resumed at its last step; otherwise done already
         except RewardError:
             self.checkpoint()
             self.write_status("failed")
@@ -153,13 +153,10 @@ class Learner:
                 "step_s": time.perf_counter() - t0, **self.rollouts.weight_sync,
                 "learner_peak_mb": mx.get_peak_memory() / MB, **self.shares, **self.group_counts(),
             }
-            self.metrics.write(line)
-            for reporter in self.reporters:
-                reporter.write(line)
+            self.record(line)
             if train.checkpoint_every and self.step % train.checkpoint_every == 0:
                 self.checkpoint()
-            if self.step < train.steps:  # the last step's evaluation comes after the loop
-                self.evaluate()
+            self.evaluate()
             t0 = time.perf_counter()
             if self.step >= train.steps or self.signals.requested:
                 break
@@ -172,9 +169,13 @@ class Learner:
         line = self.evaluator.run(self.model, self.step, self.scorer, self.intake.take,
                                   lambda: self.signals.requested)
         if line is not None:
-            self.metrics.write(line)
-            for reporter in self.reporters:
-                reporter.write(line)
+            self.record(line)
+
+    def record(self, line: dict) -> None:
+        """A metrics line, to metrics.jsonl and to every `log.report_to` backend."""
+        self.metrics.write(line)
+        for reporter in self.reporters:
+            reporter.write(line)
 
     def log_completions(self, groups: list[Group], advantages: np.ndarray) -> None:
         """Write a sample of the batch to completions.jsonl when one of its steps is due."""

@@ -22,6 +22,7 @@ from typing import IO
 import protocol
 from orchestrator.plan import thread_count
 from orchestrator.progress import display_for, is_eval
+from orchestrator.show import read_lines
 from protocol import lifecycle
 from protocol.config import MEMORY_SHARE_ENV, Config, write_run_config
 from protocol.heartbeat import heartbeat_path, seconds_since_beat
@@ -167,18 +168,10 @@ class Supervisor:
     def new_metrics(self) -> list[dict]:
         """Whole lines of metrics.jsonl past the last step shown. A restarted learner trims
         the file back to its checkpoint, so the file is re-read rather than tailed."""
-        try:
-            text = (self.run_dir / "metrics.jsonl").read_text()
-        except FileNotFoundError:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
             return []
-        rows = []
-        for line in text.splitlines(keepends=True):
-            if not line.endswith("\n"):
-                break  # being written
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
+        rows = read_lines(path)  # a line being written does not parse yet: skipped
         if rows and line_order(rows[-1]) < self.last_line:
             self.say(f"continuing from the checkpoint of step {rows[-1]['step']}")
             self.last_line = line_order(rows[-1])
