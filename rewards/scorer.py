@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import zmq
 
+import protocol
 from protocol.config import RewardConfig
-from rewards.dispatcher import RewardDispatcher
+from protocol.workers import WorkerPool
 from rewards.functions import WORKER, RewardError, call_reward, load_reward_function, reward_inputs
 
 
@@ -51,7 +52,8 @@ class Scorer:
         if WORKER in specs:
             if ctx is None or endpoint is None:
                 raise ValueError("a 'worker' reward needs a reward socket")
-            self.dispatcher = RewardDispatcher(ctx, endpoint, reward.timeout_s, reward.max_attempts, instance)
+            self.dispatcher = WorkerPool(ctx, endpoint, "reward_worker", protocol.SCORE_REPLY,
+                                         reward.timeout_s, reward.max_attempts, instance)
         self.partial: dict[str, dict[str, list]] = {}
 
     def metric_name(self, key: str) -> str:
@@ -85,7 +87,7 @@ class Scorer:
         if self.dispatcher is None:
             return self.combine(key, by_fn)
         self.partial[key] = by_fn
-        self.dispatcher.submit(key, inputs_for_wire(inputs), len(texts))
+        self.dispatcher.submit(key, inputs_for_wire(inputs), protocol.SCORE, reply_check(len(texts)))
         return None
 
     def poll(self, timeout_ms: int = 0) -> tuple[list[Scored], list[tuple[str, str]], list[tuple[str, str]]]:
@@ -98,11 +100,11 @@ class Scorer:
         done, errors = [], []
         for r in replies:
             by_fn = self.partial.pop(r.request_id)
-            if r.error is not None:
-                errors.append((r.request_id, r.error))
+            if r.header.get("error") is not None:
+                errors.append((r.request_id, f"reward worker pid {r.pid}: {r.header['error']}"))
                 continue
-            by_fn[WORKER] = r.rewards
-            by_fn.update({f"{WORKER}:{k}": v for k, v in r.by_function.items()})
+            by_fn[WORKER] = r.header["rewards"]
+            by_fn.update({f"{WORKER}:{k}": v for k, v in (r.header.get("rewards_by_function") or {}).items()})
             done.append(self.combine(r.request_id, by_fn))
         for key, _ in failures:
             self.partial.pop(key, None)
@@ -121,6 +123,15 @@ class Scorer:
         """Tell attached workers to exit, with the reason, and close the reward socket."""
         if self.dispatcher is not None:
             self.dispatcher.close(reason)
+
+
+def reply_check(n: int):
+    """A `score_reply` must have one reward per completion (unless it reports an error)."""
+    def check(header: dict) -> str | None:
+        if header.get("error") is None and len(header["rewards"]) != n:
+            return f"{len(header['rewards'])} rewards for {n} completions"
+        return None
+    return check
 
 
 def inputs_for_wire(inputs: dict[str, list]) -> dict:

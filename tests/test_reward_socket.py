@@ -11,13 +11,14 @@ import zmq
 
 import protocol
 from protocol.lifecycle import HEARTBEAT_TIMEOUT_S
-from rewards.dispatcher import RewardDispatcher
+from protocol.workers import WorkerPool
 
 
 @pytest.fixture
 def socket_pair(tmp_path):
     ctx = zmq.Context()
-    dispatcher = RewardDispatcher(ctx, f"ipc://{tmp_path}/reward.sock", timeout_s=60, max_attempts=5)
+    dispatcher = WorkerPool(ctx, f"ipc://{tmp_path}/reward.sock", "reward_worker", protocol.SCORE_REPLY,
+                            timeout_s=60, max_attempts=5)
     workers = []
 
     def worker() -> zmq.Socket:
@@ -37,7 +38,7 @@ def send(sock: zmq.Socket, kind: str, **header) -> None:
     sock.send_multipart(protocol.encode(kind, header))
 
 
-def receive(sock: zmq.Socket, dispatcher: RewardDispatcher, kind: str,
+def receive(sock: zmq.Socket, dispatcher: WorkerPool, kind: str,
             timeout: float = 5.0) -> protocol.Message:
     """Pump the dispatcher until `sock` receives a message of `kind` (others are skipped)."""
     deadline = time.monotonic() + timeout
@@ -50,15 +51,15 @@ def receive(sock: zmq.Socket, dispatcher: RewardDispatcher, kind: str,
     raise AssertionError(f"no {kind} within {timeout} s")
 
 
-def attach(sock: zmq.Socket, dispatcher: RewardDispatcher) -> protocol.Message:
+def attach(sock: zmq.Socket, dispatcher: WorkerPool) -> protocol.Message:
     send(sock, protocol.HELLO, role="reward_worker", pid=1)
     send(sock, protocol.READY)
     return receive(sock, dispatcher, protocol.HELLO)
 
 
-def request(dispatcher: RewardDispatcher, rid: str) -> None:
+def request(dispatcher: WorkerPool, rid: str) -> None:
     dispatcher.submit(rid, {"prompts": ["p"], "completions": ["c"], "completion_ids": [[1]],
-                            "columns": {}}, 1)
+                            "columns": {}}, protocol.SCORE)
 
 
 def test_the_answer_to_a_hello_says_attached_and_a_stranger_is_told_it_is_not(socket_pair):

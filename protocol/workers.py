@@ -1,19 +1,27 @@
-"""The reward socket: scoring requests handed to external reward workers.
+"""A worker socket: requests handed to worker processes that attach to it.
 
-The owner (learner, or `actor sample`) binds a ROUTER socket; workers connect a DEALER,
-say hello, then `ready`, and send a heartbeat every second (PROTOCOL.md, "The reward
-socket"). Each worker holds at most one request at a time; a reply makes it ready again.
+Two sockets work this way (PROTOCOL.md): the reward socket, owned by the learner (or
+`actor sample`), where reward workers take `score` requests; and the environment
+socket, owned by the actor, where environment workers take `reset` and `step` requests.
+
+The owner binds a ROUTER socket; workers connect a DEALER, say hello, then `ready`, and
+send a heartbeat every second. Each worker holds at most one request at a time; a reply
+makes it ready again.
 
 A request goes to another worker when its worker misses the deadline, answers with a
 malformed or mismatched reply, says `stop`, or falls silent (no heartbeat for
-HEARTBEAT_TIMEOUT_S; while it scores, only if it promised to beat while scoring). A late
-reply to a request already handed on is ignored, so nothing is scored twice; a worker
+HEARTBEAT_TIMEOUT_S; while it works, only if it promised to beat while working). A late
+reply to a request already handed on is ignored, so nothing is answered twice; a worker
 taken for gone that speaks again is taken back. After `max_attempts` a request fails
 with a reason.
 
+A request may be *pinned* to one worker: an environment's `step` must reach the worker
+that holds the episode. A pinned request is never handed on; when its worker is lost it
+fails at once, and the episode's owner starts the episode again elsewhere.
+
 Every socket owner has an `instance` id, sent in its hello. A peer that speaks without
-having said hello to this instance (a worker of a learner that was restarted) is
-answered with our hello marked `attached: false`, and attaches with hello + ready.
+having said hello to this instance (a worker of an owner that was restarted) is answered
+with our hello marked `attached: false`, and attaches with hello + ready.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -31,14 +40,19 @@ import protocol
 from protocol import sockets
 from protocol.lifecycle import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S
 
-log = logging.getLogger("rewards")
+log = logging.getLogger("workers")
+
+# What a reply must also satisfy, beyond its kind's wire checks: the problem, or None.
+ReplyCheck = Callable[[dict], "str | None"]
 
 
 @dataclass
 class Request:
     request_id: str
+    kind: str
     header: dict
-    n: int
+    check: ReplyCheck | None = None
+    pinned: bytes | None = None  # only this worker may take it
     attempts: int = 0
     worker: bytes | None = None  # who holds it: the one assignment table is `assigned`
     deadline: float = 0.0
@@ -47,7 +61,7 @@ class Request:
 @dataclass
 class Worker:
     pid: int
-    beats_while_scoring: bool  # promised a heartbeat every second even while scoring
+    beats_while_working: bool  # promised a heartbeat every second even while working
     last_seen: float
     alive: bool = True
     idle_when_lost: bool = False  # taken for gone while it held nothing: ready when back
@@ -56,16 +70,20 @@ class Worker:
 @dataclass
 class Reply:
     request_id: str
-    rewards: list[float | None]
-    by_function: dict[str, list[float | None]]
-    error: str | None = None  # the worker's function failed on this request
+    worker: bytes
+    pid: int
+    header: dict
 
 
-class RewardDispatcher:
-    def __init__(self, ctx: zmq.Context, endpoint: str, timeout_s: float, max_attempts: int,
-                 instance: str | None = None) -> None:
+class WorkerPool:
+    def __init__(self, ctx: zmq.Context, endpoint: str, role: str, reply_kind: str, timeout_s: float,
+                 max_attempts: int, instance: str | None = None, owner_role: str = "learner") -> None:
+        """`role`: the hello role workers must have; `reply_kind`: the kind they answer
+        with; `owner_role`: the role this side's hello carries."""
         self.sock = sockets.listen(ctx, endpoint)
         self.endpoint = endpoint
+        self.role, self.reply_kind, self.owner_role = role, reply_kind, owner_role
+        self.name = role.replace("_", " ")  # "reward worker", for logs
         self.instance = instance or uuid.uuid4().hex[:12]
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
         self.workers: dict[bytes, Worker] = {}  # every worker that said hello to this instance
@@ -87,11 +105,21 @@ class RewardDispatcher:
     def hello(self, attached: bool) -> dict:
         """`attached` tells a worker whether this answers its hello, or greets a stranger
         that must say hello (PROTOCOL.md, "Liveness")."""
-        return {"role": "learner", "pid": os.getpid(), "instance": self.instance,
+        return {"role": self.owner_role, "pid": os.getpid(), "instance": self.instance,
                 "heartbeat_s": HEARTBEAT_S, "attached": attached}
 
-    def submit(self, request_id: str, header: dict, n: int) -> None:
-        self.waiting.append(Request(request_id, header, n))
+    def submit(self, request_id: str, header: dict, kind: str = protocol.SCORE,
+               check: ReplyCheck | None = None, pinned: bytes | None = None) -> None:
+        self.waiting.append(Request(request_id, kind, header, check, pinned))
+
+    def alive(self, worker: bytes) -> bool:
+        w = self.workers.get(worker)
+        return w is not None and w.alive
+
+    def notify(self, worker: bytes, kind: str, header: dict) -> None:
+        """A message that wants no reply (an environment's `end`), straight to `worker`."""
+        if self.alive(worker):
+            self.send(worker, kind, header)
 
     def poll(self, timeout_ms: int = 0) -> tuple[list[Reply], list[tuple[str, str]]]:
         """Handle worker messages, deadlines, silence and dispatch. Returns (replies, failures)."""
@@ -104,7 +132,7 @@ class RewardDispatcher:
                 continue
             self.handle(incoming.peer, incoming.msg, done, failed)
         self.check_workers(failed)
-        self.dispatch()
+        self.dispatch(failed)
         self.beat()
         return done, failed
 
@@ -118,10 +146,10 @@ class RewardDispatcher:
             return
         if msg.kind == protocol.READY:
             self.mark_ready(identity)
-        elif msg.kind == protocol.SCORE_REPLY:
+        elif msg.kind == self.reply_kind:
             self.take_reply(identity, msg, done, failed)
         elif msg.kind == protocol.STOP:
-            log.info("reward worker pid %d leaves: %s", worker.pid, msg["reason"])
+            log.info("%s pid %d leaves: %s", self.name, worker.pid, msg["reason"])
             self.lose(identity, "the worker left", failed)
         # A heartbeat is only for last_seen; other kinds mean nothing here.
 
@@ -132,7 +160,7 @@ class RewardDispatcher:
             return
         worker.last_seen = time.monotonic()
         if not worker.alive:
-            log.info("reward worker pid %d is back; taking it again", worker.pid)
+            log.info("%s pid %d is back; taking it again", self.name, worker.pid)
             worker.alive = True
             if worker.idle_when_lost:
                 # It was waiting for work when we gave up on it, so it is waiting still. One
@@ -140,27 +168,27 @@ class RewardDispatcher:
                 self.mark_ready(identity)
 
     def attach(self, identity: bytes, msg: protocol.Message, failed: list) -> None:
-        if msg["role"] != "reward_worker":
-            log.error("refused a %s on the reward socket", msg["role"])
-            self.send(identity, protocol.STOP, {"reason": "only reward workers attach here"})
+        if msg["role"] != self.role:
+            log.error("refused a %s on the %s socket", msg["role"], self.name)
+            self.send(identity, protocol.STOP, {"reason": f"only {self.name}s attach here"})
             return
         if identity in self.workers:  # said hello again: it forgot what it held
             self.lose(identity, "the worker said hello again", failed)
-        self.workers[identity] = Worker(msg["pid"], msg.header.get("beats_while_scoring") is True,
-                                        time.monotonic())
-        log.info("reward worker pid %s attached (%d attached)", msg["pid"], self.n_workers)
+        promise = msg.header.get("beats_while_working", msg.header.get("beats_while_scoring"))
+        self.workers[identity] = Worker(msg["pid"], promise is True, time.monotonic())
+        log.info("%s pid %s attached (%d attached)", self.name, msg["pid"], self.n_workers)
         self.send(identity, protocol.HELLO, self.hello(attached=True))
 
     def greet(self, identity: bytes, msg: protocol.Message) -> None:
-        """A peer that never said hello to this instance: most likely a worker of a learner
+        """A peer that never said hello to this instance: most likely a worker of an owner
         that was restarted. Tell it, once, that it is not attached; it answers with hello
         and ready."""
-        if msg.kind == protocol.SCORE_REPLY:
+        if msg.kind == self.reply_kind:
             self.stats["late_replies"] += 1  # to a request of a previous instance
         if identity not in self.greeted:
             self.greeted.add(identity)
-            log.info("a peer that has not said hello to this learner sent %r; sending it our hello",
-                     msg.kind)
+            log.info("a peer that has not said hello to this %s sent %r; sending it our hello",
+                     self.owner_role, msg.kind)
             self.send(identity, protocol.HELLO, self.hello(attached=False))
 
     def take_reply(self, identity: bytes, msg: protocol.Message, done: list, failed: list) -> None:
@@ -176,18 +204,13 @@ class RewardDispatcher:
                         "that worker", msg["request_id"])
             self.mark_ready(identity)
             return
-        error = msg.header.get("error")
-        if error is None and len(msg["rewards"]) != request.n:
-            self.reject(identity, f"{len(msg['rewards'])} rewards for {request.n} completions", failed)
+        problem = request.check(msg.header) if request.check is not None else None
+        if problem is not None:
+            self.reject(identity, problem, failed)
             return
         del self.assigned[request.request_id]
         self.mark_ready(identity)
-        if error is not None:
-            done.append(Reply(request.request_id, [], {},
-                              f"reward worker pid {self.workers[identity].pid}: {error}"))
-        else:
-            done.append(Reply(request.request_id, msg["rewards"],
-                              msg.header.get("rewards_by_function") or {}))
+        done.append(Reply(request.request_id, identity, self.workers[identity].pid, msg.header))
 
     def holding(self, identity: bytes) -> Request | None:
         return next((r for r in self.assigned.values() if r.worker == identity), None)
@@ -195,14 +218,14 @@ class RewardDispatcher:
     def reject(self, identity: bytes, reason: str, failed: list) -> None:
         """A bad reply: log it, hand the worker's request to another worker."""
         self.stats["rejected_replies"] += 1
-        log.error("bad reply from reward worker %s: %s", identity.hex(), reason)
+        log.error("bad reply from %s %s: %s", self.name, identity.hex(), reason)
         self.requeue(identity, reason, failed)
         if identity in self.workers:
             self.mark_ready(identity)
 
     def lose(self, identity: bytes, why: str, failed: list) -> None:
         """The worker is gone (it left, fell silent, or missed a deadline): stop sending
-        it requests and hand on the one it holds."""
+        it requests, hand on the one it holds, fail those pinned to it."""
         worker = self.workers[identity]
         worker.alive = False
         worker.idle_when_lost = self.holding(identity) is None
@@ -210,6 +233,9 @@ class RewardDispatcher:
         if identity in self.ready:
             self.ready.remove(identity)
         self.requeue(identity, why, failed)
+        for request in [r for r in self.waiting if r.pinned == identity]:
+            self.waiting.remove(request)
+            failed.append((request.request_id, f"{self.name}: {why}"))
 
     def requeue(self, identity: bytes, reason: str, failed: list) -> None:
         request = self.holding(identity)
@@ -217,8 +243,8 @@ class RewardDispatcher:
             return
         del self.assigned[request.request_id]
         request.worker = None
-        if request.attempts >= self.max_attempts:
-            failed.append((request.request_id, f"reward worker: {reason}"))
+        if request.pinned is not None or request.attempts >= self.max_attempts:
+            failed.append((request.request_id, f"{self.name}: {reason}"))
             return
         self.stats["retries"] += 1
         self.waiting.appendleft(request)
@@ -226,16 +252,16 @@ class RewardDispatcher:
     def check_workers(self, failed: list) -> None:
         now = time.monotonic()
         for request in [r for r in self.assigned.values() if r.deadline < now]:
-            log.error("reward worker pid %d missed the %.0f s deadline for request %s; sending it "
-                      "elsewhere", self.workers[request.worker].pid, self.timeout_s, request.request_id)
+            log.error("%s pid %d missed the %.0f s deadline for request %s; sending it elsewhere",
+                      self.name, self.workers[request.worker].pid, self.timeout_s, request.request_id)
             self.lose(request.worker, "deadline missed", failed)
         for identity, w in self.workers.items():
             silent = now - w.last_seen
             if not w.alive or silent <= HEARTBEAT_TIMEOUT_S:
                 continue
             held = self.holding(identity)
-            if held is None or w.beats_while_scoring:
-                log.error("reward worker pid %d sent nothing for %.1f s: taking it for gone%s",
+            if held is None or w.beats_while_working:
+                log.error("%s pid %d sent nothing for %.1f s: taking it for gone%s", self.name,
                           w.pid, silent, f"; request {held.request_id} goes elsewhere" if held else "")
                 self.lose(identity, "the worker fell silent", failed)
 
@@ -243,15 +269,27 @@ class RewardDispatcher:
         if identity not in self.ready and self.holding(identity) is None:
             self.ready.append(identity)
 
-    def dispatch(self) -> None:
-        while self.waiting and self.ready:
-            identity = self.ready.popleft()
-            request = self.waiting.popleft()
+    def dispatch(self, failed: list) -> None:
+        """Give waiting requests to ready workers, in order; a pinned request waits for its
+        own worker, and fails when that worker is gone."""
+        for request in list(self.waiting):
+            if request.pinned is not None and not self.alive(request.pinned):
+                self.waiting.remove(request)
+                failed.append((request.request_id, f"{self.name}: the worker holding it is gone"))
+                continue
+            if request.pinned is None and self.ready:
+                identity = self.ready.popleft()
+            elif request.pinned is not None and request.pinned in self.ready:
+                identity = request.pinned
+                self.ready.remove(identity)
+            else:
+                continue
+            self.waiting.remove(request)
             request.attempts += 1
             request.worker = identity
             request.deadline = time.monotonic() + self.timeout_s
             self.assigned[request.request_id] = request
-            self.send(identity, protocol.SCORE, {"request_id": request.request_id, **request.header})
+            self.send(identity, request.kind, {"request_id": request.request_id, **request.header})
 
     def beat(self) -> None:
         """Heartbeats to the attached workers, while this process's loop runs."""
@@ -260,7 +298,7 @@ class RewardDispatcher:
         self.last_beat = time.monotonic()
         for identity, w in self.workers.items():
             if w.alive:
-                self.send(identity, protocol.HEARTBEAT, {"role": "learner", "time": time.time()})
+                self.send(identity, protocol.HEARTBEAT, {"role": self.owner_role, "time": time.time()})
 
     def send(self, identity: bytes, kind: str, header: dict) -> None:
         self.sock.send_multipart([identity, *protocol.encode(kind, header)])
