@@ -24,13 +24,15 @@ import numpy as np
 import zmq
 
 import protocol
-from policy.data import PromptStream, check_context, load_prompts
+from actor.episodes import EpisodeRunner
+from policy.data import Prompt, PromptStream, check_context, load_prompts
 from policy.memory import apply_memory_share
 from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint
-from policy.sampler import sample_groups
+from policy.sampler import Completion, sample_groups
 from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
 from protocol.heartbeat import start_heartbeat
+from protocol.workers import WorkerPool
 
 log = logging.getLogger("actor")
 
@@ -47,8 +49,9 @@ class Actor:
         data = self.cfg.data
         prompts = load_prompts(data.prompts, self.tokenizer, s.max_prompt_tokens, data.split,
                                data.prompt_column)
+        env = self.cfg.env
         check_context(prompts, getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
-                      s.max_tokens)
+                      env.max_episode_tokens if env.environment else s.max_tokens)
         self.stream = PromptStream(prompts, data.shuffle, data.seed)
         self.version: int | None = None
         self.pending: protocol.Message | None = None  # newest weights not yet applied
@@ -60,8 +63,14 @@ class Actor:
         self.ctx = zmq.Context()
         # Under an orchestrator the lifeline ends us; started by hand, we end when the
         # learner has been unreachable for good (the watch).
-        self.sock, self.watch = sockets.connect(self.ctx, protocol.read_endpoints(run_dir)["learner"])
+        endpoints = protocol.read_endpoints(run_dir)
+        self.sock, self.watch = sockets.connect(self.ctx, endpoints["learner"])
         self.learner_lost = False
+        self.episodes = None
+        if env.environment:
+            pool = WorkerPool(self.ctx, endpoints["env"], "env_worker", protocol.OBSERVATION, env.timeout_s,
+                              max_attempts=1, owner_role="actor")  # the runner counts an episode's attempts
+            self.episodes = EpisodeRunner(pool, self.model, self.tokenizer, self.eos_ids, s, env)
 
     def send(self, kind: str, header: dict, arrays: dict | None = None) -> None:
         self.sock.send_multipart(protocol.encode(kind, header, arrays), copy=False)
@@ -120,11 +129,17 @@ class Actor:
             prompts.append(next(self.stream))
             cursors.append(list(self.stream.cursor))
         t0 = time.perf_counter()
-        groups = sample_groups(self.model, [p.prompt_ids for p in prompts], g, self.sampling,
-                               self.eos_ids, seed=self.sampling.seed, row_offset=first * g)
+        if self.episodes is None:
+            groups = sample_groups(self.model, [p.prompt_ids for p in prompts], g, self.sampling,
+                                   self.eos_ids, seed=self.sampling.seed, row_offset=first * g)
+            rollouts = [self.completions(p, c) for p, c in zip(prompts, groups)]
+        else:
+            episodes = self.episodes.run(prompts, first * g, self.interrupted)
+            if episodes is None:
+                return  # stopping: the learner's data cursor still points before these prompts
+            rollouts = [e.fields(self.decode) for e in episodes]
         gen_s = (time.perf_counter() - t0) / n
-        for prompt, cursor, completions in zip(prompts, cursors, groups):
-            ids = [c.token_ids for c in completions]
+        for prompt, cursor, (fields, arrays) in zip(prompts, cursors, rollouts):
             header = {
                 "group_id": str(self.groups_sent),
                 "cursor": cursor,
@@ -133,19 +148,35 @@ class Actor:
                 "policy_version": self.version,
                 "prompt": prompt.prompt,
                 "columns": prompt.columns,
-                "texts": [self.tokenizer.decode(t, skip_special_tokens=True) for t in ids],
-                "finish_reasons": [c.finish_reason for c in completions],
+                **fields,
                 "gen_s": gen_s,
                 "peak_memory_mb": mx.get_peak_memory() / (1 << 20),
             }
-            arrays = {
-                "prompt_ids": np.array(prompt.prompt_ids, dtype=np.int32),
-                "completion_ids": np.array(sum(ids, []), dtype=np.int32),
-                "completion_lens": np.array([len(t) for t in ids], dtype=np.int32),
-                "logprobs": np.array(sum((c.logprobs for c in completions), []), dtype=np.float32),
-            }
+            if self.episodes is not None:
+                header["env_retries"] = self.episodes.retries
             self.send(protocol.ROLLOUT, header, arrays)
             self.groups_sent += 1
+
+    def completions(self, prompt: Prompt, completions: list[Completion]) -> tuple[dict, dict]:
+        """A single-turn group's rollout fields and arrays."""
+        ids = [c.token_ids for c in completions]
+        fields = {"texts": [self.decode(t) for t in ids],
+                  "finish_reasons": [c.finish_reason for c in completions]}
+        arrays = {
+            "prompt_ids": np.array(prompt.prompt_ids, dtype=np.int32),
+            "completion_ids": np.array(sum(ids, []), dtype=np.int32),
+            "completion_lens": np.array([len(t) for t in ids], dtype=np.int32),
+            "logprobs": np.array(sum((c.logprobs for c in completions), []), dtype=np.float32),
+        }
+        return fields, arrays
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def interrupted(self) -> bool:
+        """Between turns of an episode: the learner said stop, or a stop signal came."""
+        self.receive(0)
+        return self.told_to_stop or self.signals.requested
 
     def run(self) -> None:
         self.send(protocol.HELLO, {"role": "actor", "model": self.cfg.model.path,
@@ -168,6 +199,8 @@ class Actor:
             self.sample_groups(min(room, batch_size))
 
     def close(self) -> None:
+        if self.episodes is not None:
+            self.episodes.pool.close("the actor stopped")
         self.watch.close()
         self.sock.close()
         self.ctx.term()

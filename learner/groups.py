@@ -27,12 +27,18 @@ class Group:
     cursor: list[int] | None = None  # the actor's data cursor just after this prompt
     row: int | None = None  # the prompt's row in the data file, for error messages
     timings: dict[str, float] = field(default_factory=dict)  # the actor's weight-sync times
+    loss_masks: list[np.ndarray] | None = None  # episodes: 1 where the model sampled the token
+    turns: list[list[dict]] | None = None  # episodes: each completion's turns as messages
+    env_rewards: list[float | None] | None = None  # episodes: what the environment returned, summed
+    env_retries: int | None = None  # episodes the actor started again so far
     rewards: np.ndarray | None = None  # [G] weighted sum, set when scored
     rewards_by_function: dict[str, list] = field(default_factory=dict)
 
 
 def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size: int) -> Group:
     """Build a Group; raise ValueError (the drop reason) if it cannot be trained on."""
+    if msg.header.get("error") is not None:
+        raise ValueError(msg["error"])  # the actor could not complete it (e.g. its environment failed)
     a = msg.arrays
     ids = np.concatenate([a["prompt_ids"], a["completion_ids"]])
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
@@ -40,11 +46,12 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
     lens = a["completion_lens"]
     if len(lens) != group_size:
         raise ValueError(f"group of {len(lens)} completions, config says {group_size}")
-    if (lens == 0).any():
-        # An empty completion has no token to carry its advantage; training on it would
-        # silently shrink the batch's loss.
-        raise ValueError("empty completion")
     cuts = np.cumsum(lens)[:-1]
+    masks = np.split(a["loss_mask"], cuts) if "loss_mask" in a else None
+    if (lens == 0).any() or (masks is not None and not all(m.any() for m in masks)):
+        # A completion without a sampled token has nothing to carry its advantage; training
+        # on it would silently shrink the batch's loss.
+        raise ValueError("empty completion")
     gen_s = msg.header.get("gen_s", 0.0)
     peak = msg.header.get("peak_memory_mb")
     cursor = msg.header.get("cursor")
@@ -67,4 +74,8 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
         row=row if type(row := msg.header.get("row")) is int else None,
         timings={k: float(v) for k in ("weights_transfer_s", "weights_apply_s")
                  if isinstance(v := msg.header.get(k), (int, float)) and not isinstance(v, bool)},
+        loss_masks=masks,
+        turns=msg.header.get("turns"),
+        env_rewards=msg.header.get("env_rewards"),
+        env_retries=v if type(v := msg.header.get("env_retries")) is int else None,
     )

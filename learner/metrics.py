@@ -24,8 +24,8 @@ def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarra
     As in TRL, a completion that every reward function left unscored (its reward NaN, as
     the scorer marks it) is left out of `reward` and `reward_std`, and a function's None
     values out of its own statistics; standard deviations are the sample ones (n - 1)."""
-    lens = np.array([len(s.completion_ids) for s in samples])
-    stopped = np.array([s.finish_reason == "stop" for s in samples])
+    lens = np.array([s.trained_tokens for s in samples])  # an episode's: the model's tokens
+    stopped = np.array([s.finish_reason != "length" for s in samples])  # TRL: not truncated
     scored = rewards.astype(np.float64)
     group_std = np.array([nanstd(row) for row in scored])
     gen_s = sum(g.gen_s for g in groups)
@@ -52,7 +52,22 @@ def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarra
         "weights_transfer_s": newest(groups, "weights_transfer_s"),
         "weights_apply_s": newest(groups, "weights_apply_s"),
         "actor_peak_mb": max(actor_peaks) if actor_peaks else None,
+        **episode_metrics(groups),
     }
+
+
+def episode_metrics(groups: list[Group]) -> dict[str, float]:
+    """For episodes: model turns per episode, how episodes ended (a fraction per finish
+    reason), and how many the actor had to start again so far."""
+    if groups[0].turns is None:
+        return {}
+    turns = [sum(m["role"] == "assistant" for m in t) for g in groups for t in g.turns]
+    reasons = [r for g in groups for r in g.finish_reasons]
+    out = {"episodes/mean_model_turns": float(np.mean(turns)),
+           "env_retries": max(g.env_retries or 0 for g in groups)}
+    for reason in sorted(set(reasons)):
+        out[f"episodes/finish/{reason}"] = reasons.count(reason) / len(reasons)
+    return out
 
 
 def batch_tokens(samples: list[Sample]) -> int:
@@ -101,6 +116,7 @@ def completion_rows(step: int, groups: list[Group], advantages: np.ndarray,
                 "step": step, "policy_version": g.policy_version, "group_id": g.group_id, "index": i,
                 "prompt": g.prompt, "completion": text, "finish_reason": g.finish_reasons[i],
                 "tokens": len(g.completion_ids[i]),
+                **({} if g.turns is None else {"turns": g.turns[i]}),
                 "reward": None if np.isnan(g.rewards[i]) else float(g.rewards[i]),  # NaN: unscored
                 "rewards": {metric_name(k): v[i] for k, v in g.rewards_by_function.items()},
                 "advantage": float(advantages[gi * size + i]),

@@ -134,8 +134,9 @@ class Learner:
         train = self.cfg.train
         rewards = np.stack([g.rewards for g in groups])
         advantages = self.trainer.algorithm.advantages(rewards)
-        samples = [Sample(g.prompt_ids, ids, lp, fr) for g in groups
-                   for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)]
+        samples = [Sample(g.prompt_ids, ids, lp, fr, None if g.loss_masks is None else g.loss_masks[i])
+                   for g in groups
+                   for i, (ids, lp, fr) in enumerate(zip(g.completion_ids, g.logprobs, g.finish_reasons))]
         batch = make_batch(samples, self.pad_id)
         prepared = self.trainer.prepare(batch)
         self.num_tokens += batch_tokens(samples)

@@ -58,6 +58,12 @@ class Sample:
     completion_ids: np.ndarray
     behavior_logprobs: np.ndarray
     finish_reason: str
+    loss_mask: np.ndarray | None = None  # an episode's: 0 on the environment's tokens
+
+    @property
+    def trained_tokens(self) -> int:
+        """The completion tokens the model sampled: those the loss sees."""
+        return len(self.completion_ids) if self.loss_mask is None else int(self.loss_mask.sum())
 
 
 @dataclass
@@ -104,9 +110,10 @@ def make_batch(samples: list[Sample], pad_id: int) -> Batch:
         p, c = len(s.prompt_ids), len(s.completion_ids)
         tokens[i, :p] = s.prompt_ids
         tokens[i, p:p + c] = s.completion_ids
-        # Position j predicts tokens[j + 1]: completion tokens sit at p-1 .. p+c-2.
-        mask[i, p - 1:p - 1 + c] = 1.0
-        behavior[i, p - 1:p - 1 + c] = s.behavior_logprobs
+        # Position j predicts tokens[j + 1]: completion tokens sit at p-1 .. p+c-2. An
+        # episode's environment tokens are context, never trained on: mask 0.
+        mask[i, p - 1:p - 1 + c] = 1.0 if s.loss_mask is None else s.loss_mask
+        behavior[i, p - 1:p - 1 + c] = s.behavior_logprobs * mask[i, p - 1:p - 1 + c]
     return Batch(mx.array(tokens), mx.array(mask), mx.array(behavior))
 
 

@@ -108,27 +108,64 @@ def reward_worker(
 ) -> None:
     """Serve a Python reward function to a run. Start as many as you like; each survives
     learner restarts and exits when the run ends."""
-    import logging
     import os
 
-    import protocol
-    from orchestrator.reward_worker import serve
+    from orchestrator.workers import RewardWorker
     from rewards.functions import RewardError
+
+    endpoint = _worker_endpoint(run_dir, connect, "reward")
+    _serve(lambda signals: RewardWorker(function, endpoint, os.getcwd(), learner_timeout, signals),
+           RewardError)
+
+
+@app.command("env-worker")
+def env_worker(
+    environment: str = typer.Argument(..., help="Environment class as module:Class (reset and step)."),
+    run_dir: str | None = typer.Option(None, help="Attach to this run's env socket."),
+    connect: str | None = typer.Option(None, help="Or attach to this endpoint."),
+    search_path: str | None = typer.Option(None, help="Directory searched first for the module; "
+                                           "default: the current one."),
+    actor_timeout: float = typer.Option(
+        lifecycle.LEARNER_TIMEOUT_S, help="Exit when the actor has been unreachable this many seconds."),
+) -> None:
+    """Serve a Python environment to a run's actor: one instance per episode. Start as
+    many as you like; each survives actor restarts and exits when the run ends."""
+    import os
+
+    from orchestrator.workers import EnvError, EnvWorker
+
+    lifecycle.watch_lifeline()  # started by `orchestrator up`: end with it
+    endpoint = _worker_endpoint(run_dir, connect, "env")
+    _serve(lambda signals: EnvWorker(environment, endpoint, search_path or os.getcwd(), actor_timeout,
+                                     signals), EnvError)
+
+
+def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str) -> str:
+    import logging
+
+    import protocol
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if (run_dir is None) == (connect is None):
         typer.echo("error: give exactly one of --run-dir and --connect", err=True)
         raise typer.Exit(2)
     try:
-        endpoint = connect or protocol.read_endpoints(run_dir)["reward"]
+        return connect or protocol.read_endpoints(run_dir)[socket]
     except (OSError, KeyError, ValueError):
-        typer.echo(f"error: {run_dir} has no endpoints.json with a reward socket; "
+        typer.echo(f"error: {run_dir} has no endpoints.json with a {socket} socket; "
                    "is the run started?", err=True)
         raise typer.Exit(2) from None
+
+
+def _serve(make_worker, user_error: type[Exception]) -> None:
+    """Run a worker to its end and exit with its code; a user error (the function or class
+    cannot be loaded) exits 2."""
+    from orchestrator.workers import serve
+
     signals = lifecycle.StopSignals().install()
     try:
-        code = serve(function, endpoint, os.getcwd(), learner_timeout, signals)
-    except RewardError as e:
+        code = serve(make_worker(signals))
+    except user_error as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     except lifecycle.ForcedStop as e:
@@ -156,6 +193,23 @@ def show_completions(
         typer.echo(f"error: {path} does not exist (set log.completions_every to log completions)", err=True)
         raise typer.Exit(2)
     typer.echo(completions_table(read_lines(path), step, width))
+
+
+@show_app.command("reward")
+def show_reward(
+    run_dir: str = typer.Option(..., "--run-dir", help="The run's directory."),
+    window: int = typer.Option(10, help="Steps at each end to average."),
+) -> None:
+    """Print the mean reward of the first and the last N steps: did the run learn?"""
+    from pathlib import Path
+
+    from orchestrator.show import read_lines, reward_change
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        typer.echo(f"error: {path} does not exist", err=True)
+        raise typer.Exit(2)
+    typer.echo(reward_change(read_lines(path), window))
 
 
 @app.command()

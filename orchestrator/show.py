@@ -53,6 +53,17 @@ def completions_table(rows: list[dict], step: int | None, width: int | None = No
     return "\n".join(out)
 
 
+def reward_change(rows: list[dict], window: int = 10) -> str:
+    """The mean reward of the first and of the last `window` training steps, and the change."""
+    steps = [m for m in rows if m.get("reward") is not None and not any(k.startswith("eval/") for k in m)]
+    if len(steps) < 2:
+        return "fewer than two steps with a reward in metrics.jsonl"
+    n = min(window, len(steps) // 2)
+    first, last = (sum(m["reward"] for m in part) / n for part in (steps[:n], steps[-n:]))
+    return (f"reward: first {n} steps {first:.3f}, last {n} steps {last:.3f} ({last - first:+.3f}; "
+            f"steps {steps[0]['step']}-{steps[n - 1]['step']} and {steps[-n]['step']}-{steps[-1]['step']})")
+
+
 # The curves `orchestrator plot` draws: (title, metric, its std for a band, if any).
 CURVES = [
     ("reward", "reward", "reward_std"),

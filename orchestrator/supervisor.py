@@ -122,7 +122,11 @@ class Supervisor:
         (self.run_dir / "plan.json").write_text(json.dumps({"shares_mb": self.shares_mb}) + "\n")
         self.warned: set[str] = set()
         self.children: dict[str, Child] = {}
-        self.restarts = {"learner": 0, "actor": 0}
+        env = cfg.env
+        # `env.environment = "module:Class"`: env workers are the run's processes too.
+        self.env_workers = ([f"env-worker-{i}" for i in range(env.num_workers)]
+                            if env.environment and env.environment != "socket" else [])
+        self.restarts = {name: 0 for name in ("learner", "actor", *self.env_workers)}
         self.last_line = (0, False)  # line_order of the last metrics line shown
         self.phase = None
 
@@ -133,12 +137,21 @@ class Supervisor:
         self.say(f"run directory: {self.run_dir}")
         self.start_child("learner", resume=self.resume)
         self.start_child("actor")
+        for name in self.env_workers:
+            self.start_child(name)
 
     def start_child(self, name: str, resume: bool = False) -> None:
         heartbeat_path(self.run_dir, name).unlink(missing_ok=True)
-        args = ["learner", *(["--resume"] if resume else [])] if name == "learner" else ["actor", "run"]
+        if name == "learner":
+            args = ["learner", *(["--resume"] if resume else [])]
+        elif name == "actor":
+            args = ["actor", "run"]
+        else:
+            args = ["orchestrator", "env-worker", self.cfg.env.environment,
+                    "--search-path", self.cfg.reward.search_path]
         child = spawn(name, args, self.run_dir, self.lifeline, self.lock_fd,
-                      self.shares_mb.get(name), thread_count(self.cfg.train.max_staleness > 0))
+                      self.shares_mb.get(name), 1 if name in self.env_workers else
+                      thread_count(self.cfg.train.max_staleness > 0))
         self.children[name] = child
         self.say(f"started {name} (pid {child.proc.pid}), log: {child.log_path}")
 
@@ -230,7 +243,7 @@ class Supervisor:
             self.poll_progress()
             if self.children["learner"].proc.poll() == lifecycle.EXIT_OK:
                 break
-            for name in ("learner", "actor"):
+            for name in ("learner", "actor", *self.env_workers):
                 why = self.failure(name)
                 if why is not None:
                     self.restart(name, why)

@@ -193,16 +193,18 @@ def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
 
 def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
                   params: SamplingConfig, eos_ids: set[int], seed: int,
-                  row_offset: int = 0) -> list[list[Completion]]:
+                  row_offset: int = 0, row_ids: list[int] | None = None) -> list[list[Completion]]:
     """`group_size` completions of each prompt, all rows decoding as one batch.
 
-    Row j of prompt i has the id row_offset + i * group_size + j: its tokens depend only on
-    (seed, that id) and the model, so callers that give each group a stable offset get the
-    same samples whatever the batch holds.
+    Row j of prompt i has the id row_offset + i * group_size + j (or row_ids[i * group_size
+    + j] when given): its tokens depend only on (seed, that id) and the model, so callers
+    that give each group stable ids get the same samples whatever the batch holds.
     """
     if not prompts:
         return []
-    rows = [row_offset + r for r in range(len(prompts) * group_size)]
+    rows = row_ids or [row_offset + r for r in range(len(prompts) * group_size)]
+    if len(rows) != len(prompts) * group_size:
+        raise ValueError(f"{len(rows)} row ids for {len(prompts)} prompts of {group_size} rows")
     head = output_head(model)
 
     def prefill(inputs: mx.array, cache: list) -> mx.array:

@@ -3,13 +3,17 @@
 from protocol.endpoints import make_endpoints, read_endpoints, write_endpoints
 from protocol.wire import (
     CREDIT,
+    END,
     HEARTBEAT,
     HELLO,
+    OBSERVATION,
     PROTOCOL_VERSION,
     READY,
+    RESET,
     ROLLOUT,
     SCORE,
     SCORE_REPLY,
+    STEP,
     STOP,
     WEIGHTS,
     Message,
@@ -19,7 +23,7 @@ from protocol.wire import (
 )
 
 __all__ = [
-    "CREDIT", "HEARTBEAT", "HELLO", "PROTOCOL_VERSION", "READY", "ROLLOUT", "SCORE", "SCORE_REPLY",
-    "STOP", "WEIGHTS", "Message", "ProtocolError", "decode", "encode", "make_endpoints",
-    "read_endpoints", "write_endpoints",
+    "CREDIT", "END", "HEARTBEAT", "HELLO", "OBSERVATION", "PROTOCOL_VERSION", "READY", "RESET", "ROLLOUT",
+    "SCORE", "SCORE_REPLY", "STEP", "STOP", "WEIGHTS", "Message", "ProtocolError", "decode", "encode",
+    "make_endpoints", "read_endpoints", "write_endpoints",
 ]

@@ -60,11 +60,16 @@ def _reward_functions(v: tuple[str, ...]) -> str | None:
         return "must name at least one reward"
     for spec in v:
         module, _, fn = spec.partition(":")
-        if spec != "worker" and not (module and fn):
-            return f"entries must be 'module:function' or 'worker' ({spec!r} is neither)"
+        if spec not in ("worker", "env") and not (module and fn):
+            return f"entries must be 'module:function', 'worker' or 'env' ({spec!r} is none of these)"
     if len(set(v)) < len(v):
-        return "may name each function (and 'worker') once"
+        return "may name each function (and 'worker', 'env') once"
     return None
+
+
+def _environment(v: str) -> str | None:
+    module, _, cls = v.partition(":")
+    return None if v == "socket" or (module and cls) else "must be 'module:Class' or 'socket'"
 
 
 def key(default: Any = MISSING, doc: str = "", check: Check | None = None, shown: str | None = None):
@@ -213,14 +218,31 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    environment: str | None = key(None, "multi-turn episodes: `module:Class` (served by env workers the "
+                                        "orchestrator starts) or `\"socket\"` (you attach workers, in any "
+                                        "language, to the env socket; PROTOCOL.md); unset = one completion "
+                                        "per prompt", _environment, shown="unset")
+    num_workers: int = key(1, "env workers the orchestrator starts for a `module:Class`", _range(1))
+    max_turns: int = key(4, "model turns per episode", _range(1))
+    max_episode_tokens: int = key(256, "completion tokens per episode, the model's and the environment's "
+                                       "together (each model turn is also capped by `sampling.max_tokens`)",
+                                  _range(1))
+    timeout_s: float = key(60.0, "deadline for an env worker's reply", _range(0, lo_open=True))
+    max_attempts: int = key(3, "times an episode is started (again on another worker when its worker is "
+                               "lost) before its group is dropped", _range(1))
+
+
+@dataclass(frozen=True)
 class RewardConfig:
-    functions: tuple[str, ...] = key(doc="list of `module:function` and/or `\"worker\"` (external "
-                                     "workers), each once", check=_reward_functions)
+    functions: tuple[str, ...] = key(doc="list of `module:function`, `\"worker\"` (external workers) and "
+                                     "`\"env\"` (the rewards the environment returned, summed over the "
+                                     "episode), each once", check=_reward_functions)
     weights: tuple[float, ...] = key((), "one weight per function", shown="all 1.0")
     timeout_s: float = key(60.0, "deadline for an external worker's reply", _range(0, lo_open=True))
     max_attempts: int = key(5, "dispatches of one request before its group is dropped", _range(1))
-    search_path: str | None = key(None, "directory searched first for reward modules (relative to "
-                                  "the config file)", shown="the config file's directory")
+    search_path: str | None = key(None, "directory searched first for reward and environment modules "
+                                        "(relative to the config file)", shown="the config file's directory")
 
 
 @dataclass(frozen=True)
@@ -228,7 +250,8 @@ class RunConfig:
     dir: str = key("runs/default", "run directory (relative to where you run the command)")
     transport: str = key("ipc", "`ipc` (private socket files) or `tcp`", _one_of("ipc", "tcp"))
     host: str = key("127.0.0.1", "for `tcp`")
-    port: int = key(5555, "for `tcp` (the reward socket takes port + 1)", _range(1, 65535))
+    port: int = key(5555, "for `tcp` (the reward socket takes port + 1, the env socket port + 2)",
+                    _range(1, 65535))
     max_restarts: int = key(3, "restarts allowed per process", _range(0))
     hang_timeout_s: float = key(600.0, "a process whose heartbeat is older is killed and restarted",
                                 _range(0, lo_open=True))
@@ -246,6 +269,7 @@ class Config:
     algorithm: AlgorithmConfig = AlgorithmConfig()
     actor: ActorConfig = ActorConfig()
     reward: RewardConfig
+    env: EnvConfig = EnvConfig()
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
@@ -331,6 +355,11 @@ def validate(raw: dict[str, Any]) -> Config:
     if reward.weights and len(reward.weights) != len(reward.functions):
         raise ConfigError(f"reward.weights has {len(reward.weights)} entries for "
                           f"{len(reward.functions)} reward.functions")
+    if "env" in reward.functions and cfg.env.environment is None:
+        raise ConfigError("reward.functions names 'env', but no env.environment is set")
+    if cfg.eval.prompts and cfg.env.environment:
+        raise ConfigError("eval.prompts: evaluating episodes with an environment is not supported yet; "
+                          "leave [eval] out of a run with env.environment")
     if cfg.eval.every and not cfg.eval.prompts:
         raise ConfigError("eval.every needs eval.prompts (the held-out prompt rows)")
     return cfg

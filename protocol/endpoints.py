@@ -12,12 +12,13 @@ from protocol.lifecycle import write_atomic
 # sockaddr_un.sun_path is 108 bytes on Linux and 104 on macOS, including the NUL.
 _MAX_IPC_PATH = 100
 
-NAMES = ("learner", "reward")
+# The env socket is bound by the actor, and only in a run with an environment.
+NAMES = ("learner", "reward", "env")
 
 
 def make_endpoints(run_dir: Path, transport: str = "ipc", host: str = "127.0.0.1",
                    base_port: int = 5555) -> dict[str, str]:
-    """Choose an address for every socket the learner binds, and create their directory."""
+    """Choose an address for every socket of the run, and create their directory."""
     if transport == "tcp":
         return {name: f"tcp://{host}:{base_port + i}" for i, name in enumerate(NAMES)}
     if transport != "ipc":

@@ -26,8 +26,9 @@ MAX_NDIM = 8
 MAX_DIM = 1 << 32
 
 DTYPES = {"uint8", "int32", "int64", "float16", "float32"}
-ROLES = {"actor", "observer", "learner", "reward_worker", "orchestrator"}
-FINISH_REASONS = {"stop", "length"}
+ROLES = {"actor", "observer", "learner", "reward_worker", "env_worker", "orchestrator"}
+# An episode (a rollout with an environment) also ends by the environment or by max_turns.
+FINISH_REASONS = {"stop", "length", "max_turns", "env_done", "env_error"}
 
 HELLO = "hello"
 ROLLOUT = "rollout"
@@ -38,6 +39,10 @@ STOP = "stop"
 READY = "ready"
 SCORE = "score"
 SCORE_REPLY = "score_reply"
+RESET = "reset"
+STEP = "step"
+OBSERVATION = "observation"
+END = "end"
 
 
 class ProtocolError(ValueError):
@@ -76,6 +81,10 @@ _SCHEMA: dict[str, dict[str, Any]] = {
     SCORE: {"request_id": str, "prompts": list, "completions": list, "completion_ids": list,
             "columns": dict},
     SCORE_REPLY: {"request_id": str, "rewards": list},
+    RESET: {"request_id": str, "episode_id": str, "prompt": _ANY, "columns": dict},
+    STEP: {"request_id": str, "episode_id": str, "action": str, "action_ids": list},
+    OBSERVATION: {"request_id": str, "observation": str, "done": bool},
+    END: {"episode_id": str},
 }
 
 # An actor must also say what it runs, so the learner can refuse a mismatch.
@@ -147,6 +156,8 @@ def decode(frames: list, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
             _check_fields(kind, head, _HELLO_MODEL_FIELDS)
     elif kind == SCORE_REPLY:
         _check_score_reply(head)
+    elif kind == OBSERVATION:
+        _check_observation(head)
     return msg
 
 
@@ -171,7 +182,8 @@ def _check_fields(kind: str, head: dict, schema: dict | None = None) -> None:
 def _type_name(typ: Any) -> str:
     if isinstance(typ, tuple):
         return "a number"
-    return {str: "a string", int: "an integer", dict: "a map", list: "a list"}.get(typ, str(typ))
+    return {str: "a string", int: "an integer", dict: "a map", list: "a list", bool: "true or false"}.get(
+        typ, str(typ))
 
 
 def _decode_arrays(kind: str, specs: Any, frames: list[bytes]) -> dict[str, np.ndarray]:
@@ -230,6 +242,15 @@ def _check_score_reply(head: dict) -> None:
                                 "finite numbers or nil, one per completion")
 
 
+def _check_observation(head: dict) -> None:
+    for name, ok, what in (("reward", _is_reward, "a finite number or nil"),
+                           ("role", lambda v: isinstance(v, str) and v, "a non-empty string"),
+                           ("info", lambda v: isinstance(v, dict), "a map"),
+                           ("error", lambda v: isinstance(v, str), "a string")):
+        if head.get(name) is not None and not ok(head[name]):
+            raise ProtocolError(f"observation: field {name!r} must be {what}")
+
+
 def _check_rollout(msg: Message) -> None:
     a, h = msg.arrays, msg.header
     lens = a["completion_lens"]
@@ -253,3 +274,24 @@ def _check_rollout(msg: Message) -> None:
     lp = a["logprobs"]
     if not np.isfinite(lp).all() or (lp > 1e-4).any():
         raise ProtocolError("rollout: logprobs must be finite and <= 0")
+    _check_episode_fields(msg, g)
+
+
+def _check_episode_fields(msg: Message, g: int) -> None:
+    """The optional fields of a rollout whose completions are episodes."""
+    a, h = msg.arrays, msg.header
+    mask = a.get("loss_mask")
+    if mask is not None and (mask.dtype != np.uint8 or mask.shape != a["completion_ids"].shape
+                             or (mask > 1).any()):
+        raise ProtocolError("rollout: loss_mask must be uint8 0/1, one per completion id")
+    rewards = h.get("env_rewards")
+    if rewards is not None and not (isinstance(rewards, list) and len(rewards) == g
+                                    and all(_is_reward(v) for v in rewards)):
+        raise ProtocolError(f"rollout: env_rewards must be {g} finite numbers or nil")
+    turns = h.get("turns")
+    if turns is not None and not (isinstance(turns, list) and len(turns) == g and all(
+            isinstance(t, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                        and isinstance(m.get("content"), str) for m in t) for t in turns)):
+        raise ProtocolError(f"rollout: turns must be {g} lists of {{'role': str, 'content': str}} messages")
+    if h.get("error") is not None and not isinstance(h["error"], str):
+        raise ProtocolError("rollout: field 'error' must be a string")

@@ -15,33 +15,47 @@ from typing import Any
 
 RewardFn = Callable[..., list]
 WORKER = "worker"  # a reward entry served by external workers on the reward socket
+ENV = "env"  # a reward entry that is what an episode's environment returned
 
 
 class RewardError(RuntimeError):
     """A reward function failed or returned something unusable."""
 
 
-def load_reward_function(spec: str, search_path: str | None = None) -> RewardFn:
-    """Import `module:function`, looking in `search_path` (the config's directory) first."""
-    module_name, _, fn_name = spec.partition(":")
+def import_spec(spec: str, search_path: str | None, error: type[Exception],
+                what: str) -> tuple[str, str, Any]:
+    """Import `module:name`, looking in `search_path` (the config's directory) first, like
+    a local import. Returns (module name, name, the object or None); raises `error`
+    naming the `what` when the module does not import."""
+    module_name, _, name = spec.partition(":")
     if search_path and search_path not in sys.path:
         sys.path.insert(0, search_path)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise RewardError(f"reward function {spec!r}: cannot import {module_name!r}: {e}") from None
-    fn = getattr(module, fn_name, None)
+        raise error(f"{what} {spec!r}: cannot import {module_name!r}: {e}") from None
+    return module_name, name, getattr(module, name, None)
+
+
+def load_reward_function(spec: str, search_path: str | None = None) -> RewardFn:
+    """Import `module:function`, looking in `search_path` (the config's directory) first."""
+    module_name, fn_name, fn = import_spec(spec, search_path, RewardError, "reward function")
     if not callable(fn):
         raise RewardError(f"reward function {spec!r}: {module_name} has no function {fn_name!r}")
     return fn
 
 
 def reward_inputs(prompt: Any, texts: list[str], completion_ids: list[list[int]],
-                  columns: dict[str, Any]) -> dict[str, list]:
-    """TRL's per-completion argument lists for one prompt and its completions."""
+                  columns: dict[str, Any], turns: list[list[dict]] | None = None) -> dict[str, list]:
+    """TRL's per-completion argument lists for one prompt and its completions. A chat
+    episode's completion is its list of turns (assistant and environment messages); a text
+    episode's is its whole text, the environment's included."""
     n = len(texts)
     chat = isinstance(prompt, list)
-    completions = [[{"role": "assistant", "content": t}] if chat else t for t in texts]
+    if chat and turns is not None:
+        completions = turns
+    else:
+        completions = [[{"role": "assistant", "content": t}] if chat else t for t in texts]
     inputs = {"prompts": [prompt] * n, "completions": completions,
               "completion_ids": [list(map(int, ids)) for ids in completion_ids]}
     for name, value in columns.items():

@@ -18,7 +18,7 @@ import zmq
 import protocol
 from protocol.config import RewardConfig
 from protocol.workers import WorkerPool
-from rewards.functions import WORKER, RewardError, call_reward, load_reward_function, reward_inputs
+from rewards.functions import ENV, WORKER, RewardError, call_reward, load_reward_function, reward_inputs
 
 
 @dataclass
@@ -34,8 +34,8 @@ WORKER_STATS = ("retries", "rejected_replies", "late_replies", "lost_workers")
 def short_names(specs: list[str]) -> dict[str, str]:
     """Each spec's name in metrics: the function's name, or the whole `module:function`
     where two modules have a function of that name (their scores must not merge)."""
-    counts = Counter(s.partition(":")[2] for s in specs if s != WORKER)
-    return {s: s if s == WORKER or counts[s.partition(":")[2]] > 1 else s.partition(":")[2]
+    counts = Counter(s.partition(":")[2] for s in specs if s not in (WORKER, ENV))
+    return {s: s if s in (WORKER, ENV) or counts[s.partition(":")[2]] > 1 else s.partition(":")[2]
             for s in specs}
 
 
@@ -45,7 +45,7 @@ class Scorer:
         specs = list(reward.functions)
         weights = reward.weights or [1.0] * len(specs)
         # Keyed by the whole `module:function`: two modules may both have a `correct`.
-        self.entries = [(s, None if s == WORKER else load_reward_function(s, reward.search_path), w)
+        self.entries = [(s, None if s in (WORKER, ENV) else load_reward_function(s, reward.search_path), w)
                         for s, w in zip(specs, weights)]
         self.names = short_names(specs)
         self.dispatcher = None
@@ -79,11 +79,15 @@ class Scorer:
             self.dispatcher.stats.update({k: saved.get(f"reward_{k}", 0) for k in WORKER_STATS})
 
     def submit(self, key: str, prompt: Any, texts: list[str], completion_ids: list,
-               columns: dict[str, Any]) -> Scored | None:
+               columns: dict[str, Any], turns: list[list[dict]] | None = None,
+               env_rewards: list[float | None] | None = None) -> Scored | None:
         """Score in-process at once; returns None while an external score is awaited.
-        Raises RewardError if an in-process function fails."""
-        inputs = reward_inputs(prompt, texts, completion_ids, columns)
+        Episodes bring their `turns` (chat completions) and the rewards their environment
+        returned (the `"env"` entry). Raises RewardError if an in-process function fails."""
+        inputs = reward_inputs(prompt, texts, completion_ids, columns, turns)
         by_fn = {name: call_reward(fn, inputs, name) for name, fn, _ in self.entries if fn is not None}
+        if any(name == ENV for name, _, _ in self.entries):
+            by_fn[ENV] = list(env_rewards) if env_rewards is not None else [None] * len(texts)
         if self.dispatcher is None:
             return self.combine(key, by_fn)
         self.partial[key] = by_fn

@@ -77,8 +77,9 @@ def error_of(path: Path, **kw) -> str:
 
 def test_example_config_loads_and_resolves():
     cfg = load_config(str(TINY))
-    assert list(cfg.to_dict()) == list(SECTIONS) == ["model", "lora", "data", "sampling", "train",
-                                                     "algorithm", "actor", "reward", "log", "eval", "run"]
+    assert list(cfg.to_dict()) == list(SECTIONS) == [
+        "model", "lora", "data", "sampling", "train", "algorithm", "actor", "reward", "env", "log", "eval",
+        "run"]
     # Values from the file.
     assert cfg.lora.rank == 8
     assert cfg.lora.scale == 20.0
@@ -277,7 +278,7 @@ def test_missing_required_key(tmp_path, section, key):
 @pytest.mark.parametrize("function", ['"tiny_task.reward"', '"tiny_task"', '":reward"', '"tiny_task:"'])
 def test_reward_function_needs_module_and_function(tmp_path, function):
     msg = error_of(write_config(tmp_path, reward={"functions": f"[{function}]"}))
-    assert msg.startswith("reward.functions entries must be 'module:function' or 'worker'")
+    assert msg.startswith("reward.functions entries must be 'module:function', 'worker' or 'env'")
     msg = error_of(write_config(tmp_path, reward={"functions": '["a:b", ""]'}))
     assert msg == "reward.functions[1] must not be empty"
 
@@ -286,9 +287,9 @@ def test_reward_function_list_problems_are_named(tmp_path):
     assert error_of(write_config(tmp_path, reward={"functions": "[]"})) == (
         "reward.functions must name at least one reward, got []")
     msg = error_of(write_config(tmp_path, reward={"functions": '["worker", "worker"]'}))
-    assert msg.startswith("reward.functions may name each function (and 'worker') once")
+    assert msg.startswith("reward.functions may name each function (and 'worker', 'env') once")
     msg = error_of(write_config(tmp_path, reward={"functions": '["a:b", "a:b"]'}))
-    assert msg.startswith("reward.functions may name each function (and 'worker') once")
+    assert msg.startswith("reward.functions may name each function (and 'worker', 'env') once")
     msg = error_of(write_config(tmp_path, reward={"functions": '["a:b", "worker"]', "weights": "[1.0]"}))
     assert msg == "reward.weights has 1 entries for 2 reward.functions"
     msg = error_of(write_config(tmp_path, reward={"functions": '["a:b"]', "weights": '["x"]'}))
@@ -575,3 +576,16 @@ def test_load_run_config_applies_overrides_to_the_saved_config(tmp_path, monkeyp
         load_run_config(tmp_path / "nowhere")
     with pytest.raises(ConfigError, match=r"unknown key train\.nope"):
         load_run_config(moved, ["train.nope=1"])
+
+
+def test_env_section_is_checked():
+    raw = {"model": {"path": "m"}, "data": {"prompts": "p"}, "reward": {"functions": ["env"]}}
+    with pytest.raises(ConfigError, match="reward.functions names 'env', but no env.environment is set"):
+        validate(raw)
+    cfg = validate({**raw, "env": {"environment": "digits_env:DigitsEnv"}})
+    assert (cfg.env.max_turns, cfg.env.max_episode_tokens, cfg.env.max_attempts) == (4, 256, 3)
+    assert validate({**raw, "env": {"environment": "socket"}}).env.environment == "socket"
+    with pytest.raises(ConfigError, match=r"env\.environment must be 'module:Class' or 'socket', got 'dig"):
+        validate({**raw, "env": {"environment": "digits"}})
+    with pytest.raises(ConfigError, match="evaluating episodes with an environment is not supported yet"):
+        validate({**raw, "env": {"environment": "socket"}, "eval": {"prompts": "held.jsonl"}})

@@ -190,7 +190,8 @@ def test_tcp_transport_binds_loopback(tmp_path):
     code, out = run_up(cfg)
     assert code == 0, out
     endpoints = json.loads((tmp_path / "run" / "endpoints.json").read_text())
-    assert endpoints == {"learner": f"tcp://127.0.0.1:{port}", "reward": f"tcp://127.0.0.1:{port + 1}"}
+    assert endpoints == {"learner": f"tcp://127.0.0.1:{port}", "reward": f"tcp://127.0.0.1:{port + 1}",
+                         "env": f"tcp://127.0.0.1:{port + 2}"}
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
 
 

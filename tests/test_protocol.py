@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -653,8 +654,9 @@ def test_bool_protocol_version_rejected():
 
 def test_make_endpoints_ipc_private_dir(tmp_path):
     eps = make_endpoints(tmp_path)
-    assert set(eps) == {"learner", "reward"}
+    assert set(eps) == {"learner", "reward", "env"}
     assert eps["reward"] == eps["learner"].replace("learner.sock", "reward.sock")
+    assert eps["env"] == eps["learner"].replace("learner.sock", "env.sock")
     addr = eps["learner"]
     assert addr.startswith("ipc://")
     sock = Path(addr.removeprefix("ipc://"))
@@ -697,9 +699,9 @@ def test_make_endpoints_deep_run_dir(tmp_path):
 
 def test_make_endpoints_tcp(tmp_path):
     assert make_endpoints(tmp_path, transport="tcp") == {
-        "learner": "tcp://127.0.0.1:5555", "reward": "tcp://127.0.0.1:5556"}
+        "learner": "tcp://127.0.0.1:5555", "reward": "tcp://127.0.0.1:5556", "env": "tcp://127.0.0.1:5557"}
     assert make_endpoints(tmp_path, "tcp", host="0.0.0.0", base_port=7000) == {
-        "learner": "tcp://0.0.0.0:7000", "reward": "tcp://0.0.0.0:7001"}
+        "learner": "tcp://0.0.0.0:7000", "reward": "tcp://0.0.0.0:7001", "env": "tcp://0.0.0.0:7002"}
     assert not (tmp_path / "sockets").exists()
 
 
@@ -723,3 +725,46 @@ def test_write_read_endpoints_round_trip(tmp_path):
 def test_read_endpoints_missing(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_endpoints(tmp_path)
+
+
+# --------------------------------------------------------------------------- episodes and the env socket
+
+
+def test_an_episode_rollout_round_trips_with_its_loss_mask():
+    header, arrays = rollout_parts()
+    n = len(arrays["completion_ids"])
+    mask = np.array([0, 1, 1, 0, 1][:n], dtype=np.uint8)
+    header.update(finish_reasons=["env_done", "max_turns"], env_rewards=[0.5, None], env_retries=2,
+                  turns=[[{"role": "assistant", "content": "a"}], [{"role": "user", "content": "b"}]])
+    msg = decode(encode(ROLLOUT, header, {**arrays, "loss_mask": mask}))
+    assert_same_array(msg.arrays["loss_mask"], mask)
+    assert msg["env_rewards"] == [0.5, None] and msg["finish_reasons"] == ["env_done", "max_turns"]
+
+
+@pytest.mark.parametrize("changes, arrays, message", [
+    ({}, {"loss_mask": np.ones(4, dtype=np.uint8)}, "loss_mask must be uint8 0/1, one per completion id"),
+    ({}, {"loss_mask": np.full(5, 2, dtype=np.uint8)}, "loss_mask must be uint8 0/1"),
+    ({}, {"loss_mask": np.ones(5, dtype=np.int32)}, "loss_mask must be uint8 0/1"),
+    ({"env_rewards": [1.0]}, {}, "env_rewards must be 2 finite numbers or nil"),
+    ({"env_rewards": [1.0, float("nan")]}, {}, "env_rewards must be 2 finite numbers or nil"),
+    ({"turns": [[{"role": "user"}], []]}, {}, "turns must be 2 lists of"),
+    ({"error": 3}, {}, "field 'error' must be a string"),
+])
+def test_bad_episode_fields_are_named(changes, arrays, message):
+    with pytest.raises(ProtocolError, match=re.escape(message)):
+        decode(rollout_frames(changes, arrays))
+
+
+def test_observation_fields_are_checked():
+    ok = {"kind": "observation", "request_id": "r", "observation": "", "done": False}
+    assert decode(forge(ok, reward=None, role="tool", info={"k": [1]})).kind == "observation"
+    for field, value, what in [("done", 1, "true or false"), ("reward", float("inf"), "a finite number"),
+                               ("role", "", "a non-empty string"), ("info", [], "a map"),
+                               ("error", 1, "a string")]:
+        with pytest.raises(ProtocolError, match=re.escape(what)):
+            decode(forge({**ok, field: value}))
+    for kind, fields in [("reset", {"request_id": "r", "episode_id": "e", "prompt": "p"}),
+                         ("step", {"request_id": "r", "episode_id": "e", "action": "a"}),
+                         ("end", {})]:
+        with pytest.raises(ProtocolError, match="missing field"):
+            decode(forge({"kind": kind, **fields}))

@@ -109,3 +109,29 @@ def test_an_idle_worker_taken_for_gone_is_ready_again_when_it_speaks(socket_pair
     send(a, protocol.HEARTBEAT, role="reward_worker", time=1.0)  # it was only slow to beat
     request(dispatcher, "r1")
     assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"  # no new ready needed
+
+
+def test_a_pinned_request_waits_for_its_worker_and_fails_when_that_worker_leaves(socket_pair):
+    """The env socket's rule: a step goes only to the worker that holds the episode."""
+    dispatcher, worker = socket_pair
+    a, b = worker(), worker()
+    attach(a, dispatcher)
+    request(dispatcher, "r1")
+    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"  # a is busy now
+    attach(b, dispatcher)
+    send(a, protocol.SCORE_REPLY, request_id="r1", rewards=[0.0])
+    identity = next(iter(dispatcher.workers))  # a attached first
+    header = {"prompts": ["p"], "completions": ["c"], "completion_ids": [[1]], "columns": {}}
+    dispatcher.submit("r2", header, protocol.SCORE, pinned=identity)
+    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r2"
+    dispatcher.submit("r3", header, protocol.SCORE, pinned=identity)
+    for _ in range(20):  # b is ready, a is busy: r3 waits for a
+        dispatcher.poll(10)
+    while b.poll(0):
+        assert protocol.decode(b.recv_multipart()).kind != protocol.SCORE
+    send(a, protocol.STOP, reason="leaving")
+    failed = []
+    while len(failed) < 2:
+        failed += dispatcher.poll(10)[1]
+    assert sorted(rid for rid, _ in failed) == ["r2", "r3"]  # pinned: never handed on
+    assert all("the worker left" in why for _, why in failed)

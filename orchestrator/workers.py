@@ -1,0 +1,268 @@
+"""The Python workers of a run's worker sockets (PROTOCOL.md): any program can do the same;
+these are the Python ones.
+
+- `orchestrator reward-worker module:function` serves a reward function on the reward
+  socket. The function runs in a thread so the worker keeps beating while it scores (and
+  says so in its hello).
+- `orchestrator env-worker module:Class` serves an environment on the actor's env
+  socket: one instance of the class per episode, `reset` and `step` called in turn.
+
+Both follow PROTOCOL.md's conformance sections, plus what only a long-lived worker
+needs: they attach again when the socket's owner restarts, and exit when it says stop or
+has been unreachable for `owner_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import logging
+import os
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import zmq
+
+import protocol
+from protocol import lifecycle, sockets
+from rewards.functions import RewardError, call_reward, import_spec, load_reward_function
+
+log = logging.getLogger("workers")
+
+
+class SocketWorker:
+    """What every worker does: attach, beat, reattach to a restarted owner, stop. A
+    subclass takes its requests (`take`), works between messages (`work`) and forgets
+    what belonged to an owner that restarted (`forget`)."""
+
+    role = ""
+    owner = ""  # who binds the socket: "learner" or "actor"
+    hello_fields: dict = {}
+
+    def __init__(self, endpoint: str, owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
+                 signals: lifecycle.StopSignals | None = None) -> None:
+        self.endpoint = endpoint
+        self.owner_timeout_s = owner_timeout_s
+        self.signals = signals or lifecycle.StopSignals()
+        self.ctx = zmq.Context()
+        self.sock, self.watch = sockets.connect(self.ctx, endpoint)
+        self.instance: str | None = None  # the owner we are attached to
+        self.last_beat = 0.0
+
+    def send(self, kind: str, header: dict | None = None) -> None:
+        self.sock.send_multipart(protocol.encode(kind, header))
+
+    def attach(self) -> None:
+        self.send(protocol.HELLO, {"role": self.role, "pid": os.getpid(), **self.hello_fields})
+        self.send(protocol.READY)
+
+    def run(self) -> int:
+        """Serve until told to stop; returns the exit code."""
+        self.attach()
+        while True:
+            if self.signals.requested:
+                # Tell the owner at once, so what we hold goes to another worker now.
+                self.send(protocol.STOP, {"reason": f"{self.role} stopped by {self.signals.name}"})
+                return lifecycle.signal_exit_code(self.signals.signum)
+            for incoming in sockets.incoming(self.sock, 50):
+                reason = self.handle(incoming)
+                if reason is not None:
+                    log.info("stopping: %s", reason)
+                    return lifecycle.EXIT_OK
+            self.work()
+            self.beat()
+            down = self.watch.down_for()
+            if down > self.owner_timeout_s:
+                log.error("no %s on %s for %.0f s; it is gone, stopping", self.owner, self.endpoint, down)
+                return lifecycle.EXIT_CRASH
+
+    def handle(self, incoming: sockets.Incoming) -> str | None:
+        """Act on one message; return the stop reason when told to stop."""
+        msg = incoming.msg
+        if msg is None:
+            log.error("dropped a malformed message: %s", incoming.error)
+            return None
+        if msg.kind == protocol.STOP:
+            return msg["reason"]
+        if msg.kind == protocol.HELLO:
+            if msg.header.get("attached") is False:
+                # An owner that does not know us (restarted): what we hold belongs to the
+                # old one, which will never read the answer.
+                log.info("the %s restarted (instance %s -> %s); attaching again", self.owner,
+                         self.instance, msg.header.get("instance"))
+                self.forget()
+                self.attach()
+            self.instance = msg.header.get("instance")
+        else:
+            self.take(msg)
+        return None
+
+    def take(self, msg: protocol.Message) -> None:
+        """A request, or a kind this worker ignores (heartbeats)."""
+
+    def work(self) -> None:
+        """Between messages."""
+
+    def forget(self) -> None:
+        """Drop what belonged to the owner before its restart."""
+
+    def beat(self) -> None:
+        if time.monotonic() - self.last_beat >= lifecycle.HEARTBEAT_S:
+            self.last_beat = time.monotonic()
+            self.send(protocol.HEARTBEAT, {"role": self.role, "time": time.time()})
+
+    def close(self) -> None:
+        self.watch.close()
+        self.sock.close()
+        self.ctx.term()
+
+
+class RewardWorker(SocketWorker):
+    role = "reward_worker"
+    owner = "learner"
+    hello_fields = {"beats_while_scoring": True}
+
+    def __init__(self, spec: str, endpoint: str, search_path: str | None = None,
+                 owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
+                 signals: lifecycle.StopSignals | None = None) -> None:
+        self.spec = spec
+        self.fn = load_reward_function(spec, search_path)
+        super().__init__(endpoint, owner_timeout_s, signals)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        self.requests: collections.deque[protocol.Message] = collections.deque()
+        self.job: tuple[str, Future] | None = None  # (request id, result) being scored
+
+    def run(self) -> int:
+        log.info("serving %s on %s", self.spec, self.endpoint)
+        return super().run()
+
+    def take(self, msg: protocol.Message) -> None:
+        if msg.kind == protocol.SCORE:
+            self.requests.append(msg)
+
+    def forget(self) -> None:
+        self.requests.clear()
+        self.job = None
+
+    def work(self) -> None:
+        self.finish_job()
+        self.start_job()
+
+    def start_job(self) -> None:
+        if self.job is None and self.requests:
+            msg = self.requests.popleft()
+            inputs = {"prompts": msg["prompts"], "completions": msg["completions"],
+                      "completion_ids": msg["completion_ids"], **msg["columns"]}
+            result = self.pool.submit(call_reward, self.fn, inputs, self.spec)
+            self.job = (msg["request_id"], result)
+
+    def finish_job(self) -> None:
+        if self.job is None or not self.job[1].done():
+            return
+        request_id, result = self.job
+        self.job = None
+        try:
+            reply = {"request_id": request_id, "rewards": result.result()}
+        except RewardError as e:
+            # The learner ends the run on it, as for an in-process function that raises.
+            log.error("%s", e)
+            reply = {"request_id": request_id, "rewards": [], "error": str(e)}
+        self.send(protocol.SCORE_REPLY, reply)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        super().close()
+
+
+class EnvError(RuntimeError):
+    """An environment class that cannot be loaded."""
+
+
+def load_env_class(spec: str, search_path: str | None = None) -> type:
+    """Import `module:Class`, looking in `search_path` (the config's directory) first."""
+    module_name, name, cls = import_spec(spec, search_path, EnvError, "environment")
+    if not (inspect.isclass(cls) and callable(getattr(cls, "reset", None))
+            and callable(getattr(cls, "step", None))):
+        raise EnvError(f"environment {spec!r}: {module_name} has no class {name!r} with reset and step "
+                       "methods")
+    return cls
+
+
+def observation_reply(result: object) -> dict:
+    """An `observation` reply's fields from what `reset` or `step` returned: a string (the
+    observation), a tuple (observation, reward, done) or a dict of the reply's fields."""
+    if isinstance(result, str):
+        return {"observation": result, "done": False}
+    if isinstance(result, tuple) and len(result) == 3:
+        observation, reward, done = result
+        return {"observation": observation, "reward": reward, "done": bool(done)}
+    if isinstance(result, dict) and isinstance(result.get("observation"), str):
+        return {**result, "done": bool(result.get("done", False))}
+    raise TypeError(f"must return a string, an (observation, reward, done) tuple or a dict with "
+                    f"'observation', got {type(result).__name__}")
+
+
+class EnvWorker(SocketWorker):
+    """One instance of the class per episode: `cls()`, then `reset(prompt, **columns)`
+    gives the first observation and `step(action)` (or `step(action, action_ids)` when its
+    signature takes them) the next, until the actor ends the episode (`end`). An exception
+    in the class is the episode's `error`, never the worker's end."""
+
+    role = "env_worker"
+    owner = "actor"
+
+    def __init__(self, spec: str, endpoint: str, search_path: str | None = None,
+                 owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
+                 signals: lifecycle.StopSignals | None = None) -> None:
+        self.spec = spec
+        self.cls = load_env_class(spec, search_path)
+        self.with_ids = "action_ids" in inspect.signature(self.cls.step).parameters
+        super().__init__(endpoint, owner_timeout_s, signals)
+        self.episodes: dict[str, object] = {}
+
+    def run(self) -> int:
+        log.info("serving %s on %s", self.spec, self.endpoint)
+        return super().run()
+
+    def take(self, msg: protocol.Message) -> None:
+        if msg.kind == protocol.END:
+            self.episodes.pop(msg["episode_id"], None)
+        elif msg.kind in (protocol.RESET, protocol.STEP):
+            reply = {"request_id": msg["request_id"], **self.answer(msg)}
+            try:
+                self.send(protocol.OBSERVATION, reply)
+            except (TypeError, ValueError) as e:  # e.g. an `info` msgpack cannot carry
+                self.send(protocol.OBSERVATION, {"request_id": msg["request_id"], "observation": "",
+                                                 "done": True, "error": f"unsendable reply: {e}"})
+
+    def answer(self, msg: protocol.Message) -> dict:
+        episode_id = msg["episode_id"]
+        try:
+            if msg.kind == protocol.RESET:
+                env = self.episodes[episode_id] = self.cls()
+                reply = observation_reply(env.reset(msg["prompt"], **msg["columns"]))
+            elif episode_id not in self.episodes:
+                return {"observation": "", "done": True, "error": f"no episode {episode_id!r} here"}
+            else:
+                env = self.episodes[episode_id]
+                args = (msg["action"], msg["action_ids"]) if self.with_ids else (msg["action"],)
+                reply = observation_reply(env.step(*args))
+        except Exception as e:
+            log.error("episode %s: %s", episode_id, traceback.format_exc(limit=3))
+            self.episodes.pop(episode_id, None)
+            return {"observation": "", "done": True, "error": f"{self.spec} raised {type(e).__name__}: {e}"}
+        if reply["done"]:
+            self.episodes.pop(episode_id, None)
+        return reply
+
+    def forget(self) -> None:
+        self.episodes.clear()
+
+
+def serve(worker: SocketWorker) -> int:
+    """Serve until told to stop; returns the exit code."""
+    try:
+        return worker.run()
+    finally:
+        worker.close()

@@ -1,0 +1,222 @@
+"""Multi-turn episodes: the rendering of environment turns, what the learner trains on,
+and environment workers (this project's and one written from PROTOCOL.md alone) driving
+real runs, one of them killed mid-episode."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import zmq
+from mlx.utils import tree_flatten, tree_unflatten
+
+import protocol
+from actor.episodes import EpisodeRunner, Renderer
+from learner.algorithms import LossInputs, make_algorithm
+from learner.groups import group_from_message
+from learner.step import Correction, Sample, make_batch, prepare
+from policy.data import Prompt
+from policy.model import load_policy
+from protocol.config import EnvConfig, LoraConfig, SamplingConfig
+from protocol.workers import WorkerPool
+from tests.conftest import EXAMPLES, ROOT, TINY_MODEL, write_config
+from tests.test_e2e import orchestrator, read_metrics, run_up, wait_for
+from tests.test_reward_workers import Lines, assert_nothing_lost, finish
+from tests.test_supervision import wait_for_step
+
+ENV_WORKER = Path(__file__).parent / "workers" / "env_worker.py"
+
+
+def raw_worker(endpoint: str, *args: str) -> subprocess.Popen:
+    """The env worker written from PROTOCOL.md alone (pyzmq and msgpack, no project code)."""
+    return subprocess.Popen([sys.executable, str(ENV_WORKER), endpoint, *args], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_policy(str(TINY_MODEL), LoraConfig())[1]
+
+
+def text(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_environment_turns_are_the_chat_template_s_incremental_form(tokenizer):
+    """Against the tiny template written out by hand: `<|role|>content<|end|>` per message,
+    `<|assistant|>` as the generation prompt."""
+    r = Renderer(tokenizer, set(tokenizer.eos_token_ids))
+    chat = [{"role": "system", "content": "be brief."}, {"role": "user", "content": "repeat 3"}]
+    assert text(tokenizer, r.prompt_ids(chat)) == "<|system|>be brief.<|end|><|user|>repeat 3<|end|>"
+    assert text(tokenizer, r.first_turn(chat, None)) == "<|assistant|>"
+    said = {"role": "user", "content": "go on"}
+    assert text(tokenizer, r.first_turn(chat, said)) == "<|user|>go on<|end|><|assistant|>"
+    # After a turn that ended with the EOS the model sampled (`<|end|>`), the template's end
+    # of the assistant turn is already there; after a cut turn the environment closes it.
+    assert text(tokenizer, r.next_turn(chat, said, after_eos=True)) == "<|user|>go on<|end|><|assistant|>"
+    cut = r.next_turn(chat, said, after_eos=False)
+    assert text(tokenizer, cut) == "<|end|><|user|>go on<|end|><|assistant|>"
+    system = {"role": "system", "content": "no."}
+    assert text(tokenizer, r.next_turn(chat, system, after_eos=True)) == "<|system|>no.<|end|><|assistant|>"
+    # Text prompts: the observation's own tokens, nothing else.
+    assert r.prompt_ids("repeat 3") == list(tokenizer.encode("repeat 3"))
+    assert r.first_turn("repeat 3", None) == []
+    assert text(tokenizer, r.next_turn("repeat 3", said, after_eos=True)) == "go on"
+
+
+def perturbed_policy():
+    """The tiny model with random LoRA weights, so that the adapters matter."""
+    model, tokenizer, _ = load_policy(str(TINY_MODEL), LoraConfig())
+    mx.random.seed(3)
+    model.update(tree_unflatten([(name, 0.05 * mx.random.normal(value.shape))
+                                 for name, value in tree_flatten(model.trainable_parameters())
+                                 if name.endswith("lora_b")]))
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(tmp_path):
+    """Episodes against the PROTOCOL.md worker, which records the action ids it received;
+    the rollouts go through the wire and the learner's own batch code. At step 0 the
+    learner's logprobs equal the behavior logprobs on every trained token, the trained
+    tokens are the sampled ones, and the environment's tokens carry no loss weight."""
+    model, tokenizer = perturbed_policy()
+    eos = set(tokenizer.eos_token_ids)
+    sampling = SamplingConfig(group_size=3, max_tokens=5, temperature=0.9, top_p=0.9, seed=7)
+    env = EnvConfig(environment="socket", max_turns=3, max_episode_tokens=200)
+    record = tmp_path / "actions.jsonl"
+    ctx = zmq.Context()
+    pool = WorkerPool(ctx, f"ipc://{tmp_path}/env.sock", "env_worker", protocol.OBSERVATION, 30, 1,
+                      owner_role="actor")
+    worker = raw_worker(pool.endpoint, "--record", str(record))
+    try:
+        prompts = [Prompt(i, [{"role": "user", "content": f"repeat {d}"}], [], {"target": d})
+                   for i, d in enumerate("37")]
+        groups = EpisodeRunner(pool, model, tokenizer, eos, sampling, env).run(prompts, first_row=0)
+    finally:
+        pool.close("test over")
+        worker.wait(10)
+        ctx.term()
+    actions: dict[str, list[int]] = {}
+    for line in record.read_text().splitlines():
+        r = json.loads(line)
+        actions.setdefault(r["episode_id"], []).extend(r["action_ids"])
+
+    samples, episodes = [], []
+    for group in groups:
+        header, arrays = group.fields(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        frames = protocol.encode(protocol.ROLLOUT, {"group_id": "g", "policy_version": 0, "columns": {},
+                                                    "prompt": group.prompt.prompt, **header}, arrays)
+        g = group_from_message(b"actor", protocol.decode(frames), model.args.vocab_size, sampling.group_size)
+        samples += [Sample(g.prompt_ids, ids, lp, fr, m) for ids, lp, fr, m in
+                    zip(g.completion_ids, g.logprobs, g.finish_reasons, g.loss_masks)]
+        episodes += group.episodes
+    assert all(e.finish == "env_done" and e.model_turns == 3 for e in episodes)
+
+    batch = make_batch(samples, tokenizer.pad_token_id)
+    tokens, mask = np.array(batch.tokens), np.array(batch.mask)
+    for row, (e, s) in enumerate(zip(episodes, samples)):
+        targets = tokens[row, 1:]
+        trained = targets[mask[row] == 1].tolist()
+        assert trained == actions[f"{e.episode_id}/a1"]  # what the model sampled, as the env got it
+        # The environment's tokens: the template's text, written out by hand.
+        p = len(s.prompt_ids)
+        env_runs, current = [], []
+        for t, m in zip(targets[p - 1:p - 1 + len(s.completion_ids)], mask[row, p - 1:]):
+            if m == 0:
+                current.append(int(t))
+            elif current:
+                env_runs.append(text(tokenizer, current))
+                current = []
+        obs = f"<|user|>\nrepeat {e.prompt.columns['target']}<|end|><|assistant|>"
+        turn_ends = [e.ids[i - 1] in eos for i in range(1, len(e.mask)) if e.mask[i - 1] and not e.mask[i]]
+        assert env_runs == ["<|assistant|>"] + [("" if ended else "<|end|>") + obs for ended in turn_ends]
+
+    prepared = prepare(model, batch, sampling.temperature, 0.0, Correction(), fused=False)
+    old, behavior = np.array(prepared.old), np.array(batch.behavior)
+    assert int(mask.sum()) == sum(len(a) for a in actions.values())
+    assert np.abs((old - behavior)[mask == 1]).max() < 1e-5
+    assert (behavior[mask == 0] == 0).all()
+
+    # Zero loss weight: the loss's gradient in the logprobs vanishes on environment tokens.
+    algorithm = make_algorithm("grpo", max_tokens=sampling.max_tokens)
+    adv = mx.array(np.linspace(-1, 1, len(samples)).astype(np.float32))
+    logp = prepared.old + 0.01  # off the old policy, so the clipped objective has a slope
+
+    def loss(lp):
+        return algorithm.loss_sum(LossInputs(lp, prepared.old, None, adv, batch.mask, prepared.is_weight))[0]
+
+    grad = np.array(mx.grad(loss)(logp))
+    assert (grad[mask == 0] == 0).all() and np.abs(grad[mask == 1]).min() > 0
+
+
+def test_the_digits_example_learns(tmp_path):
+    """examples/digits.toml, shortened: this project's env worker serves the example's
+    class; the reward (the environment's) rises and step 1's ratio is 1."""
+    code, out = run_up(EXAMPLES / "digits.toml", "--run-dir", str(tmp_path / "run"), "--steps", "16")
+    assert code == 0, out
+    metrics = read_metrics(tmp_path / "run")
+    first, last = (np.mean([m["reward"] for m in part]) for part in (metrics[:5], metrics[-5:]))
+    assert last > first + 0.15, (first, last)
+    assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-5
+    assert metrics[-1]["episodes/mean_model_turns"] == 3.0
+    assert metrics[-1]["episodes/finish/env_done"] == 1.0
+    assert_nothing_lost(metrics, 16, 8)
+    shown = subprocess.run([sys.executable, "-m", "orchestrator", "show", "reward", "--run-dir",
+                            str(tmp_path / "run"), "--window", "5"], cwd=ROOT, capture_output=True, text=True)
+    assert shown.stdout.startswith(f"reward: first 5 steps {first:.3f}, last 5 steps {last:.3f} "
+                                   f"({last - first:+.3f}; steps 1-5 and 12-16)"), shown
+
+
+ENV_CONFIG = """
+[env]
+environment = "socket"
+max_turns = 3
+max_episode_tokens = 64
+timeout_s = 4.0
+"""
+
+
+def test_killing_an_env_worker_mid_episode_loses_nothing(tmp_path):
+    """Two workers from PROTOCOL.md alone serve a run; one is SIGKILLed while it holds
+    episodes. Those start again on the other (env_retries), and every group is trained on
+    or dropped with a reason."""
+    steps, batch = 6, 2
+    cfg = write_config(tmp_path, ENV_CONFIG, steps=steps, reward="env")
+    proc = orchestrator("up", "--config", str(cfg))
+    run = tmp_path / "run"
+    wait_for(run / "endpoints.json")
+    endpoint = protocol.read_endpoints(run)["env"]
+    doomed = raw_worker(endpoint, "--step-delay", "0.02")
+    lines = Lines(doomed)
+    wait_for_step(run, 1, proc)
+    t0 = time.monotonic()
+    while not any(t > t0 and line.startswith("reset") for t, line in lines.lines):
+        assert proc.poll() is None, "the run ended first"
+        time.sleep(0.005)
+    doomed.send_signal(signal.SIGKILL)  # it holds that episode, and more of its batch
+    survivor = raw_worker(endpoint)
+    finish(proc, [doomed, survivor])
+    metrics = read_metrics(run)
+    assert_nothing_lost(metrics, steps, batch)
+    assert metrics[-1]["env_retries"] >= 1
+    log = (run / "actor.log").read_text()
+    assert "starting it again" in log
+    assert metrics[-1]["groups_dropped"] == 0  # a retry each sufficed
+
+
+def test_an_env_worker_serves_a_python_class_and_says_what_is_wrong(tmp_path):
+    """`orchestrator env-worker` refuses a spec that names no environment class."""
+    (tmp_path / "envs.py").write_text("class NotAnEnv:\n    pass\n")
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "env-worker", "envs:NotAnEnv",
+                          "--connect", f"ipc://{tmp_path}/x.sock", "--search-path", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "has no class 'NotAnEnv' with reset and step methods" in out.stderr
