@@ -264,9 +264,13 @@ class EpisodeRunner:
             e.rewards.append(float(reply["reward"]))
         if reply.get("error") is not None:
             log.warning("episode %s: the environment says: %s", e.episode_id, reply["error"])
+            if first:  # nothing to train on: the group is dropped, with the environment's words
+                e.lost = f"environment error at reset: {reply['error']}"
             self.finish(e, "env_error")
             return
         if reply["done"]:
+            if first:
+                e.lost = "the environment ended the episode at reset"
             self.finish(e, "env_done")
             return
         if e.model_turns >= self.env.max_turns:

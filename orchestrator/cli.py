@@ -120,24 +120,43 @@ def reward_worker(
 
 @app.command("env-worker")
 def env_worker(
-    environment: str = typer.Argument(..., help="Environment class as module:Class (reset and step)."),
+    environment: str | None = typer.Argument(None, help="Environment class, module:Class (reset, step)."),
     run_dir: str | None = typer.Option(None, help="Attach to this run's env socket."),
     connect: str | None = typer.Option(None, help="Or attach to this endpoint."),
     search_path: str | None = typer.Option(None, help="Directory searched first for the module; "
                                            "default: the current one."),
+    openenv: str | None = typer.Option(None, help="Instead of a class: the URL of an OpenEnv server, one "
+                                       "session per episode (the `openenv` extra)."),
+    action_field: str = typer.Option("message", help="OpenEnv: the action's field for the model's turn."),
+    observation_field: str | None = typer.Option(None, help="OpenEnv: the observation's field the model "
+                                                 "sees; default: all of them, as JSON."),
     actor_timeout: float = typer.Option(
         lifecycle.LEARNER_TIMEOUT_S, help="Exit when the actor has been unreachable this many seconds."),
 ) -> None:
-    """Serve a Python environment to a run's actor: one instance per episode. Start as
-    many as you like; each survives actor restarts and exits when the run ends."""
+    """Serve an environment to a run's actor: a Python class, or an OpenEnv server (one
+    instance or session per episode). Start as many as you like; each survives actor
+    restarts and exits when the run ends."""
     import os
 
-    from orchestrator.workers import EnvError, EnvWorker
+    from orchestrator.workers import EnvError, EnvWorker, load_env_class
 
     lifecycle.watch_lifeline()  # started by `orchestrator up`: end with it
+    if (environment is None) == (openenv is None):
+        typer.echo("error: give exactly one of module:Class and --openenv URL", err=True)
+        raise typer.Exit(2)
     endpoint = _worker_endpoint(run_dir, connect, "env")
-    _serve(lambda signals: EnvWorker(environment, endpoint, search_path or os.getcwd(), actor_timeout,
-                                     signals), EnvError)
+
+    def make(signals: lifecycle.StopSignals) -> EnvWorker:
+        if openenv is not None:
+            from orchestrator.openenv_bridge import OpenEnvEpisode, check_installed
+
+            check_installed()
+            return EnvWorker(lambda: OpenEnvEpisode(openenv, action_field, observation_field),
+                             f"the OpenEnv server at {openenv}", endpoint, actor_timeout, signals)
+        return EnvWorker(load_env_class(environment, search_path or os.getcwd()), environment, endpoint,
+                         actor_timeout, signals)
+
+    _serve(make, EnvError)
 
 
 def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str) -> str:

@@ -146,6 +146,12 @@ class Supervisor:
             args = ["learner", *(["--resume"] if resume else [])]
         elif name == "actor":
             args = ["actor", "run"]
+        elif self.cfg.env.environment == "openenv":
+            env = self.cfg.env
+            args = ["orchestrator", "env-worker", "--openenv", env.openenv_url,
+                    "--action-field", env.openenv_action_field,
+                    *(["--observation-field", env.openenv_observation_field] if env.openenv_observation_field
+                      else [])]
         else:
             args = ["orchestrator", "env-worker", self.cfg.env.environment,
                     "--search-path", self.cfg.reward.search_path]

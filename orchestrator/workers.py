@@ -20,7 +20,9 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import zmq
 
@@ -204,30 +206,29 @@ def observation_reply(result: object) -> dict:
 
 
 class EnvWorker(SocketWorker):
-    """One instance of the class per episode: `cls()`, then `reset(prompt, **columns)`
-    gives the first observation and `step(action)` (or `step(action, action_ids)` when its
-    signature takes them) the next, until the actor ends the episode (`end`). An exception
-    in the class is the episode's `error`, never the worker's end."""
+    """One environment instance per episode, from `make_env()` (a class, or the OpenEnv
+    adapter): `reset(prompt, **columns)` gives the first observation and `step(action)`
+    (or `step(action, action_ids)` when its signature takes them) the next, until the
+    actor ends the episode (`end`); then `close()`, if the instance has one. An exception
+    in the environment is the episode's `error`, never the worker's end."""
 
     role = "env_worker"
     owner = "actor"
 
-    def __init__(self, spec: str, endpoint: str, search_path: str | None = None,
+    def __init__(self, make_env: Callable[[], Any], name: str, endpoint: str,
                  owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
                  signals: lifecycle.StopSignals | None = None) -> None:
-        self.spec = spec
-        self.cls = load_env_class(spec, search_path)
-        self.with_ids = "action_ids" in inspect.signature(self.cls.step).parameters
+        self.make_env, self.name = make_env, name
         super().__init__(endpoint, owner_timeout_s, signals)
-        self.episodes: dict[str, object] = {}
+        self.episodes: dict[str, Any] = {}
 
     def run(self) -> int:
-        log.info("serving %s on %s", self.spec, self.endpoint)
+        log.info("serving %s on %s", self.name, self.endpoint)
         return super().run()
 
     def take(self, msg: protocol.Message) -> None:
         if msg.kind == protocol.END:
-            self.episodes.pop(msg["episode_id"], None)
+            self.drop(msg["episode_id"])
         elif msg.kind in (protocol.RESET, protocol.STEP):
             reply = {"request_id": msg["request_id"], **self.answer(msg)}
             try:
@@ -240,24 +241,40 @@ class EnvWorker(SocketWorker):
         episode_id = msg["episode_id"]
         try:
             if msg.kind == protocol.RESET:
-                env = self.episodes[episode_id] = self.cls()
+                self.drop(episode_id)
+                env = self.episodes[episode_id] = self.make_env()
                 reply = observation_reply(env.reset(msg["prompt"], **msg["columns"]))
             elif episode_id not in self.episodes:
                 return {"observation": "", "done": True, "error": f"no episode {episode_id!r} here"}
             else:
                 env = self.episodes[episode_id]
-                args = (msg["action"], msg["action_ids"]) if self.with_ids else (msg["action"],)
+                with_ids = "action_ids" in inspect.signature(env.step).parameters
+                args = (msg["action"], msg["action_ids"]) if with_ids else (msg["action"],)
                 reply = observation_reply(env.step(*args))
         except Exception as e:
             log.error("episode %s: %s", episode_id, traceback.format_exc(limit=3))
-            self.episodes.pop(episode_id, None)
-            return {"observation": "", "done": True, "error": f"{self.spec} raised {type(e).__name__}: {e}"}
+            self.drop(episode_id)
+            return {"observation": "", "done": True, "error": f"{self.name} raised {type(e).__name__}: {e}"}
         if reply["done"]:
-            self.episodes.pop(episode_id, None)
+            self.drop(episode_id)
         return reply
 
+    def drop(self, episode_id: str) -> None:
+        env = self.episodes.pop(episode_id, None)
+        close = getattr(env, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as e:  # the episode is over either way
+                log.warning("episode %s: close() raised %s: %s", episode_id, type(e).__name__, e)
+
     def forget(self) -> None:
-        self.episodes.clear()
+        for episode_id in list(self.episodes):
+            self.drop(episode_id)
+
+    def close(self) -> None:
+        self.forget()
+        super().close()
 
 
 def serve(worker: SocketWorker) -> int:

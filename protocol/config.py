@@ -69,7 +69,8 @@ def _reward_functions(v: tuple[str, ...]) -> str | None:
 
 def _environment(v: str) -> str | None:
     module, _, cls = v.partition(":")
-    return None if v == "socket" or (module and cls) else "must be 'module:Class' or 'socket'"
+    return None if v in ("socket", "openenv") or (module and cls) else \
+        "must be 'module:Class', 'socket' or 'openenv'"
 
 
 def key(default: Any = MISSING, doc: str = "", check: Check | None = None, shown: str | None = None):
@@ -220,10 +221,17 @@ class EvalConfig:
 @dataclass(frozen=True)
 class EnvConfig:
     environment: str | None = key(None, "multi-turn episodes: `module:Class` (served by env workers the "
-                                        "orchestrator starts) or `\"socket\"` (you attach workers, in any "
-                                        "language, to the env socket; PROTOCOL.md); unset = one completion "
-                                        "per prompt", _environment, shown="unset")
-    num_workers: int = key(1, "env workers the orchestrator starts for a `module:Class`", _range(1))
+                                        "orchestrator starts), `\"openenv\"` (the OpenEnv server at "
+                                        "`env.openenv_url`, through such workers) or `\"socket\"` (you "
+                                        "attach workers, in any language, to the env socket; PROTOCOL.md); "
+                                        "unset = one completion per prompt", _environment, shown="unset")
+    num_workers: int = key(1, "env workers the orchestrator starts for a `module:Class` or `openenv`",
+                           _range(1))
+    openenv_url: str | None = key(None, "the OpenEnv server (`http://host:port`) of `environment = "
+                                        "\"openenv\"`", shown="unset")
+    openenv_action_field: str = key("message", "OpenEnv: the action's field that carries the model's turn")
+    openenv_observation_field: str | None = key(None, "OpenEnv: the observation's field the model sees; "
+                                                      "unset = all its fields as JSON", shown="unset")
     max_turns: int = key(4, "model turns per episode", _range(1))
     max_episode_tokens: int = key(256, "completion tokens per episode, the model's and the environment's "
                                        "together (each model turn is also capped by `sampling.max_tokens`)",
@@ -355,6 +363,8 @@ def validate(raw: dict[str, Any]) -> Config:
     if reward.weights and len(reward.weights) != len(reward.functions):
         raise ConfigError(f"reward.weights has {len(reward.weights)} entries for "
                           f"{len(reward.functions)} reward.functions")
+    if (cfg.env.environment == "openenv") != (cfg.env.openenv_url is not None):
+        raise ConfigError("env.openenv_url goes with env.environment = \"openenv\", and only with it")
     if "env" in reward.functions and cfg.env.environment is None:
         raise ConfigError("reward.functions names 'env', but no env.environment is set")
     if cfg.eval.prompts and cfg.env.environment:

@@ -585,7 +585,13 @@ def test_env_section_is_checked():
     cfg = validate({**raw, "env": {"environment": "digits_env:DigitsEnv"}})
     assert (cfg.env.max_turns, cfg.env.max_episode_tokens, cfg.env.max_attempts) == (4, 256, 3)
     assert validate({**raw, "env": {"environment": "socket"}}).env.environment == "socket"
-    with pytest.raises(ConfigError, match=r"env\.environment must be 'module:Class' or 'socket', got 'dig"):
+    with pytest.raises(ConfigError, match=r"env\.environment must be 'module:Class', 'socket' or 'openenv'"):
         validate({**raw, "env": {"environment": "digits"}})
+    with pytest.raises(ConfigError, match='env.openenv_url goes with env.environment = "openenv", and only'):
+        validate({**raw, "env": {"environment": "openenv"}})
+    with pytest.raises(ConfigError, match='env.openenv_url goes with env.environment = "openenv", and only'):
+        validate({**raw, "env": {"environment": "socket", "openenv_url": "http://127.0.0.1:8000"}})
+    openenv = validate({**raw, "env": {"environment": "openenv", "openenv_url": "http://127.0.0.1:8000"}}).env
+    assert (openenv.openenv_action_field, openenv.openenv_observation_field) == ("message", None)
     with pytest.raises(ConfigError, match="evaluating episodes with an environment is not supported yet"):
         validate({**raw, "env": {"environment": "socket"}, "eval": {"prompts": "held.jsonl"}})
