@@ -112,13 +112,82 @@ class Policy:
 
 
 def chat_prompt(policy: Policy, body: dict) -> list[int]:
-    messages = body.get("messages")
+    """The messages (tool calls and tool results included) and `tools`, through the chat
+    template."""
+    messages, tools = body.get("messages"), body.get("tools")
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and (isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))
             for m in messages):
-        raise BadRequest("messages must be a non-empty list of {role, content} with string content",
-                         "messages")
-    return encode_prompt(policy.tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
+        raise BadRequest("messages must be a non-empty list of {role, content} with string content "
+                         "(or an assistant message with tool_calls)", "messages")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise BadRequest("tools must be a list of tool objects", "tools")
+        if tools and not getattr(policy.tokenizer, "has_tool_calling", False):
+            raise BadRequest(f"the chat template of {policy.name} defines no tool calls (mlx-lm found no "
+                             "tool-call parser for this tokenizer)", "tools")
+    return encode_prompt(policy.tokenizer, [template_message(m) for m in messages], tools)
+
+
+def template_message(m: dict) -> dict:
+    """A message as chat templates expect it: a tool call's `arguments` as an object (OpenAI
+    sends a JSON string), tool results with their call's id."""
+    out = {"role": m["role"], "content": m.get("content") or ""}
+    if m.get("tool_calls"):
+        calls = [c for c in m["tool_calls"] if isinstance(c, dict) and isinstance(c.get("function"), dict)]
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": arguments(c["function"].get(
+            "arguments"))}} for c in calls]
+    for key in ("tool_call_id", "name"):
+        if key in m:
+            out[key] = m[key]
+    return out
+
+
+def arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise BadRequest(f"a tool call's arguments are not JSON: {value[:80]!r}", "messages") from None
+    return value
+
+
+def chat_message(policy: Policy, c: Completion, text: str, tools: list | None) -> tuple[dict, str]:
+    """The assistant message of a sampled turn, and its finish reason. With `tools` in the
+    request, each complete tool-call section (the markers mlx-lm knows for this tokenizer)
+    is parsed by mlx-lm's parser into OpenAI's `tool_calls`, and the finish reason is
+    `tool_calls`; a section cut short, or one the parser refuses, stays in the text."""
+    tok = policy.tokenizer
+    start, end = getattr(tok, "tool_call_start", None), getattr(tok, "tool_call_end", None)
+    message = {"role": "assistant", "content": text}
+    if not tools or not start or not getattr(tok, "has_tool_calling", False):
+        return message, c.finish_reason
+    eos = set(tok.eos_token_ids)
+    rest = tok.decode([t for t in c.token_ids if t not in eos], skip_special_tokens=False)
+    content, calls = [], []
+    while start in rest:
+        before, _, after = rest.partition(start)
+        body, found, after = after.partition(end)
+        try:
+            parsed = tok.tool_parser(body, tools) if found else None
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("a tool call did not parse (%s: %s); left in the text", type(e).__name__, e)
+            parsed = None
+        if parsed is None:
+            content.append(before + start)
+            rest = body + found + after
+            continue
+        content.append(before)
+        calls += [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                   "function": {"name": p["name"], "arguments": json.dumps(p.get("arguments", {}))}}
+                  for p in (parsed if isinstance(parsed, list) else [parsed])]
+        rest = after
+    if not calls:
+        return message, c.finish_reason
+    message["content"] = "".join(content) + rest
+    message["tool_calls"] = calls
+    return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
 
 
 def text_prompt(policy: Policy, body: dict) -> list[int]:
@@ -142,7 +211,7 @@ def respond(policy: Policy, body: dict, chat: bool) -> dict:
                                   "token_ids": c.token_ids, "token_logprobs": c.logprobs}
         tokens = [policy.token_text(t) for t in c.token_ids]
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"], choice["finish_reason"] = chat_message(policy, c, text, body.get("tools"))
             choice["logprobs"] = {"content": [
                 {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                 for t, lp in zip(tokens, c.logprobs)]} if body.get("logprobs") else None

@@ -39,12 +39,14 @@ def _check_messages(prompt: Any, where: str) -> None:
                         "{'role': str, 'content': str} messages")
 
 
-def encode_prompt(tokenizer: Any, prompt: Any) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: Any, tools: list | None = None) -> list[int]:
     """Text is encoded as is; chat messages go through the tokenizer's chat template with
-    the generation prompt added (so the model answers as the assistant)."""
+    the generation prompt added (so the model answers as the assistant), and the `tools`
+    the model may call, in OpenAI's form, when given."""
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
-    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **extra)
     # The template already holds any BOS token; do not let encode add a second one.
     return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -160,19 +160,19 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
 def test_the_digits_example_learns(tmp_path):
     """examples/digits.toml, shortened: this project's env worker serves the example's
     class; the reward (the environment's) rises and step 1's ratio is 1."""
-    code, out = run_up(EXAMPLES / "digits.toml", "--run-dir", str(tmp_path / "run"), "--steps", "16")
+    code, out = run_up(EXAMPLES / "digits.toml", "--run-dir", str(tmp_path / "run"), "--steps", "10")
     assert code == 0, out
     metrics = read_metrics(tmp_path / "run")
-    first, last = (np.mean([m["reward"] for m in part]) for part in (metrics[:5], metrics[-5:]))
-    assert last > first + 0.15, (first, last)
+    first, last = (np.mean([m["reward"] for m in part]) for part in (metrics[:4], metrics[-4:]))
+    assert last > first + 0.15, (first, last)  # measured: 0.58 -> 0.88
     assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-5
     assert metrics[-1]["episodes/mean_model_turns"] == 3.0
     assert metrics[-1]["episodes/finish/env_done"] == 1.0
-    assert_nothing_lost(metrics, 16, 8)
+    assert_nothing_lost(metrics, 10, 8)
     shown = subprocess.run([sys.executable, "-m", "orchestrator", "show", "reward", "--run-dir",
-                            str(tmp_path / "run"), "--window", "5"], cwd=ROOT, capture_output=True, text=True)
-    assert shown.stdout.startswith(f"reward: first 5 steps {first:.3f}, last 5 steps {last:.3f} "
-                                   f"({last - first:+.3f}; steps 1-5 and 12-16)"), shown
+                            str(tmp_path / "run"), "--window", "4"], cwd=ROOT, capture_output=True, text=True)
+    assert shown.stdout.startswith(f"reward: first 4 steps {first:.3f}, last 4 steps {last:.3f} "
+                                   f"({last - first:+.3f}; steps 1-4 and 7-10)"), shown
 
 
 ENV_CONFIG = """

@@ -68,17 +68,17 @@ max_episode_tokens = 96
 [log]
 completions_every = 1
 completions_groups = 2
-""", steps=3, reward="env")
+""", steps=2, reward="env")
     code, out = run_up(cfg)
     assert code == 0, out
     run = tmp_path / "run"
     metrics = read_metrics(run)
-    assert_nothing_lost(metrics, 3, 2)
+    assert_nothing_lost(metrics, 2, 2)
     assert metrics[-1]["groups_dropped"] == 0
     assert metrics[-1]["episodes/finish/env_done"] == 1.0  # the server ends an episode after 2 steps
     assert metrics[-1]["episodes/mean_model_turns"] == 2.0
     rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 * 2 * 4
+    assert len(rows) == 2 * 2 * 4
     for r in rows:
         turns = r["turns"]
         assert turns[0] == {"role": "user", "content": "say 7"}  # the server's reset observation
