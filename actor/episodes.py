@@ -33,7 +33,7 @@ import mlx.nn as nn
 import numpy as np
 
 import protocol
-from policy.data import Prompt
+from policy.data import DataError, Prompt
 from policy.sampler import sample_groups
 from protocol.config import EnvConfig, SamplingConfig
 from protocol.workers import WorkerPool
@@ -54,6 +54,15 @@ class Renderer:
     def __init__(self, tokenizer: Any, eos_ids: set[int]) -> None:
         self.tokenizer = tokenizer
         self.eos_texts = [tokenizer.decode([i], skip_special_tokens=False) for i in sorted(eos_ids)]
+
+    def check(self, prompt: Any) -> None:
+        """Fail before the first episode, as a data error, when the chat template cannot
+        render environment turns incrementally."""
+        try:
+            self.first_turn(prompt, {"role": "user", "content": "?"})
+            self.next_turn(prompt, {"role": "user", "content": "?"}, after_eos=True)
+        except ValueError as e:
+            raise DataError(f"env.environment: {e}") from None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []

@@ -71,6 +71,7 @@ class Actor:
             pool = WorkerPool(self.ctx, endpoints["env"], "env_worker", protocol.OBSERVATION, env.timeout_s,
                               max_attempts=1, owner_role="actor")  # the runner counts an episode's attempts
             self.episodes = EpisodeRunner(pool, self.model, self.tokenizer, self.eos_ids, s, env)
+            self.episodes.renderer.check(prompts[0].prompt)
 
     def send(self, kind: str, header: dict, arrays: dict | None = None) -> None:
         self.sock.send_multipart(protocol.encode(kind, header, arrays), copy=False)

@@ -220,3 +220,18 @@ def test_an_env_worker_serves_a_python_class_and_says_what_is_wrong(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "has no class 'NotAnEnv' with reset and step methods" in out.stderr
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_before_the_first_episode():
+    """A template that renders only the last message (as some drop old reasoning) cannot
+    be extended by appending tokens: a data error before any episode starts."""
+    from policy.data import DataError
+
+    _, tokenizer, _ = load_policy(str(TINY_MODEL), LoraConfig())
+    tokenizer._tokenizer.chat_template = ("{% for m in messages[-1:] %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                                          "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+                                          "{% endif %}")
+    r = Renderer(tokenizer, set(tokenizer.eos_token_ids))
+    r.check("repeat 3")  # text prompts need no template
+    with pytest.raises(DataError, match="does not render a conversation as the start of its continuation"):
+        r.check([{"role": "user", "content": "repeat 3"}])
