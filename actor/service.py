@@ -51,7 +51,7 @@ class Actor:
                                data.prompt_column)
         env = self.cfg.env
         check_context(prompts, getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
-                      env.max_episode_tokens if env.environment else s.max_tokens)
+                      self.cfg.completion_tokens)
         self.stream = PromptStream(prompts, data.shuffle, data.seed)
         self.version: int | None = None
         self.pending: protocol.Message | None = None  # newest weights not yet applied

@@ -61,8 +61,7 @@ class Learner:
             from mlx_lm.tuner.trainer import grad_checkpoint
 
             grad_checkpoint(self.model.layers[0])
-        self.trainer = Trainer(self.model, cfg.algorithm, cfg.train, cfg.sampling,
-                               cfg.env.max_episode_tokens if cfg.env.environment else None)
+        self.trainer = Trainer(self.model, cfg.algorithm, cfg.train, cfg.sampling, cfg.completion_tokens)
         self.evaluator = Evaluator(cfg, tokenizer) if cfg.eval.prompts else None
         vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else len(tokenizer.get_vocab())
         self.pad_id = tokenizer.pad_token_id or 0

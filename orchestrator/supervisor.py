@@ -242,7 +242,7 @@ class Supervisor:
         else:
             self.start_child("actor")
 
-    def watch(self, poll_s: float = 0.5) -> None:
+    def watch(self, poll_s: float = 0.2) -> None:
         """Return when the learner finishes or a stop signal arrives; raise RunFailed when
         a process ends the run or its restarts run out."""
         while not self.signals.requested:

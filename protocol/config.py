@@ -282,6 +282,12 @@ class Config:
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
 
+    @property
+    def completion_tokens(self) -> int:
+        """The longest completion: `sampling.max_tokens`, or for episodes (model and
+        environment tokens together) `env.max_episode_tokens`."""
+        return self.env.max_episode_tokens if self.env.environment else self.sampling.max_tokens
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain JSON data: what config.json holds (lists, null for unset)."""
         return as_dict(self)

@@ -146,14 +146,37 @@ def test_ctrl_c_stops_both_processes_and_keeps_the_adapters(tmp_path):
     assert state["step"] == read_metrics(run)[-1]["step"]
 
 
-@pytest.mark.parametrize("name", ["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo"])
-def test_every_objective_trains_end_to_end(tmp_path, name):
-    cfg = write_config(tmp_path, steps=3)
+OBJECTIVES = ["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo"]
+
+
+@pytest.fixture(scope="module")
+def objective_runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
+    """One run per objective, all started at once (small runs wait on each other's
+    processes often enough that six together take about 60% of six in a row), each to its
+    end before any test looks: (exit code, output, run directory) by name."""
     extra = ["--set", "algorithm.beta=0.04", "--set", "algorithm.num_iterations=2",
              "--set", "train.micro_batch_size=3", "--set", "algorithm.is_correction=truncate"]
-    code, out = run_up(cfg, "--set", f"algorithm.name={name}", *extra)
+    procs = {}
+    try:
+        for name in OBJECTIVES:
+            tmp = tmp_path_factory.mktemp(name)
+            cfg = write_config(tmp, steps=3)
+            proc = orchestrator("up", "--config", str(cfg), "--set", f"algorithm.name={name}", *extra)
+            procs[name] = (proc, tmp / "run")
+        outputs = {name: proc.communicate(timeout=300)[0] for name, (proc, _) in procs.items()}
+        return {name: (proc.returncode, outputs[name], run) for name, (proc, run) in procs.items()}
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_every_objective_trains_end_to_end(objective_runs, name):
+    code, out, run = objective_runs[name]
     assert code == 0, out
-    metrics = read_metrics(tmp_path / "run")
+    metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert [m["iteration"] for m in metrics] == [0, 1, 0]  # two optimizer steps per batch
     for m in metrics:

@@ -296,3 +296,18 @@ def test_a_quantized_actor_s_load_peak_is_planned(qwen_vocab_model):
     assert terms["quantize_load"] > 0.8 * m.vocab * m.hidden * 4
     assert abs(planned / measured - 1) <= 0.15, (planned / MB, measured / MB)
     del model
+
+
+def test_episodes_are_planned_and_checked_at_their_whole_token_budget():
+    """With an environment, a completion is the whole episode: env.max_episode_tokens, not
+    sampling.max_tokens, sizes the plan and is checked against the model's context."""
+    from orchestrator.plan import plan_for, prompt_tokens
+    from policy.data import DataError
+    from protocol.config import load_config
+
+    cfg = load_config(EXAMPLES / "digits.toml")
+    _, model, shape = plan_for(cfg, 1.0)
+    assert (shape.max_tokens, cfg.sampling.max_tokens) == (cfg.env.max_episode_tokens, 4)
+    too_long = cfg.replace(env={"max_episode_tokens": model.context})
+    with pytest.raises(DataError, match="context"):
+        prompt_tokens(too_long, model.context)
