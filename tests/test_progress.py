@@ -55,12 +55,19 @@ def read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
+def terminal_env() -> dict[str, str]:
+    """An xterm whose size is the pty's: COLUMNS and LINES, which a parent (a parallel test
+    worker) may have set, would override it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    return {**env, "TERM": "xterm"}
+
+
 def test_a_terminal_gets_a_live_bar_above_which_the_lines_scroll(tmp_path):
     cfg = write_config(tmp_path, steps=3)
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--config", str(cfg)], cwd=ROOT,
-                            stdin=slave, stdout=slave, stderr=slave, env={**os.environ, "TERM": "xterm"})
+                            stdin=slave, stdout=slave, stderr=slave, env=terminal_env())
     os.close(slave)
     try:
         out = read_all(master).decode(errors="replace")
