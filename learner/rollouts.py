@@ -22,6 +22,7 @@ import protocol
 from learner.groups import Group
 from learner.ledger import Ledger
 from protocol import sockets
+from protocol.wire import HELLO_MODEL_FIELDS
 
 log = logging.getLogger("learner")
 
@@ -90,6 +91,10 @@ class RolloutSocket:
     def incompatibility(self, msg: protocol.Message) -> str | None:
         if msg["role"] not in ("actor", "observer"):
             return f"role {msg['role']!r} cannot attach to the rollout socket"
+        missing = [name for name, typ in HELLO_MODEL_FIELDS.items()
+                   if not isinstance(msg.header.get(name), typ)]
+        if missing:
+            return f"an {msg['role']}'s hello needs {', '.join(map(repr, missing))} (PROTOCOL.md, hello)"
         if msg["tokenizer"] != self.identity["tokenizer"]:
             return "tokenizer fingerprint differs"
         if msg["lora"] != self.identity["lora"]:

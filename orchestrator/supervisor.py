@@ -239,8 +239,8 @@ class Supervisor:
             self.stop_child("actor")
             self.start_child("learner", resume=True)
             self.start_child("actor")
-        else:
-            self.start_child("actor")
+        else:  # an actor, or an env worker (it attaches to the actor again by itself)
+            self.start_child(name)
 
     def watch(self, poll_s: float = 0.2) -> None:
         """Return when the learner finishes or a stop signal arrives; raise RunFailed when

@@ -214,6 +214,7 @@ class EnvWorker(SocketWorker):
 
     role = "env_worker"
     owner = "actor"
+    hello_fields = {"beats_while_working": True}
 
     def __init__(self, make_env: Callable[[], Any], name: str, endpoint: str,
                  owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
@@ -221,21 +222,38 @@ class EnvWorker(SocketWorker):
         self.make_env, self.name = make_env, name
         super().__init__(endpoint, owner_timeout_s, signals)
         self.episodes: dict[str, Any] = {}
+        # The environment runs in a thread so the worker keeps beating meanwhile: a worker
+        # that dies in the middle of a long step is noticed in seconds, not at the deadline.
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="env")
+        self.inbox: collections.deque[protocol.Message] = collections.deque()  # in arrival order
+        self.job: tuple[str, Future] | None = None  # (request id, reply) being worked out
 
     def run(self) -> int:
         log.info("serving %s on %s", self.name, self.endpoint)
         return super().run()
 
     def take(self, msg: protocol.Message) -> None:
-        if msg.kind == protocol.END:
-            self.drop(msg["episode_id"])
-        elif msg.kind in (protocol.RESET, protocol.STEP):
-            reply = {"request_id": msg["request_id"], **self.answer(msg)}
-            try:
-                self.send(protocol.OBSERVATION, reply)
-            except (TypeError, ValueError) as e:  # e.g. an `info` msgpack cannot carry
-                self.send(protocol.OBSERVATION, {"request_id": msg["request_id"], "observation": "",
-                                                 "done": True, "error": f"unsendable reply: {e}"})
+        if msg.kind in (protocol.END, protocol.RESET, protocol.STEP):
+            self.inbox.append(msg)
+
+    def work(self) -> None:
+        """Send a finished reply; then take the next messages in order, up to a request."""
+        if self.job is not None and self.job[1].done():
+            (request_id, result), self.job = self.job, None
+            self.reply(request_id, result.result())  # answer() turns every failure into a reply
+        while self.job is None and self.inbox:
+            msg = self.inbox.popleft()
+            if msg.kind == protocol.END:
+                self.drop(msg["episode_id"])
+            else:
+                self.job = (msg["request_id"], self.pool.submit(self.answer, msg))
+
+    def reply(self, request_id: str, answer: dict) -> None:
+        try:
+            self.send(protocol.OBSERVATION, {"request_id": request_id, **answer})
+        except (TypeError, ValueError) as e:  # e.g. an `info` msgpack cannot carry
+            self.send(protocol.OBSERVATION, {"request_id": request_id, "observation": "", "done": True,
+                                             "error": f"unsendable reply: {e}"})
 
     def answer(self, msg: protocol.Message) -> dict:
         episode_id = msg["episode_id"]
@@ -269,11 +287,17 @@ class EnvWorker(SocketWorker):
                 log.warning("episode %s: close() raised %s: %s", episode_id, type(e).__name__, e)
 
     def forget(self) -> None:
+        self.inbox.clear()
+        if self.job is not None:
+            self.job[1].result()  # let the running step finish before its episode goes
+            self.job = None
         for episode_id in list(self.episodes):
             self.drop(episode_id)
 
     def close(self) -> None:
-        self.forget()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.job is None:
+            self.forget()
         super().close()
 
 

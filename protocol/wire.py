@@ -87,8 +87,9 @@ _SCHEMA: dict[str, dict[str, Any]] = {
     END: {"episode_id": str},
 }
 
-# An actor must also say what it runs, so the learner can refuse a mismatch.
-_HELLO_MODEL_FIELDS = {"model": str, "tokenizer": str, "lora": dict}
+# On the rollout socket an actor (or observer) must also say what it runs, so the learner
+# can refuse a mismatch; the learner checks them (the actor's hello on the env socket has none).
+HELLO_MODEL_FIELDS = {"model": str, "tokenizer": str, "lora": dict}
 
 # Arrays each kind must carry, with their dtype and rank.
 _ARRAYS: dict[str, dict[str, tuple[str, int]]] = {
@@ -152,8 +153,6 @@ def decode(frames: list, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     elif kind == HELLO:
         if head["role"] not in ROLES:
             raise ProtocolError(f"hello: unknown role {head['role']!r}")
-        if head["role"] == "actor":
-            _check_fields(kind, head, _HELLO_MODEL_FIELDS)
     elif kind == SCORE_REPLY:
         _check_score_reply(head)
     elif kind == OBSERVATION:

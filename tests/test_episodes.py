@@ -5,6 +5,7 @@ real runs, one of them killed mid-episode."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from protocol.workers import WorkerPool
 from tests.conftest import EXAMPLES, ROOT, TINY_MODEL, write_config
 from tests.test_e2e import orchestrator, read_metrics, run_up, wait_for
 from tests.test_reward_workers import Lines, assert_nothing_lost, finish
-from tests.test_supervision import wait_for_step
+from tests.test_supervision import pid_of, wait_for_step
 
 ENV_WORKER = Path(__file__).parent / "workers" / "env_worker.py"
 
@@ -235,3 +236,66 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_before_the_first_epis
     r.check("repeat 3")  # text prompts need no template
     with pytest.raises(DataError, match="does not render a conversation as the start of its continuation"):
         r.check([{"role": "user", "content": "repeat 3"}])
+
+
+SLOW_ENV = '''
+import time
+
+
+class SlowEnv:
+    """Three steps of 0.15 s each; rewards the share of "7"s."""
+
+    def reset(self, prompt, **columns):
+        self.turn = 0
+        return ""
+
+    def step(self, action):
+        time.sleep(0.15)
+        self.turn += 1
+        return "\\nrepeat 7", action.count("7") / max(len(action), 1), self.turn == 3
+'''
+
+
+def test_a_python_env_worker_killed_mid_step_is_noticed_in_seconds(tmp_path):
+    """`orchestrator up` serves a class whose steps take a while; its env worker, SIGKILLed
+    in the middle of one, is restarted by the orchestrator, and the actor takes it for gone
+    by its missing heartbeats (it beats while its environment works), long before the
+    60 s deadline: the episodes start again on the new worker and nothing is lost."""
+    (tmp_path / "slow_env.py").write_text(SLOW_ENV)
+    cfg = write_config(tmp_path, '[env]\nenvironment = "slow_env:SlowEnv"\nmax_turns = 3\n'
+                                 'max_episode_tokens = 64', steps=3, reward="env")
+    proc = orchestrator("up", "--config", str(cfg))
+    run = tmp_path / "run"
+    lines = Lines(proc)
+    _, started = lines.wait_for("started env-worker-0 (pid ")
+    pid = int(started.split("pid ")[1].split(")")[0])
+    wait_for_step(run, 1, proc)
+    time.sleep(0.2)  # inside a step of the next batch's episodes
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert proc.wait(120) == 0, lines.lines
+    assert time.monotonic() - t0 < 40  # the deadline (60 s) never had to pass
+    metrics = read_metrics(run)
+    assert_nothing_lost(metrics, 3, 2)
+    log = (run / "actor.log").read_text()
+    assert "sent nothing for" in log and "deadline" not in log
+    assert metrics[-1]["env_retries"] >= 1
+    assert any("env-worker-0 exited with code" in line for _, line in lines.lines)
+
+
+def test_env_workers_attach_to_a_restarted_actor(tmp_path):
+    """The actor owns the env socket: SIGKILL it mid-run, the orchestrator restarts it, and
+    the env worker it started attaches to the new one by itself (its hello is answered
+    with `attached: false`); the run finishes with nothing lost."""
+    (tmp_path / "slow_env.py").write_text(SLOW_ENV.replace("time.sleep(0.15)", "time.sleep(0.01)"))
+    cfg = write_config(tmp_path, '[env]\nenvironment = "slow_env:SlowEnv"\nmax_turns = 3\n'
+                                 'max_episode_tokens = 64', steps=4, reward="env")
+    proc = orchestrator("up", "--config", str(cfg))
+    run = tmp_path / "run"
+    lines = Lines(proc)
+    wait_for_step(run, 1, proc)
+    os.kill(pid_of(run, "actor"), signal.SIGKILL)
+    assert proc.wait(120) == 0, lines.lines
+    assert_nothing_lost(read_metrics(run), 4, 2)
+    assert "the actor restarted (instance" in (run / "env-worker-0.log").read_text()
+    assert any(line.startswith("actor exited with code") for _, line in lines.lines)

@@ -304,8 +304,6 @@ def test_rollout_missing_required_field(field):
     (WEIGHTS, {"version": 1.0}, "field 'version' must be an integer, got float"),
     (STOP, {"reason": 5}, "field 'reason' must be a string, got int"),
     (HEARTBEAT, {"role": "actor", "time": "now"}, "field 'time' must be a number, got str"),
-    (HELLO, {"role": "actor", "model": "m", "tokenizer": "t", "lora": [], "pid": 1},
-     "field 'lora' must be a map, got list"),
     (ROLLOUT, {**rollout_parts()[0], "texts": "abc"}, "field 'texts' must be a list, got str"),
 ])
 def test_wrong_field_type(kind, header, message):
@@ -350,12 +348,19 @@ def test_arrays_field_may_be_left_out_when_there_are_none():
         decode([pack({"protocol": 1, "kind": STOP, "reason": "x"}), b"\0"])
 
 
-def test_hello_model_fields_are_required_of_actors_only():
-    """The learner's hello on the reward socket carries no model (PROTOCOL.md, hello)."""
+def test_hello_model_fields_are_the_rollout_socket_s_business():
+    """The learner's hello on the reward socket and the actor's on the env socket carry no
+    model (PROTOCOL.md, hello): the wire takes them; the rollout socket refuses an actor or
+    observer that does not say what it runs, naming what is missing."""
+    from learner.rollouts import RolloutSocket
+
     learner = {"role": "learner", "pid": 3, "instance": "ab12", "heartbeat_s": 1.0}
     assert decode(encode(HELLO, learner))["instance"] == "ab12"
-    with pytest.raises(ProtocolError, match="hello: missing field 'model'"):
-        decode(encode(HELLO, {"role": "actor", "pid": 3}))
+    bare = decode(encode(HELLO, {"role": "observer", "pid": 3, "model": "m", "lora": []}))  # lora: not a map
+    rollouts = RolloutSocket.__new__(RolloutSocket)  # only its hello check, no socket
+    rollouts.identity = {"model": "m", "tokenizer": "t", "lora": {}}
+    assert rollouts.incompatibility(bare) == ("an observer's hello needs 'tokenizer', 'lora' "
+                                              "(PROTOCOL.md, hello)")
 
 
 def test_score_reply_with_an_error_needs_no_usable_rewards():
