@@ -259,7 +259,7 @@ def test_out_of_range(tmp_path, section, key, literal, problem):
     ("lora", "dropout", "0.99"),
     ("lora", "num_layers", "-1"),
     ("run", "port", "65535"),
-    ("run", "transport", '"tcp"'),
+    ("run", "insecure", "true"),
     ("train", "checkpoint_every", "0"),
 ])
 def test_boundary_values_accepted(tmp_path, section, key, literal):
@@ -386,7 +386,7 @@ def test_parse_override_malformed(item):
 def test_load_config_applies_overrides(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(TINY, overrides=["train.steps=5", "sampling.temperature=0.7", "algorithm.name=grpo",
-                                       "lora.dropout=0", "run.transport=tcp"])
+                                       "lora.dropout=0", "run.transport=tcp", "run.insecure=true"])
     assert cfg.train.steps == 5
     assert cfg.sampling.temperature == pytest.approx(0.7)
     assert cfg.lora.dropout == 0.0 and type(cfg.lora.dropout) is float
@@ -595,3 +595,10 @@ def test_env_section_is_checked():
     assert (openenv.openenv_action_field, openenv.openenv_observation_field) == ("message", None)
     with pytest.raises(ConfigError, match="evaluating episodes with an environment is not supported yet"):
         validate({**raw, "env": {"environment": "socket"}, "eval": {"prompts": "held.jsonl"}})
+
+
+def test_tcp_needs_an_explicit_insecure():
+    raw = {"model": {"path": "m"}, "data": {"prompts": "p"}, "reward": {"functions": ["a:b"]}}
+    with pytest.raises(ConfigError, match='run.transport = "tcp" sends rollouts, weights and rewards'):
+        validate({**raw, "run": {"transport": "tcp"}})
+    assert validate({**raw, "run": {"transport": "tcp", "insecure": True}}).run.insecure is True

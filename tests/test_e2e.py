@@ -209,7 +209,7 @@ def test_tcp_transport_binds_loopback(tmp_path):
     with socket.socket() as s:  # a free port pair, most likely
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\nport = {port}", steps=2)
+    cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\ninsecure = true\nport = {port}", steps=2)
     code, out = run_up(cfg)
     assert code == 0, out
     endpoints = json.loads((tmp_path / "run" / "endpoints.json").read_text())
