@@ -73,12 +73,14 @@ def spawn(name: str, args: list[str], run_dir: Path, lifeline: lifecycle.Lifelin
     """Start `python -m ARGS --run-dir RUN` holding the lifeline and the run lock. It runs
     in a session of its own, so a terminal's Ctrl-C reaches only the orchestrator, which
     then stops the children in order (learner checkpoint first). `threads`: its BLAS
-    threads on Linux (the CPU backend; Apple GPUs are not affected)."""
+    threads on Linux (the CPU backend; Apple GPUs are not affected), unless the user set
+    OPENBLAS_NUM_THREADS."""
     log_path = run_dir / f"{name}.log"
     env = lifecycle.child_env(**lifeline.child_env(), **{lifecycle.RUN_LOCK_ENV: str(lock_fd)})
     if share_mb is not None:
         env[MEMORY_SHARE_ENV] = f"{share_mb:.0f}"
-    if threads is not None and sys.platform.startswith("linux"):
+    if threads is not None and sys.platform.startswith("linux") and "OPENBLAS_NUM_THREADS" not in os.environ:
+        # (A user who set OPENBLAS_NUM_THREADS, e.g. to run several runs at once, keeps it.)
         env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     with open(log_path, "a") as log_file:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen([sys.executable, "-m", *args, "--run-dir", str(run_dir)],

@@ -30,6 +30,15 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return min(4, max(2, (os.cpu_count() or 2) // 2))
 
 
+# Files run side by side: the runs they start share the cores, so each process's BLAS gets
+# its share of them (OpenBLAS's spinning threads slow down many times over when they
+# outnumber the cores: a 15 s test took 125 s beside another).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = str(max(1, (os.cpu_count() or 2) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", _threads)
+    os.environ.setdefault("OMP_NUM_THREADS", _threads)
+
+
 # Every process the suite starts, and every process those start, inherits this variable.
 SESSION_ENV = "MLXRL_TEST_SESSION"
 

@@ -125,17 +125,20 @@ def test_a_metrics_line_cut_short_by_a_kill_is_dropped_on_resume(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc/PID/environ (Linux)")
-@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("staleness", [0, 1, "user's"])
 def test_blas_threads_follow_whether_the_processes_take_turns(tmp_path, staleness):
     """CPU backend: taking turns (max_staleness 0) each process gets every core's BLAS
-    thread; overlapped they share the cores."""
-    cfg = write_config(tmp_path, f"[train]\nmax_staleness = {staleness}", steps=40)
-    proc = orchestrator("up", "--config", str(cfg))
+    thread; overlapped they share the cores; a user's OPENBLAS_NUM_THREADS is kept."""
+    cfg = write_config(tmp_path, f"[train]\nmax_staleness = {1 if staleness == 1 else 0}", steps=40)
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    if staleness == "user's":
+        env["OPENBLAS_NUM_THREADS"] = "7"
+    proc = orchestrator("up", "--config", str(cfg), env=env)
     run = tmp_path / "run"
     try:
         wait_for_step(run, 1, proc)
         cores = os.cpu_count()
-        want = str(cores if staleness == 0 else max(1, cores // 2))
+        want = {0: str(cores), 1: str(max(1, cores // 2)), "user's": "7"}[staleness]
         for role in ("actor", "learner"):
             env = Path(f"/proc/{pid_of(run, role)}/environ").read_bytes().split(b"\0")
             assert f"OPENBLAS_NUM_THREADS={want}".encode() in env, role
