@@ -21,7 +21,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import zmq
@@ -41,6 +41,7 @@ class SocketWorker:
     role = ""
     owner = ""  # who binds the socket: "learner" or "actor"
     hello_fields: dict = {}
+    job: tuple[str, Future] | None = None  # (request id, result) being worked out in a thread
 
     def __init__(self, endpoint: str, owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
                  signals: lifecycle.StopSignals | None = None) -> None:
@@ -67,11 +68,14 @@ class SocketWorker:
                 # Tell the owner at once, so what we hold goes to another worker now.
                 self.send(protocol.STOP, {"reason": f"{self.role} stopped by {self.signals.name}"})
                 return lifecycle.signal_exit_code(self.signals.signum)
-            for incoming in sockets.incoming(self.sock, 50):
+            # While a job runs, wait on it rather than on the socket: its reply goes out at once.
+            for incoming in sockets.incoming(self.sock, 0 if self.job is not None else 50):
                 reason = self.handle(incoming)
                 if reason is not None:
                     log.info("stopping: %s", reason)
                     return lifecycle.EXIT_OK
+            if self.job is not None:
+                wait([self.job[1]], timeout=0.05)
             self.work()
             self.beat()
             down = self.watch.down_for()
