@@ -11,19 +11,23 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 
 @app.command()
-def run(run_dir: str = typer.Option(..., help="Run directory written by `orchestrator up`.")) -> None:
+def run(run_dir: str = typer.Option(..., help="Run directory written by `orchestrator up` (on another "
+                                   "machine: a copy of its config.json and endpoints.json)."),
+        key_dir: str | None = typer.Option(None, help="CURVE key directory for a TCP run (`orchestrator "
+                                           "keys add-peer`); default: the run directory's keys.")) -> None:
     """Connect to the run's learner and stream rollout groups until it says stop.
 
     Exit codes (protocol.lifecycle): 0 told to stop by the learner, 4 a user error (the
     data file does not parse, a prompt does not fit the model, the learner refused our
-    model or LoRA config), 128 + N stopped by signal N, 1 anything unexpected."""
+    model, LoRA config or key), 128 + N stopped by signal N, 1 anything unexpected."""
     from policy.data import DataError
     from protocol import lifecycle
+    from protocol.keys import KeysError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from actor.service import main
 
-    lifecycle.exit_with(lambda: main(run_dir), logging.getLogger("actor"), (DataError,))
+    lifecycle.exit_with(lambda: main(run_dir, key_dir), logging.getLogger("actor"), (DataError, KeysError))
 
 
 @app.command()

@@ -33,6 +33,7 @@ from policy.model import set_adapter_weights, tokenizer_fingerprint
 from policy.sampler import Completion, sample_groups
 from protocol import lifecycle, sockets
 from protocol.config import Config, SamplingConfig, as_dict
+from protocol.keys import run_key_dir
 
 log = logging.getLogger("actor.serve")
 
@@ -290,7 +291,9 @@ class Follower:
     def __init__(self, run_dir: str, cfg: Config, policy: Policy) -> None:
         self.policy = policy
         self.ctx = zmq.Context()
-        self.sock, self.watch = sockets.connect(self.ctx, protocol.read_endpoints(run_dir)["learner"])
+        endpoint = protocol.read_endpoints(run_dir)["learner"]
+        keys = run_key_dir(run_dir, endpoint, cfg.run.insecure)
+        self.sock, self.watch = sockets.connect(self.ctx, endpoint, keys)
         self.sock.send_multipart(protocol.encode(protocol.HELLO, {
             "role": "observer", "model": cfg.model.path, "tokenizer": tokenizer_fingerprint(policy.tokenizer),
             "lora": as_dict(cfg.lora), "pid": os.getpid()}))

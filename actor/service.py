@@ -32,13 +32,16 @@ from policy.sampler import Completion, sample_groups
 from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
 from protocol.heartbeat import start_heartbeat
+from protocol.keys import key_dir_for, run_key_dir
 from protocol.workers import WorkerPool
 
 log = logging.getLogger("actor")
 
 
 class Actor:
-    def __init__(self, run_dir: Path, signals: lifecycle.StopSignals | None = None) -> None:
+    def __init__(self, run_dir: Path, signals: lifecycle.StopSignals | None = None,
+                 key_dir: Path | None = None) -> None:
+        """`key_dir`: the CURVE keys to connect with over TCP (default: the run's own)."""
         self.cfg = read_run_config(run_dir)
         self.signals = signals or lifecycle.StopSignals()
         self.sampling = s = self.cfg.sampling
@@ -64,12 +67,16 @@ class Actor:
         # Under an orchestrator the lifeline ends us; started by hand, we end when the
         # learner has been unreachable for good (the watch).
         endpoints = protocol.read_endpoints(run_dir)
-        self.sock, self.watch = sockets.connect(self.ctx, endpoints["learner"])
+        insecure = self.cfg.run.insecure
+        keys = (key_dir_for(endpoints["learner"], key_dir, insecure) if key_dir is not None
+                else run_key_dir(run_dir, endpoints["learner"], insecure))
+        self.sock, self.watch = sockets.connect(self.ctx, endpoints["learner"], keys)
         self.learner_lost = False
         self.episodes = None
         if env.environment:
+            # max_attempts=1: the runner counts an episode's attempts itself.
             pool = WorkerPool(self.ctx, endpoints["env"], "env_worker", protocol.OBSERVATION, env.timeout_s,
-                              max_attempts=1, owner_role="actor")  # the runner counts an episode's attempts
+                              max_attempts=1, owner_role="actor", keys=keys)
             self.episodes = EpisodeRunner(pool, self.model, self.tokenizer, self.eos_ids, s, env)
             self.episodes.renderer.check(prompts[0].prompt)
 
@@ -186,6 +193,11 @@ class Actor:
         batch_size = self.cfg.train.batch_size
         max_in_flight = (self.cfg.train.max_staleness + 1) * batch_size
         while not (self.told_to_stop or self.signals.requested):
+            if self.watch.down_for() and self.watch.refused:
+                log.error("the learner refused our CURVE key: this key directory's client.key is not in "
+                          "the run's keys/authorized (`orchestrator keys add-peer` makes one that is)")
+                self.refused = True
+                return
             if self.watch.down_for() > lifecycle.LEARNER_TIMEOUT_S:
                 log.error("no learner for %.0f s; it is gone, stopping", lifecycle.LEARNER_TIMEOUT_S)
                 self.learner_lost = True
@@ -204,17 +216,17 @@ class Actor:
             self.episodes.pool.close("the actor stopped")
         self.watch.close()
         self.sock.close()
-        self.ctx.term()
+        sockets.close_context(self.ctx)
 
 
-def main(run_dir: str) -> int:
+def main(run_dir: str, key_dir: str | None = None) -> int:
     """Stream rollouts until the learner says stop or a stop signal arrives; returns the
     exit code (protocol.lifecycle)."""
     signals = lifecycle.StopSignals().install()
     lifecycle.watch_lifeline()
     start_heartbeat(run_dir, "actor")
     apply_memory_share()
-    actor = Actor(Path(run_dir), signals)
+    actor = Actor(Path(run_dir), signals, Path(key_dir) if key_dir else None)
     try:
         actor.run()
     finally:

@@ -1,14 +1,15 @@
 """`python -m learner --run-dir RUN`: started by the orchestrator, reads RUN/config.json.
 
-Exit codes (protocol.lifecycle): 0 trained to the end, 4 a reward function failed or the
-eval prompts do not load (a restart would fail again), 5 the run directory belongs to
-another live run, 128 + N stopped by signal N after a checkpoint, 1 anything unexpected.
+Exit codes (protocol.lifecycle): 0 trained to the end, 4 a reward function failed, the
+eval prompts do not load or a TCP run has no keys (a restart would fail again), 5 the run
+directory belongs to another live run, 128 + N stopped by signal N after a checkpoint, 1 anything unexpected.
 """
 
 import argparse
 import logging
 
 from protocol import lifecycle
+from protocol.keys import KeysError
 from rewards.functions import RewardError
 
 
@@ -22,7 +23,7 @@ def cli() -> None:
     from policy.data import DataError
 
     lifecycle.exit_with(lambda: main(args.run_dir, args.resume), logging.getLogger("learner"),
-                        (RewardError, DataError))
+                        (RewardError, DataError, KeysError))
 
 
 if __name__ == "__main__":

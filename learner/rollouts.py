@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -32,11 +33,12 @@ MB = 1 << 20
 class RolloutSocket:
     def __init__(self, ctx: zmq.Context, endpoint: str, ledger: Ledger, identity: dict[str, Any],
                  check_group: Callable[[bytes, protocol.Message], Group],
-                 weights: Callable[[], dict]) -> None:
+                 weights: Callable[[], dict], keys: Path | None = None) -> None:
         """`identity`: what this learner runs (model, tokenizer, lora, instance), sent in
         its hello and checked in actors'. `check_group` turns a rollout into a Group or
-        raises ValueError with the drop reason. `weights()` gives the adapter arrays."""
-        self.sock = sockets.listen(ctx, endpoint)
+        raises ValueError with the drop reason. `weights()` gives the adapter arrays. `keys`:
+        the run's CURVE key directory, for TCP (protocol.keys)."""
+        self.sock = sockets.listen(ctx, endpoint, keys, "rollout")
         self.ledger = ledger
         self.identity = identity
         self.check_group = check_group

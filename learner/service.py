@@ -31,9 +31,10 @@ from learner.rollouts import MB, RolloutSocket
 from learner.step import Sample, Trainer, make_batch
 from policy.memory import apply_memory_share
 from policy.model import adapter_weights_numpy, load_policy, tokenizer_fingerprint
-from protocol import lifecycle
+from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
 from protocol.heartbeat import start_heartbeat
+from protocol.keys import run_key_dir
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
 
@@ -52,7 +53,8 @@ class Learner:
         # restarted and attaches again (PROTOCOL.md, "Liveness").
         instance = uuid.uuid4().hex[:12]
         # Reward functions load (and fail) before the model does.
-        self.scorer = Scorer(cfg.reward, self.ctx, endpoints["reward"], instance)
+        keys = run_key_dir(run_dir, endpoints["learner"], cfg.run.insecure)  # TCP: CURVE
+        self.scorer = Scorer(cfg.reward, self.ctx, endpoints["reward"], instance, keys)
         mx.random.seed(cfg.train.seed)
         log.info("loading %s", cfg.model.path)
         self.model, tokenizer, self.adapter_config = load_policy(cfg.model.path, cfg.lora)
@@ -81,7 +83,7 @@ class Learner:
         self.rollouts = RolloutSocket(
             self.ctx, endpoints["learner"], self.ledger, identity,
             lambda actor, msg: group_from_message(actor, msg, vocab_size, group_size),
-            lambda: adapter_weights_numpy(self.model))
+            lambda: adapter_weights_numpy(self.model), keys)
         plan = self.run_dir / "plan.json"
         shares = json.loads(plan.read_text())["shares_mb"] if plan.exists() else {}
         self.shares = {f"{k}_share_mb": v for k, v in shares.items()}
@@ -218,7 +220,7 @@ class Learner:
         for reporter in self.reporters:
             reporter.close()
         self.scorer.close(reason)
-        self.ctx.term()
+        sockets.close_context(self.ctx)
 
 
 def main(run_dir: str, resume: bool = False) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -103,6 +104,9 @@ def reward_worker(
     function: str = typer.Argument(..., help="Reward function as module:function (TRL signature)."),
     run_dir: str | None = typer.Option(None, help="Attach to this run's reward socket."),
     connect: str | None = typer.Option(None, help="Or attach to this endpoint."),
+    key_dir: str | None = typer.Option(None, help="CURVE keys for a TCP endpoint (`orchestrator keys "
+                                       "add-peer`); default with --run-dir: the run's."),
+    insecure: bool = typer.Option(False, help="Connect to a TCP endpoint without keys (plain TCP)."),
     learner_timeout: float = typer.Option(
         lifecycle.LEARNER_TIMEOUT_S, help="Exit when the learner has been unreachable this many seconds."),
 ) -> None:
@@ -113,8 +117,8 @@ def reward_worker(
     from orchestrator.workers import RewardWorker
     from rewards.functions import RewardError
 
-    endpoint = _worker_endpoint(run_dir, connect, "reward")
-    _serve(lambda signals: RewardWorker(function, endpoint, os.getcwd(), learner_timeout, signals),
+    endpoint, keys = _worker_endpoint(run_dir, connect, "reward", key_dir, insecure)
+    _serve(lambda signals: RewardWorker(function, endpoint, os.getcwd(), learner_timeout, signals, keys),
            RewardError)
 
 
@@ -123,6 +127,9 @@ def env_worker(
     environment: str | None = typer.Argument(None, help="Environment class, module:Class (reset, step)."),
     run_dir: str | None = typer.Option(None, help="Attach to this run's env socket."),
     connect: str | None = typer.Option(None, help="Or attach to this endpoint."),
+    key_dir: str | None = typer.Option(None, help="CURVE keys for a TCP endpoint (`orchestrator keys "
+                                       "add-peer`); default with --run-dir: the run's."),
+    insecure: bool = typer.Option(False, help="Connect to a TCP endpoint without keys (plain TCP)."),
     search_path: str | None = typer.Option(None, help="Directory searched first for the module; "
                                            "default: the current one."),
     openenv: str | None = typer.Option(None, help="Instead of a class: the URL of an OpenEnv server, one "
@@ -144,7 +151,7 @@ def env_worker(
     if (environment is None) == (openenv is None):
         typer.echo("error: give exactly one of module:Class and --openenv URL", err=True)
         raise typer.Exit(2)
-    endpoint = _worker_endpoint(run_dir, connect, "env")
+    endpoint, keys = _worker_endpoint(run_dir, connect, "env", key_dir, insecure)
 
     def make(signals: lifecycle.StopSignals) -> EnvWorker:
         if openenv is not None:
@@ -152,27 +159,39 @@ def env_worker(
 
             check_installed()
             return EnvWorker(lambda: OpenEnvEpisode(openenv, action_field, observation_field),
-                             f"the OpenEnv server at {openenv}", endpoint, actor_timeout, signals)
+                             f"the OpenEnv server at {openenv}", endpoint, actor_timeout, signals, keys)
         return EnvWorker(load_env_class(environment, search_path or os.getcwd()), environment, endpoint,
-                         actor_timeout, signals)
+                         actor_timeout, signals, keys)
 
     _serve(make, EnvError)
 
 
-def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str) -> str:
+def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str, key_dir: str | None,
+                     insecure: bool) -> tuple[str, Path | None]:
+    """The endpoint a worker attaches to, and its CURVE key directory (None: no CURVE)."""
     import logging
 
     import protocol
+    from protocol.keys import KeysError, key_dir_for, run_keys
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if (run_dir is None) == (connect is None):
         typer.echo("error: give exactly one of --run-dir and --connect", err=True)
         raise typer.Exit(2)
     try:
-        return connect or protocol.read_endpoints(run_dir)[socket]
+        endpoint = connect or protocol.read_endpoints(run_dir)[socket]
     except (OSError, KeyError, ValueError):
         typer.echo(f"error: {run_dir} has no endpoints.json with a {socket} socket; "
                    "is the run started?", err=True)
+        raise typer.Exit(2) from None
+    if key_dir is None and run_dir is not None:
+        own = run_keys(run_dir)
+        # A TCP run without keys was started insecure (`up` makes keys otherwise).
+        key_dir, insecure = (own, insecure) if own.exists() else (None, True)
+    try:
+        return endpoint, key_dir_for(endpoint, key_dir, insecure)
+    except KeysError as e:
+        typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
 
 
@@ -238,8 +257,6 @@ def plot(
 ) -> None:
     """Write a PNG of the run's main curves (reward ± std, KL, length, clipping, entropy,
     rollout speed) from metrics.jsonl. Needs the `plot` extra."""
-    from pathlib import Path
-
     from orchestrator.show import plot_metrics, read_lines
 
     path = Path(run_dir) / "metrics.jsonl"
@@ -252,6 +269,30 @@ def plot(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"wrote {written}")
+
+
+keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                       help="CURVE keys of a TCP run (RUN/keys; `up` creates them).")
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("add-peer")
+def keys_add_peer(
+    name: str = typer.Argument(..., help="A name for the peer, e.g. the other Mac's host name."),
+    run_dir: str = typer.Option(..., "--run-dir", help="The run's directory."),
+) -> None:
+    """Make a key directory for a peer on another machine and let its key in. Copy the
+    directory there and pass it as --key-dir to its actor or workers. A running run lets
+    the new key in at once."""
+    from protocol.keys import KeysError, add_peer
+
+    try:
+        out = add_peer(run_dir, name)
+    except KeysError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {out} (owner-only; it holds a secret key: copy it over ssh, e.g. "
+               f"scp -r {out} OTHER-MAC:)")
 
 
 @app.callback()

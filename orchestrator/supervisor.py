@@ -26,6 +26,7 @@ from orchestrator.show import read_lines
 from protocol import lifecycle
 from protocol.config import MEMORY_SHARE_ENV, Config, write_run_config
 from protocol.heartbeat import heartbeat_path, seconds_since_beat
+from protocol.keys import create_run_keys
 
 STOP_TIMEOUT_S = 30.0
 # How long a new run waits for the orphans of a killed orchestrator to stop (they get
@@ -64,6 +65,8 @@ def prepare_run_dir(cfg: Config, resume: bool = False) -> Path:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     r = cfg.run
     protocol.write_endpoints(run_dir, protocol.make_endpoints(run_dir, r.transport, r.host, r.port))
+    if r.transport == "tcp" and not r.insecure:
+        create_run_keys(run_dir)  # CURVE: encrypted, and only peers with the run's keys get in
     write_run_config(run_dir, cfg)
     return run_dir
 

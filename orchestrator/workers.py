@@ -22,6 +22,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -44,12 +45,13 @@ class SocketWorker:
     job: tuple[str, Future] | None = None  # (request id, result) being worked out in a thread
 
     def __init__(self, endpoint: str, owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
-                 signals: lifecycle.StopSignals | None = None) -> None:
+                 signals: lifecycle.StopSignals | None = None, keys: Path | None = None) -> None:
+        """`keys`: the CURVE key directory for a TCP endpoint (protocol.keys)."""
         self.endpoint = endpoint
         self.owner_timeout_s = owner_timeout_s
         self.signals = signals or lifecycle.StopSignals()
         self.ctx = zmq.Context()
-        self.sock, self.watch = sockets.connect(self.ctx, endpoint)
+        self.sock, self.watch = sockets.connect(self.ctx, endpoint, keys)
         self.instance: str | None = None  # the owner we are attached to
         self.last_beat = 0.0
 
@@ -79,6 +81,10 @@ class SocketWorker:
             self.work()
             self.beat()
             down = self.watch.down_for()
+            if down and self.watch.refused:
+                log.error("the %s on %s refused our CURVE key: its client.key is not in the run's "
+                          "keys/authorized", self.owner, self.endpoint)
+                return lifecycle.EXIT_USER_ERROR
             if down > self.owner_timeout_s:
                 log.error("no %s on %s for %.0f s; it is gone, stopping", self.owner, self.endpoint, down)
                 return lifecycle.EXIT_CRASH
@@ -131,10 +137,10 @@ class RewardWorker(SocketWorker):
 
     def __init__(self, spec: str, endpoint: str, search_path: str | None = None,
                  owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
-                 signals: lifecycle.StopSignals | None = None) -> None:
+                 signals: lifecycle.StopSignals | None = None, keys: Path | None = None) -> None:
         self.spec = spec
         self.fn = load_reward_function(spec, search_path)
-        super().__init__(endpoint, owner_timeout_s, signals)
+        super().__init__(endpoint, owner_timeout_s, signals, keys)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         self.requests: collections.deque[protocol.Message] = collections.deque()
         self.job: tuple[str, Future] | None = None  # (request id, result) being scored
@@ -222,9 +228,9 @@ class EnvWorker(SocketWorker):
 
     def __init__(self, make_env: Callable[[], Any], name: str, endpoint: str,
                  owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
-                 signals: lifecycle.StopSignals | None = None) -> None:
+                 signals: lifecycle.StopSignals | None = None, keys: Path | None = None) -> None:
         self.make_env, self.name = make_env, name
-        super().__init__(endpoint, owner_timeout_s, signals)
+        super().__init__(endpoint, owner_timeout_s, signals, keys)
         self.episodes: dict[str, Any] = {}
         # The environment runs in a thread so the worker keeps beating meanwhile: a worker
         # that dies in the middle of a long step is noticed in seconds, not at the deadline.

@@ -256,10 +256,10 @@ class RewardConfig:
 @dataclass(frozen=True)
 class RunConfig:
     dir: str = key("runs/default", "run directory (relative to where you run the command)")
-    transport: str = key("ipc", "`ipc` (private socket files) or `tcp` (needs `insecure`)",
-                         _one_of("ipc", "tcp"))
-    insecure: bool = key(False, "allow `tcp`, which is plain ZeroMQ: no encryption, no authentication; "
-                                "anyone who reaches the ports can join the run")
+    transport: str = key("ipc", "`ipc` (private socket files) or `tcp` (encrypted, and only peers "
+                                "with the run's CURVE keys get in; see `insecure`)", _one_of("ipc", "tcp"))
+    insecure: bool = key(False, "`tcp` without CURVE keys: plain ZeroMQ, no encryption, no "
+                                "authentication; anyone who reaches the ports can join the run")
     host: str = key("127.0.0.1", "for `tcp`")
     port: int = key(5555, "for `tcp` (the reward socket takes port + 1, the env socket port + 2)",
                     _range(1, 65535))
@@ -376,10 +376,6 @@ def validate(raw: dict[str, Any]) -> Config:
         raise ConfigError("env.openenv_url goes with env.environment = \"openenv\", and only with it")
     if "env" in reward.functions and cfg.env.environment is None:
         raise ConfigError("reward.functions names 'env', but no env.environment is set")
-    if cfg.run.transport == "tcp" and not cfg.run.insecure:
-        raise ConfigError('run.transport = "tcp" sends rollouts, weights and rewards unencrypted and lets '
-                          "anyone who reaches the ports join the run; set run.insecure = true to accept that "
-                          '(keep run.host = "127.0.0.1" unless the network is yours)')
     if cfg.eval.prompts and cfg.env.environment:
         raise ConfigError("eval.prompts: evaluating episodes with an environment is not supported yet; "
                           "leave [eval] out of a run with env.environment")

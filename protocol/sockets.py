@@ -12,28 +12,43 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
+from protocol.keys import secure_client, secure_server, stop_authenticator
 from protocol.lifecycle import HEARTBEAT_S
 from protocol.wire import Message, ProtocolError, decode
 
 LINGER_MS = 2000  # how long a closing socket keeps trying to deliver its last messages
 
 
-def listen(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    """The learner's side: a ROUTER bound to `endpoint`."""
+def listen(ctx: zmq.Context, endpoint: str, keys: Path | None = None, name: str = "") -> zmq.Socket:
+    """The binding side: a ROUTER bound to `endpoint`; with `keys` (a run's key directory)
+    a CURVE server that lets in only authorized clients (protocol.keys). `name` names the
+    socket in the log of a refused client."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
+    if keys is not None:
+        secure_server(sock, keys, name or endpoint)
     sock.bind(endpoint)
     return sock
 
 
-def connect(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, ConnectionWatch]:
-    """A peer's side: a DEALER connected to the learner's `endpoint`, and its watch."""
+def connect(ctx: zmq.Context, endpoint: str, keys: Path | None = None) -> tuple[zmq.Socket, ConnectionWatch]:
+    """A peer's side: a DEALER connected to `endpoint`, and its watch; with `keys` (a key
+    directory) a CURVE client."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
+    if keys is not None:
+        secure_client(sock, keys)
     return sock, ConnectionWatch(sock, endpoint)
+
+
+def close_context(ctx: zmq.Context) -> None:
+    """End a context whose sockets are closed, the ZAP handler of its CURVE servers first."""
+    stop_authenticator(ctx)
+    ctx.term()
 
 
 @dataclass
@@ -73,8 +88,10 @@ class ConnectionWatch:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # find a restarted learner within a second
         self.sock = sock
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         self.down_since: float | None = time.monotonic()  # not connected yet
+        self.refused = False  # the server refused our CURVE key
         sock.connect(endpoint)
 
     def down_for(self) -> float:
@@ -85,6 +102,8 @@ class ConnectionWatch:
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.down_since = None
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.refused = True
             elif event == zmq.EVENT_DISCONNECTED and self.down_since is None:
                 self.down_since = time.monotonic()
         return 0.0 if self.down_since is None else time.monotonic() - self.down_since

@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -77,10 +78,12 @@ class Reply:
 
 class WorkerPool:
     def __init__(self, ctx: zmq.Context, endpoint: str, role: str, reply_kind: str, timeout_s: float,
-                 max_attempts: int, instance: str | None = None, owner_role: str = "learner") -> None:
+                 max_attempts: int, instance: str | None = None, owner_role: str = "learner",
+                 keys: Path | None = None) -> None:
         """`role`: the hello role workers must have; `reply_kind`: the kind they answer
-        with; `owner_role`: the role this side's hello carries."""
-        self.sock = sockets.listen(ctx, endpoint)
+        with; `owner_role`: the role this side's hello carries; `keys`: the run's CURVE
+        key directory, for TCP."""
+        self.sock = sockets.listen(ctx, endpoint, keys, role.split("_")[0])
         self.endpoint = endpoint
         self.role, self.reply_kind, self.owner_role = role, reply_kind, owner_role
         self.name = role.replace("_", " ")  # "reward worker", for logs

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ def short_names(specs: list[str]) -> dict[str, str]:
 
 class Scorer:
     def __init__(self, reward: RewardConfig, ctx: zmq.Context | None = None,
-                 endpoint: str | None = None, instance: str | None = None) -> None:
+                 endpoint: str | None = None, instance: str | None = None, keys: Path | None = None) -> None:
         specs = list(reward.functions)
         weights = reward.weights or [1.0] * len(specs)
         # Keyed by the whole `module:function`: two modules may both have a `correct`.
@@ -53,7 +54,7 @@ class Scorer:
             if ctx is None or endpoint is None:
                 raise ValueError("a 'worker' reward needs a reward socket")
             self.dispatcher = WorkerPool(ctx, endpoint, "reward_worker", protocol.SCORE_REPLY,
-                                         reward.timeout_s, reward.max_attempts, instance)
+                                         reward.timeout_s, reward.max_attempts, instance, keys=keys)
         self.partial: dict[str, dict[str, list]] = {}
 
     def metric_name(self, key: str) -> str:

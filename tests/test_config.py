@@ -595,10 +595,3 @@ def test_env_section_is_checked():
     assert (openenv.openenv_action_field, openenv.openenv_observation_field) == ("message", None)
     with pytest.raises(ConfigError, match="evaluating episodes with an environment is not supported yet"):
         validate({**raw, "env": {"environment": "socket"}, "eval": {"prompts": "held.jsonl"}})
-
-
-def test_tcp_needs_an_explicit_insecure():
-    raw = {"model": {"path": "m"}, "data": {"prompts": "p"}, "reward": {"functions": ["a:b"]}}
-    with pytest.raises(ConfigError, match='run.transport = "tcp" sends rollouts, weights and rewards'):
-        validate({**raw, "run": {"transport": "tcp"}})
-    assert validate({**raw, "run": {"transport": "tcp", "insecure": True}}).run.insecure is True

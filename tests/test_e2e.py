@@ -15,6 +15,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+import zmq.auth
 
 import protocol
 from tests.conftest import ROOT, write_config
@@ -203,18 +204,71 @@ def test_ratio_is_one_at_step_zero_with_temperature_and_top_p(tmp_path):
     assert first["mismatch_kl"] < 1e-8
 
 
-def test_tcp_transport_binds_loopback(tmp_path):
+def free_port_run() -> int:
     import socket
 
-    with socket.socket() as s:  # a free port pair, most likely
+    with socket.socket() as s:  # a free port triple, most likely
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
+    """run.transport = "tcp" without `insecure`: `up` makes CURVE keys (owner-only), the
+    actor connects with them and the run trains. An actor with a key of its own (another
+    machine's copy of the run's config and endpoints, the server's public key, but a client
+    key the run never listed) is refused: it exits 4 saying so, the learner logs the
+    refusal, and the run is unaffected (every group trained, none dropped)."""
+    from protocol.config import load_config, write_run_config
+
+    port = free_port_run()
+    cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\nport = {port}", steps=6)
+    run = tmp_path / "run"
+    # The stranger: a run directory of its own, as on another Mac, with a foreign key.
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    write_run_config(stranger, load_config(cfg))
+    protocol.write_endpoints(stranger, protocol.make_endpoints(stranger, "tcp", "127.0.0.1", port))
+    keys = stranger / "keys"
+    keys.mkdir()
+    zmq.auth.create_certificates(keys, "client")
+    up = orchestrator("up", "--config", str(cfg))
+    try:
+        while not (run / "keys" / "server.key").exists():
+            assert up.poll() is None, up.communicate()[0]
+            time.sleep(0.05)
+        (keys / "server.key").write_bytes((run / "keys" / "server.key").read_bytes())
+        actor = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(stranger),
+                                  "--key-dir", str(keys)], cwd=ROOT, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            actor_out, _ = actor.communicate(timeout=120)
+        finally:
+            actor.kill()
+        out, _ = up.communicate(timeout=300)
+    finally:
+        up.kill()
+        up.wait()
+    assert actor.returncode == 4, actor_out
+    assert "the learner refused our CURVE key" in actor_out
+    assert up.returncode == 0, out
+    assert "refused a connection to the rollout socket" in (run / "learner.log").read_text()
+    endpoints = json.loads((run / "endpoints.json").read_text())
+    assert endpoints == {"learner": f"tcp://127.0.0.1:{port}", "reward": f"tcp://127.0.0.1:{port + 1}",
+                         "env": f"tcp://127.0.0.1:{port + 2}"}
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    assert metrics[-1]["groups_dropped"] == 0 and metrics[-1]["groups_trained"] == 12
+    assert oct((run / "keys").stat().st_mode & 0o777) == "0o700"
+    assert oct((run / "keys" / "server.key_secret").stat().st_mode & 0o777) == "0o600"
+
+
+def test_an_insecure_tcp_run_trains_without_keys(tmp_path):
+    port = free_port_run()
     cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\ninsecure = true\nport = {port}", steps=2)
     code, out = run_up(cfg)
     assert code == 0, out
-    endpoints = json.loads((tmp_path / "run" / "endpoints.json").read_text())
-    assert endpoints == {"learner": f"tcp://127.0.0.1:{port}", "reward": f"tcp://127.0.0.1:{port + 1}",
-                         "env": f"tcp://127.0.0.1:{port + 2}"}
+    assert not (tmp_path / "run" / "keys").exists()
+    assert "plain TCP: no encryption, no authentication" in (tmp_path / "run" / "learner.log").read_text()
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
 
 
