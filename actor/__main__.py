@@ -12,9 +12,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 @app.command()
 def run(run_dir: str = typer.Option(..., help="Run directory written by `orchestrator up` (on another "
-                                   "machine: a copy of its config.json and endpoints.json)."),
+                                   "machine: one holding a copy of its config.json)."),
+        connect: str | None = typer.Option(None, help="The learner's rollout endpoint, e.g. "
+                                           "tcp://mac-a.local:5555; default: RUN/endpoints.json."),
         key_dir: str | None = typer.Option(None, help="CURVE key directory for a TCP run (`orchestrator "
-                                           "keys add-peer`); default: the run directory's keys.")) -> None:
+                                           "keys add-peer`); default: the run directory's keys."),
+        slot: int = typer.Option(0, help="Which of the run's actor.count actors this is: its share of "
+                                 "the data (a remote actor takes one `up` does not start).")) -> None:
     """Connect to the run's learner and stream rollout groups until it says stop.
 
     Exit codes (protocol.lifecycle): 0 told to stop by the learner, 4 a user error (the
@@ -27,7 +31,8 @@ def run(run_dir: str = typer.Option(..., help="Run directory written by `orchest
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from actor.service import main
 
-    lifecycle.exit_with(lambda: main(run_dir, key_dir), logging.getLogger("actor"), (DataError, KeysError))
+    lifecycle.exit_with(lambda: main(run_dir, key_dir, slot, connect), logging.getLogger("actor"),
+                        (DataError, KeysError))
 
 
 @app.command()

@@ -182,15 +182,16 @@ class EpisodeRunner:
         self.episodes: dict[str, Episode] = {}  # by request id
         self.counter = 0
 
-    def run(self, prompts: list[Prompt], first_row: int,
+    def run(self, prompts: list[Prompt], first_rows: list[int],
             interrupted: Callable[[], bool] = lambda: False) -> list[EpisodeGroup] | None:
-        """G episodes of each prompt; row ids start at `first_row` (the sampler's noise).
-        None when `interrupted()` says stop before they end (nothing is sent then)."""
+        """G episodes of each prompt; prompt i's rows have ids first_rows[i] + j (the
+        sampler's noise). None when `interrupted()` says stop before they end (nothing
+        is sent then)."""
         g = self.sampling.group_size
         groups = []
         for i, prompt in enumerate(prompts):
             ids = self.renderer.prompt_ids(prompt.prompt)[-self.sampling.max_prompt_tokens:]
-            eps = [Episode(f"{self.counter}-{i}-{j}", i, prompt, first_row + i * g + j, ids)
+            eps = [Episode(f"{self.counter}-{i}-{j}", i, prompt, first_rows[i] + j, ids)
                    for j in range(g)]
             groups.append(EpisodeGroup(prompt, ids, eps))
         self.counter += 1

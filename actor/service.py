@@ -5,8 +5,10 @@ holds the learner's current weights: a restarted actor never samples with stale 
 LoRA weights. Between batches it applies the newest weights that arrived.
 
 Flow control is by credit: the learner reports how many of this actor's groups it has
-consumed (trained or dropped). With `max_staleness = k` and batch size B the actor keeps at
-most (k + 1) * B groups in flight. With k = 0 it samples only for the batch being filled:
+consumed (trained or dropped). With `max_staleness = k`, batch size B and N actors
+(`actor.count`), each keeps at most ceil((k + 1) * B / N) groups in flight, and samples
+every N-th prompt of the run's data stream (its `--slot`). With k = 0 it samples only for
+the batch being filled:
 when the learner trains, it sends the new weights before the credit, so every batch is
 sampled by the weights the previous batch produced; when the learner drops groups (DAPO's
 filter, a reward error), the actor replaces exactly those, with unchanged weights.
@@ -25,7 +27,7 @@ import zmq
 
 import protocol
 from actor.episodes import EpisodeRunner
-from policy.data import Prompt, PromptStream, check_context, load_prompts
+from policy.data import DataError, Prompt, PromptStream, check_context, load_prompts
 from policy.memory import apply_memory_share
 from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint
 from policy.sampler import Completion, sample_groups
@@ -40,9 +42,16 @@ log = logging.getLogger("actor")
 
 class Actor:
     def __init__(self, run_dir: Path, signals: lifecycle.StopSignals | None = None,
-                 key_dir: Path | None = None) -> None:
-        """`key_dir`: the CURVE keys to connect with over TCP (default: the run's own)."""
+                 key_dir: Path | None = None, slot: int = 0, connect: str | None = None) -> None:
+        """`key_dir`: the CURVE keys to connect with over TCP (default: the run's own).
+        `slot`: which of the run's `actor.count` actors this is (its share of the data).
+        `connect`: the learner's endpoint, for an actor on another machine (default:
+        the run directory's endpoints.json)."""
         self.cfg = read_run_config(run_dir)
+        if not 0 <= slot < self.cfg.actor.count:
+            raise DataError(f"--slot {slot}: the run has actor.count = {self.cfg.actor.count} actors, "
+                            f"slots 0 to {self.cfg.actor.count - 1}")
+        self.slot = slot
         self.signals = signals or lifecycle.StopSignals()
         self.sampling = s = self.cfg.sampling
         bits = self.cfg.actor.quantize_bits
@@ -55,7 +64,8 @@ class Actor:
         env = self.cfg.env
         check_context(prompts, getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
                       self.cfg.completion_tokens)
-        self.stream = PromptStream(prompts, data.shuffle, data.seed)
+        self.shard = (slot, self.cfg.actor.count)
+        self.stream = PromptStream(prompts, data.shuffle, data.seed, shard=self.shard)
         self.version: int | None = None
         self.pending: protocol.Message | None = None  # newest weights not yet applied
         self.groups_sent = 0
@@ -66,7 +76,10 @@ class Actor:
         self.ctx = zmq.Context()
         # Under an orchestrator the lifeline ends us; started by hand, we end when the
         # learner has been unreachable for good (the watch).
-        endpoints = protocol.read_endpoints(run_dir)
+        if connect is not None and env.environment:
+            raise DataError("--connect: an actor on another machine cannot serve an environment yet "
+                            "(its env socket is bound on the learner's machine); run it there")
+        endpoints = {"learner": connect} if connect else protocol.read_endpoints(run_dir)
         insecure = self.cfg.run.insecure
         keys = (key_dir_for(endpoints["learner"], key_dir, insecure) if key_dir is not None
                 else run_key_dir(run_dir, endpoints["learner"], insecure))
@@ -110,7 +123,7 @@ class Actor:
                     # A restarted actor, or a resumed run: continue the data where the
                     # learner's consumed groups end.
                     self.stream = PromptStream(self.stream.prompts, self.stream.shuffle,
-                                               self.stream.seed, (cursor[0], cursor[1]))
+                                               self.stream.seed, (cursor[0], cursor[1]), self.shard)
                     log.info("data cursor from the learner: epoch %d, position %d", *cursor)
 
     def apply_pending(self) -> None:
@@ -128,21 +141,21 @@ class Actor:
 
     def sample_groups(self, n: int) -> None:
         g = self.sampling.group_size
-        epoch, position = self.stream.cursor
-        # Row ids follow the prompt's place in the data stream (epoch * rows + position), so
-        # a prompt draws the same noise whatever actor (or resumed run) samples it.
-        first = epoch * len(self.stream.prompts) + position
-        prompts, cursors = [], []
+        prompts, cursors, first_rows = [], [], []
         for _ in range(n):
             prompts.append(next(self.stream))
             cursors.append(list(self.stream.cursor))
+            # Row ids follow the prompt's place in the data stream, so a prompt draws the
+            # same noise whatever actor (or resumed run) samples it.
+            first_rows.append(self.stream.index * g)
         t0 = time.perf_counter()
         if self.episodes is None:
             groups = sample_groups(self.model, [p.prompt_ids for p in prompts], g, self.sampling,
-                                   self.eos_ids, seed=self.sampling.seed, row_offset=first * g)
+                                   self.eos_ids, seed=self.sampling.seed,
+                                   row_ids=[first + j for first in first_rows for j in range(g)])
             rollouts = [self.completions(p, c) for p, c in zip(prompts, groups)]
         else:
-            episodes = self.episodes.run(prompts, first * g, self.interrupted)
+            episodes = self.episodes.run(prompts, first_rows, self.interrupted)
             if episodes is None:
                 return  # stopping: the learner's data cursor still points before these prompts
             rollouts = [e.fields(self.decode) for e in episodes]
@@ -189,9 +202,10 @@ class Actor:
     def run(self) -> None:
         self.send(protocol.HELLO, {"role": "actor", "model": self.cfg.model.path,
                                    "tokenizer": tokenizer_fingerprint(self.tokenizer),
-                                   "lora": as_dict(self.cfg.lora), "pid": os.getpid()})
-        batch_size = self.cfg.train.batch_size
-        max_in_flight = (self.cfg.train.max_staleness + 1) * batch_size
+                                   "lora": as_dict(self.cfg.lora), "pid": os.getpid(), "slot": self.slot})
+        count = self.cfg.actor.count
+        batch_size = -(-self.cfg.train.batch_size // count)  # this actor's share of a batch
+        max_in_flight = -(-(self.cfg.train.max_staleness + 1) * self.cfg.train.batch_size // count)
         while not (self.told_to_stop or self.signals.requested):
             if self.watch.down_for() and self.watch.refused:
                 log.error("the learner refused our CURVE key: this key directory's client.key is not in "
@@ -219,14 +233,15 @@ class Actor:
         sockets.close_context(self.ctx)
 
 
-def main(run_dir: str, key_dir: str | None = None) -> int:
+def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str | None = None) -> int:
     """Stream rollouts until the learner says stop or a stop signal arrives; returns the
     exit code (protocol.lifecycle)."""
     signals = lifecycle.StopSignals().install()
     lifecycle.watch_lifeline()
-    start_heartbeat(run_dir, "actor")
+    # The name the orchestrator watches: "actor" in a run of one, else "actor-SLOT".
+    start_heartbeat(run_dir, "actor" if read_run_config(run_dir).actor.count == 1 else f"actor-{slot}")
     apply_memory_share()
-    actor = Actor(Path(run_dir), signals, Path(key_dir) if key_dir else None)
+    actor = Actor(Path(run_dir), signals, Path(key_dir) if key_dir else None, slot, connect)
     try:
         actor.run()
     finally:

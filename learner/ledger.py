@@ -4,7 +4,8 @@ Every group received is trained on, dropped with a reason, or still queued:
 `received == trained + dropped + queued` at every step (the queue lives with the learner,
 which passes its length in). The ledger also holds what follows from that book: each
 actor's credit (its groups consumed, trained or dropped, which lets it sample more) and
-the data cursor a resumed run continues from (just after the newest consumed prompt).
+the data cursors a resumed run continues from (just after the newest consumed prompt),
+one per actor slot (`actor.count` actors share the data, each its own part of the stream).
 """
 
 from __future__ import annotations
@@ -24,10 +25,31 @@ class Ledger:
         self.rejected = 0  # messages that failed validation (not groups)
         self.consumed: collections.Counter[bytes] = collections.Counter()  # per actor
         self.credited: dict[bytes, int] = {}  # the consumed count each actor was last told
-        self.data_cursor: list[int] | None = None
+        self.data_cursor: list[int] | None = None  # the newest consumed of any slot
+        self.slots: dict[bytes, int] = {}  # actor -> its slot
+        self.slot_cursors: dict[int, list[int]] = {}  # newest consumed, per slot (checkpointed)
+        self.slot_received: dict[int, list[int]] = {}  # newest received, per slot
+        self.received_by_slot: collections.Counter[int] = collections.Counter()
 
-    def receive(self) -> None:
+    def attach(self, actor: bytes, slot: int) -> None:
+        self.slots[actor] = slot
+
+    def receive(self, sender: bytes | None = None) -> None:
         self.received += 1
+        if sender in self.slots:
+            self.received_by_slot[self.slots[sender]] += 1
+
+    def received_group(self, sender: bytes, cursor: list[int] | None) -> None:
+        """A well-formed group from `sender` came in with `cursor`."""
+        slot = self.slots.get(sender)
+        if slot is not None and cursor is not None and list(cursor) > self.slot_received.get(slot, []):
+            self.slot_received[slot] = list(cursor)
+
+    def cursor_for(self, slot: int) -> list[int] | None:
+        """Where an attaching actor of `slot` starts in the data: after the newest group of
+        its slot that the learner holds (received; a checkpoint knows only the consumed
+        ones), else after the newest consumed of any slot."""
+        return self.slot_received.get(slot) or self.slot_cursors.get(slot) or self.data_cursor
 
     def reject_message(self) -> None:
         self.rejected += 1
@@ -44,8 +66,13 @@ class Ledger:
 
     def consume(self, sender: bytes, cursor: list[int] | None) -> None:
         self.consumed[sender] += 1
-        if cursor is not None and (self.data_cursor is None or list(cursor) > self.data_cursor):
+        if cursor is None:
+            return
+        if self.data_cursor is None or list(cursor) > self.data_cursor:
             self.data_cursor = list(cursor)
+        slot = self.slots.get(sender)
+        if slot is not None and list(cursor) > self.slot_cursors.get(slot, []):
+            self.slot_cursors[slot] = list(cursor)
 
     def credits_due(self, actors: list[bytes]) -> list[tuple[bytes, int]]:
         """(actor, groups consumed) for each actor whose count changed since it was told;
@@ -63,12 +90,14 @@ class Ledger:
             "groups_dropped": sum(self.dropped.values()),
             "dropped_reasons": dict(self.dropped),
             "messages_rejected": self.rejected,
+            "groups_received_by_actor": {str(s): n for s, n in sorted(self.received_by_slot.items())},
         }
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps. Queued groups are not in it: a resumed actor rewinds to
         the data cursor and samples their prompts again, so they count as not received."""
         return {"data_cursor": self.data_cursor,
+                "slot_cursors": {str(s): c for s, c in self.slot_cursors.items()},
                 "counts": {"groups_trained": self.trained, "messages_rejected": self.rejected,
                            "groups_received": self.trained + sum(self.dropped.values())},
                 "dropped": dict(self.dropped)}
@@ -82,4 +111,5 @@ class Ledger:
         ledger.rejected = counts.get("messages_rejected", 0)
         ledger.dropped.update(state["dropped"])
         ledger.data_cursor = state["data_cursor"]
+        ledger.slot_cursors = {int(s): c for s, c in state.get("slot_cursors", {}).items()}
         return ledger

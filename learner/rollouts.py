@@ -33,11 +33,13 @@ MB = 1 << 20
 class RolloutSocket:
     def __init__(self, ctx: zmq.Context, endpoint: str, ledger: Ledger, identity: dict[str, Any],
                  check_group: Callable[[bytes, protocol.Message], Group],
-                 weights: Callable[[], dict], keys: Path | None = None) -> None:
+                 weights: Callable[[], dict], keys: Path | None = None, actor_count: int = 1) -> None:
         """`identity`: what this learner runs (model, tokenizer, lora, instance), sent in
         its hello and checked in actors'. `check_group` turns a rollout into a Group or
         raises ValueError with the drop reason. `weights()` gives the adapter arrays. `keys`:
-        the run's CURVE key directory, for TCP (protocol.keys)."""
+        the run's CURVE key directory, for TCP (protocol.keys). `actor_count`: the run's
+        actor slots."""
+        self.actor_count = actor_count
         self.sock = sockets.listen(ctx, endpoint, keys, "rollout")
         self.ledger = ledger
         self.identity = identity
@@ -51,9 +53,9 @@ class RolloutSocket:
     def send(self, actor: bytes, kind: str, header: dict | None = None) -> None:
         self.sock.send_multipart([actor, *protocol.encode(kind, header)], copy=False)
 
-    def receive(self, timeout_ms: int, version: int, hello: dict) -> list[Group]:
+    def receive(self, timeout_ms: int, version: int) -> list[Group]:
         """The groups that arrive within `timeout_ms`. An actor that attaches gets weights
-        of `version`; `hello` holds this learner's changing hello fields (the data cursor)."""
+        of `version`, and where its slot's data continues."""
         groups = []
         for incoming in sockets.incoming(self.sock, timeout_ms):
             actor, msg = incoming.peer, incoming.msg
@@ -63,11 +65,11 @@ class RolloutSocket:
                 if actor in self.actors and _looks_like_rollout(incoming.frames):
                     # An attached actor counts this group as in flight; consume it so the
                     # actor is not left waiting for credit that would never come.
-                    self.ledger.receive()
+                    self.ledger.receive(actor)
                     self.ledger.drop("malformed", actor)
                 continue
             if msg.kind == protocol.HELLO:
-                self.attach(actor, msg, version, hello)
+                self.attach(actor, msg, version)
             elif msg.kind == protocol.ROLLOUT:
                 group = self.take_rollout(actor, msg)
                 if group is not None:
@@ -78,21 +80,36 @@ class RolloutSocket:
         self.send_credits()
         return groups
 
-    def attach(self, actor: bytes, msg: protocol.Message, version: int, hello: dict) -> None:
+    def attach(self, actor: bytes, msg: protocol.Message, version: int) -> None:
         problem = self.incompatibility(msg)
         if problem:
             log.error("refused %s (pid %s): %s", msg["role"], msg["pid"], problem)
             self.send(actor, protocol.STOP, {"reason": f"incompatible: {problem}"})
             return
-        role = msg["role"]
-        (self.observers if role == "observer" else self.actors)[actor] = msg.header
-        log.info("%s pid %s attached; sending weights of version %d", role, msg["pid"], version)
-        self.send(actor, protocol.HELLO, {"role": "learner", "pid": os.getpid(), **self.identity, **hello})
+        role, slot = msg["role"], msg.header.get("slot", 0)
+        hello = {"role": "learner", "pid": os.getpid(), **self.identity}
+        if role == "observer":
+            self.observers[actor] = msg.header
+        else:
+            for old in [a for a, header in self.actors.items() if header.get("slot", 0) == slot]:
+                # Its slot is taken by a new actor (a restart): the old one is gone, and
+                # what it had not sent is sampled again from the slot's cursor.
+                log.info("slot %d was actor pid %s's; that actor is gone", slot, self.actors.pop(old)["pid"])
+            self.actors[actor] = msg.header
+            self.ledger.attach(actor, slot)
+            hello["data_cursor"] = self.ledger.cursor_for(slot)
+        log.info("%s pid %s attached%s; sending weights of version %d", role, msg["pid"],
+                 f" as slot {slot}" if role == "actor" else "", version)
+        self.send(actor, protocol.HELLO, hello)
         self.publish(version, [actor])
 
     def incompatibility(self, msg: protocol.Message) -> str | None:
         if msg["role"] not in ("actor", "observer"):
             return f"role {msg['role']!r} cannot attach to the rollout socket"
+        slot = msg.header.get("slot", 0)
+        if msg["role"] == "actor" and not (type(slot) is int and 0 <= slot < self.actor_count):
+            n = self.actor_count
+            return f"slot {slot!r}: this run has actor.count = {n} (slots 0 to {n - 1})"
         missing = [name for name, typ in HELLO_MODEL_FIELDS.items()
                    if not isinstance(msg.header.get(name), typ)]
         if missing:
@@ -106,15 +123,17 @@ class RolloutSocket:
         return None
 
     def take_rollout(self, actor: bytes, msg: protocol.Message) -> Group | None:
-        self.ledger.receive()
+        self.ledger.receive(actor)
         if actor not in self.actors:
             self.ledger.drop("no handshake", actor, group_id=msg["group_id"])
             return None
         try:
-            return self.check_group(actor, msg)
+            group = self.check_group(actor, msg)
         except ValueError as e:
             self.ledger.drop(str(e), actor, group_id=msg["group_id"])
             return None
+        self.ledger.received_group(actor, group.cursor)
+        return group
 
     def publish(self, version: int, actors: list[bytes] | None = None) -> None:
         """Send the adapter weights, as `version`, to `actors` (default: every attached

@@ -83,7 +83,7 @@ class Learner:
         self.rollouts = RolloutSocket(
             self.ctx, endpoints["learner"], self.ledger, identity,
             lambda actor, msg: group_from_message(actor, msg, vocab_size, group_size),
-            lambda: adapter_weights_numpy(self.model), keys)
+            lambda: adapter_weights_numpy(self.model), keys, cfg.actor.count)
         plan = self.run_dir / "plan.json"
         shares = json.loads(plan.read_text())["shares_mb"] if plan.exists() else {}
         self.shares = {f"{k}_share_mb": v for k, v in shares.items()}
@@ -111,8 +111,7 @@ class Learner:
             if self.step == 0:
                 self.evaluate()  # the base of comparison; a resumed run has it already
             while self.step < train.steps and not self.signals.requested:
-                hello = {"data_cursor": self.ledger.data_cursor}  # where a new actor's data begins
-                self.intake.add(self.rollouts.receive(100, self.step, hello))
+                self.intake.add(self.rollouts.receive(100, self.step))
                 self.intake.score()
                 batch = self.intake.next_batch(self.step, train.batch_size, train.max_staleness)
                 if batch is not None:

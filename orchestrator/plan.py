@@ -153,6 +153,13 @@ class Shape:
     actor_bits: int = 0  # actor.quantize_bits
     logit_chunk_mb: float = 0.0  # train.logit_chunk_mb
     fused: bool = True  # the old-policy pass fused into the step (num_iterations 1)
+    actor_count: int = 1  # actor.count: each actor samples its share of a batch at a time
+    local_actors: int = 1  # those on this machine (actor.count - actor.remote)
+
+    @property
+    def actor_batch(self) -> int:
+        """Groups one actor samples at a time."""
+        return -(-self.batch_size // self.actor_count)
 
     @property
     def rows(self) -> int:
@@ -179,7 +186,7 @@ def activation_bytes(m: ModelShape, tokens: int, seq: int) -> float:
 
 
 def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
-    rows = s.batch_size * s.group_size  # every group of a batch decodes together
+    rows = s.actor_batch * s.group_size  # every group of an actor's batch decodes together
     ctx = math.ceil(s.tokens / KV_STEP) * KV_STEP
     kv = rows * ctx * m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes
     terms = {
@@ -190,7 +197,7 @@ def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         # build the new cache while the old one is alive: measured peaks are 1.5x the cache.
         "kv_copy": kv / 2,
         # The prompts' forward, with logits for their last positions only.
-        "prefill": s.batch_size * (m.vocab * 4 + 4 * s.prompt_tokens * m.hidden * m.act_bytes),
+        "prefill": s.actor_batch * (m.vocab * 4 + 4 * s.prompt_tokens * m.hidden * m.act_bytes),
         "sampling": rows * m.vocab * 4 * 4,  # logits, logprobs, sorted copy, mask
     }
     if s.actor_bits and not m.bits:
@@ -242,19 +249,22 @@ class Plan:
     learner: dict[str, float]
     budget: float
     budget_source: str
+    actors: int = 1  # actor processes on this machine, each with `actor`'s terms
 
     @property
     def total(self) -> float:
-        return sum(self.actor.values()) + sum(self.learner.values())
+        return self.actors * sum(self.actor.values()) + sum(self.learner.values())
 
     @property
     def fits(self) -> bool:
         return self.total * SAFETY <= self.budget
 
     def shares(self) -> dict[str, int]:
-        """The budget split in proportion to each process's estimated need."""
+        """The budget split in proportion to each process's estimated need (`actor`: each
+        actor's)."""
         a, b = sum(self.actor.values()), sum(self.learner.values())
-        return {"actor": int(self.budget * a / (a + b)), "learner": int(self.budget * b / (a + b))}
+        whole = self.actors * a + b
+        return {"actor": int(self.budget * a / whole), "learner": int(self.budget * b / whole)}
 
 
 def detect_budget() -> tuple[float, str]:
@@ -277,11 +287,12 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
     s, t, lora = cfg.sampling, cfg.train, cfg.lora
     return Shape(s.group_size, t.batch_size, prompt_tokens, cfg.completion_tokens, t.micro_batch_size,
                  t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, cfg.actor.quantize_bits,
-                 t.logit_chunk_mb, t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1)
+                 t.logit_chunk_mb, t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1,
+                 cfg.actor.count, cfg.actor.count - cfg.actor.remote)
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:
-    return Plan(actor_terms(m, s), learner_terms(m, s), budget, source)
+    return Plan(actor_terms(m, s), learner_terms(m, s), budget, source, s.local_actors)
 
 
 def suggestion(m: ModelShape, s: Shape, budget: float) -> str:
@@ -314,7 +325,10 @@ def render(plan: Plan) -> str:
         for term, value in terms.items():
             lines.append(f"{name:<9} {term:<12} {value / MB:>10.1f}")
         lines.append(f"{name:<9} {'total':<12} {sum(terms.values()) / MB:>10.1f}")
-    lines.append(f"{'both':<9} {'total':<12} {plan.total / MB:>10.1f}")
+    if plan.actors > 1:
+        every = plan.actors * sum(plan.actor.values())
+        lines.append(f"{'actors':<9} {f'x{plan.actors}':<12} {every / MB:>10.1f}")
+    lines.append(f"{'all':<9} {'total':<12} {plan.total / MB:>10.1f}")
     lines.append(f"{'budget':<9} {'':<12} {plan.budget / MB:>10.1f}   ({plan.budget_source})")
     return "\n".join(lines)
 

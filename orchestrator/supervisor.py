@@ -98,12 +98,13 @@ def line_order(m: dict) -> tuple[int, bool]:
 
 
 class Supervisor:
-    """Starts the learner and the actor, restarts them when they fail, reports progress.
+    """Starts the learner and the actors, restarts them when they fail, reports progress.
 
     An actor that dies is restarted alone: the learner keeps its state and hands the new
-    actor its current weights and data cursor. A learner that dies is restarted from its
-    newest checkpoint together with a fresh actor (the old actor's flow-control state
-    belongs to the dead learner). Each process may be restarted `run.max_restarts` times.
+    actor its current weights and its slot's data cursor; the others go on meanwhile. A
+    learner that dies is restarted from its newest checkpoint together with fresh actors
+    (the old actors' flow-control state belongs to the dead learner). Each process may be
+    restarted `run.max_restarts` times.
     """
 
     def __init__(self, cfg: Config, out: IO[str] = sys.stdout, resume: bool = False,
@@ -131,7 +132,10 @@ class Supervisor:
         # `env.environment = "module:Class"`: env workers are the run's processes too.
         self.env_workers = ([f"env-worker-{i}" for i in range(env.num_workers)]
                             if env.environment and env.environment != "socket" else [])
-        self.restarts = {name: 0 for name in ("learner", "actor", *self.env_workers)}
+        # Actor slot i is "actor" in a run of one, else "actor-i"; remote slots come last.
+        local = cfg.actor.count - cfg.actor.remote
+        self.actors = ["actor"] if cfg.actor.count == 1 else [f"actor-{i}" for i in range(local)]
+        self.restarts = {name: 0 for name in ("learner", *self.actors, *self.env_workers)}
         self.last_line = (0, False)  # line_order of the last metrics line shown
         self.phase = None
 
@@ -141,16 +145,15 @@ class Supervisor:
     def start(self) -> None:
         self.say(f"run directory: {self.run_dir}")
         self.start_child("learner", resume=self.resume)
-        self.start_child("actor")
-        for name in self.env_workers:
+        for name in [*self.actors, *self.env_workers]:
             self.start_child(name)
 
     def start_child(self, name: str, resume: bool = False) -> None:
         heartbeat_path(self.run_dir, name).unlink(missing_ok=True)
         if name == "learner":
             args = ["learner", *(["--resume"] if resume else [])]
-        elif name == "actor":
-            args = ["actor", "run"]
+        elif name in self.actors:
+            args = ["actor", "run", "--slot", str(self.actors.index(name))]
         elif self.cfg.env.environment == "openenv":
             env = self.cfg.env
             args = ["orchestrator", "env-worker", "--openenv", env.openenv_url,
@@ -160,8 +163,9 @@ class Supervisor:
         else:
             args = ["orchestrator", "env-worker", self.cfg.env.environment,
                     "--search-path", self.cfg.reward.search_path]
+        share = self.shares_mb.get("actor" if name in self.actors else name)
         child = spawn(name, args, self.run_dir, self.lifeline, self.lock_fd,
-                      self.shares_mb.get(name), 1 if name in self.env_workers else
+                      share, 1 if name in self.env_workers else
                       thread_count(self.cfg.train.max_staleness > 0))
         self.children[name] = child
         self.say(f"started {name} (pid {child.proc.pid}), log: {child.log_path}")
@@ -241,9 +245,10 @@ class Supervisor:
         self.say(f"{name} {why}; restarting it ({self.restarts[name]}/{limit}). Last log lines:\n"
                  f"{child.tail(5)}")
         if name == "learner":
-            self.stop_child("actor")
+            self.stop_children(self.actors, STOP_TIMEOUT_S)
             self.start_child("learner", resume=True)
-            self.start_child("actor")
+            for actor in self.actors:
+                self.start_child(actor)
         else:  # an actor, or an env worker (it attaches to the actor again by itself)
             self.start_child(name)
 
@@ -254,7 +259,7 @@ class Supervisor:
             self.poll_progress()
             if self.children["learner"].proc.poll() == lifecycle.EXIT_OK:
                 break
-            for name in ("learner", "actor", *self.env_workers):
+            for name in ("learner", *self.actors, *self.env_workers):
                 why = self.failure(name)
                 if why is not None:
                     self.restart(name, why)

@@ -176,12 +176,17 @@ class PromptStream:
     """Endless iteration over prompts, reshuffled each epoch with a seeded RNG.
 
     `cursor` (epoch, position) is all a resumed run needs to continue where it stopped.
+    With several actors, actor `slot` of `count` takes every count-th prompt of the one
+    stream the run reads (its shard): the i-th prompt of the stream goes to actor
+    i mod count, whatever the epoch, so actors never sample the same prompt twice.
     """
 
     def __init__(self, prompts: list[Prompt], shuffle: bool, seed: int,
-                 cursor: tuple[int, int] = (0, 0)) -> None:
+                 cursor: tuple[int, int] = (0, 0), shard: tuple[int, int] = (0, 1)) -> None:
         self.prompts, self.shuffle, self.seed = prompts, shuffle, seed
         self.epoch, self.position = cursor
+        self.shard = shard
+        self.index = -1  # the stream index of the prompt last returned
         self._order = self._epoch_order()
 
     def _epoch_order(self) -> list[int]:
@@ -198,9 +203,13 @@ class PromptStream:
         return self
 
     def __next__(self) -> Prompt:
-        if self.position >= len(self._order):
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._epoch_order()
-        prompt = self.prompts[self._order[self.position]]
-        self.position += 1
-        return prompt
+        slot, count = self.shard
+        while True:
+            if self.position >= len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order()
+            index = self.epoch * len(self._order) + self.position
+            self.position += 1
+            if index % count == slot:
+                self.index = index
+                return self.prompts[self._order[self.position - 1]]

@@ -185,6 +185,10 @@ class ActorConfig:
     quantize_bits: int = key(0, "sample from a copy of the base weights quantized to 4 or 8 bits (the "
                              "learner trains full precision; the behavior logprobs carry the "
                              "difference, see `is_correction`); 0 = off", _one_of(0, 4, 8))
+    count: int = key(1, "actors feeding the learner; each samples every count-th prompt and keeps "
+                        "ceil((max_staleness + 1) * batch_size / count) groups in flight", _range(1))
+    remote: int = key(0, "how many of them join from other machines (`actor run --slot I`, slots "
+                         "count - remote to count - 1); `up` starts the others", _range(0))
 
 
 @dataclass(frozen=True)
@@ -379,6 +383,9 @@ def validate(raw: dict[str, Any]) -> Config:
     if cfg.eval.prompts and cfg.env.environment:
         raise ConfigError("eval.prompts: evaluating episodes with an environment is not supported yet; "
                           "leave [eval] out of a run with env.environment")
+    if cfg.actor.remote >= cfg.actor.count:
+        raise ConfigError(f"actor.remote = {cfg.actor.remote} must be below actor.count = {cfg.actor.count}: "
+                          "`up` starts at least one actor")
     if cfg.eval.every and not cfg.eval.prompts:
         raise ConfigError("eval.every needs eval.prompts (the held-out prompt rows)")
     return cfg

@@ -219,6 +219,7 @@ def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
     key the run never listed) is refused: it exits 4 saying so, the learner logs the
     refusal, and the run is unaffected (every group trained, none dropped)."""
     from protocol.config import load_config, write_run_config
+    from protocol.keys import create_run_keys
 
     port = free_port_run()
     cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\nport = {port}", steps=6)
@@ -231,23 +232,20 @@ def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
     keys = stranger / "keys"
     keys.mkdir()
     zmq.auth.create_certificates(keys, "client")
+    # The run's keys exist before `up` (which keeps them), so the stranger can be there,
+    # knocking, before the learner binds: a slow machine cannot let the run end first.
+    (keys / "server.key").write_bytes((create_run_keys(run) / "server.key").read_bytes())
+    actor = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(stranger),
+                              "--key-dir", str(keys)], cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     up = orchestrator("up", "--config", str(cfg))
     try:
-        while not (run / "keys" / "server.key").exists():
-            assert up.poll() is None, up.communicate()[0]
-            time.sleep(0.05)
-        (keys / "server.key").write_bytes((run / "keys" / "server.key").read_bytes())
-        actor = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(stranger),
-                                  "--key-dir", str(keys)], cwd=ROOT, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        try:
-            actor_out, _ = actor.communicate(timeout=120)
-        finally:
-            actor.kill()
+        actor_out, _ = actor.communicate(timeout=240)
         out, _ = up.communicate(timeout=300)
     finally:
-        up.kill()
-        up.wait()
+        for proc in (actor, up):
+            proc.kill()
+            proc.wait()
     assert actor.returncode == 4, actor_out
     assert "the learner refused our CURVE key" in actor_out
     assert up.returncode == 0, out

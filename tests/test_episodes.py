@@ -100,7 +100,7 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
     try:
         prompts = [Prompt(i, [{"role": "user", "content": f"repeat {d}"}], [], {"target": d})
                    for i, d in enumerate("37")]
-        groups = EpisodeRunner(pool, model, tokenizer, eos, sampling, env).run(prompts, first_row=0)
+        groups = EpisodeRunner(pool, model, tokenizer, eos, sampling, env).run(prompts, [0, 3])
     finally:
         pool.close("test over")
         worker.wait(10)

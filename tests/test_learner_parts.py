@@ -43,7 +43,7 @@ def test_the_ledger_accounts_for_every_group_and_the_credit_of_each_actor():
     ledger.train([(A, [0, 4]), (B, [0, 3])])
     assert ledger.counts(queued=2) == {"groups_received": 5, "groups_trained": 2, "groups_queued": 2,
                                        "groups_dropped": 1, "dropped_reasons": {"stale": 1},
-                                       "messages_rejected": 0}
+                                       "messages_rejected": 0, "groups_received_by_actor": {}}
     assert ledger.data_cursor == [0, 4]  # the newest consumed prompt, not the last one seen
     assert ledger.credits_due([A, B]) == [(A, 2), (B, 1)]
     assert ledger.credits_due([A, B]) == []  # told once, until it changes
@@ -114,9 +114,11 @@ IDENTITY = {"model": "m", "tokenizer": "t", "lora": {"rank": 8}, "instance": "i1
 def socket_pair(tmp_path):
     ctx = zmq.Context()
     ledger = Ledger()
+    ledger.data_cursor = [0, 3]  # where a new actor's data begins
     weights = {"w": np.ones(3, np.float32)}
     sock = RolloutSocket(ctx, f"ipc://{tmp_path}/learner.sock", ledger, IDENTITY,
-                         lambda actor, msg: group_from_message(actor, msg, 100, 2), lambda: weights)
+                         lambda actor, msg: group_from_message(actor, msg, 100, 2), lambda: weights,
+                         actor_count=2)
     actor = ctx.socket(zmq.DEALER)
     actor.connect(f"ipc://{tmp_path}/learner.sock")
     yield sock, actor, ledger
@@ -128,7 +130,7 @@ def socket_pair(tmp_path):
 def pump(sock: RolloutSocket, actor: zmq.Socket, n: int) -> tuple[list, list[protocol.Message]]:
     groups, got = [], []
     for _ in range(200):
-        groups += sock.receive(10, 5, {"data_cursor": [0, 3]})
+        groups += sock.receive(10, 5)
         while actor.poll(0):
             got.append(protocol.decode(actor.recv_multipart()))
         if len(got) >= n:
@@ -152,6 +154,29 @@ def test_an_actor_that_matches_gets_hello_and_weights_and_one_that_does_not_is_t
     assert credit.kind == protocol.CREDIT and credit["groups_consumed"] == 0
     assert weights["version"] == 5 and weights.arrays["w"].tolist() == [1, 1, 1]
     assert sock.weight_sync["weights_mb"] > 0
+    actor.send_multipart(actor_hello(slot=2))
+    _, (stop,) = pump(sock, actor, 1)
+    assert stop["reason"] == "incompatible: slot 2: this run has actor.count = 2 (slots 0 to 1)"
+
+
+def test_each_actor_slot_continues_after_its_own_newest_group():
+    """A restarted actor of slot s starts after the newest group of s the learner holds;
+    a checkpoint keeps the consumed cursors per slot; a slot never seen starts after the
+    newest consumed of any."""
+    ledger = Ledger()
+    a, b, b2 = b"a", b"b", b"b-restarted"
+    ledger.attach(a, 0)
+    ledger.attach(b, 1)
+    for sender, cursor in [(a, [0, 1]), (b, [0, 2]), (a, [0, 3]), (b, [0, 4]), (b, [0, 6])]:
+        ledger.receive(sender)
+        ledger.received_group(sender, cursor)
+    ledger.train([(a, [0, 1]), (b, [0, 2]), (a, [0, 3]), (b, [0, 4])])  # [0, 6] still queued
+    ledger.attach(b2, 1)
+    assert ledger.cursor_for(1) == [0, 6] and ledger.cursor_for(0) == [0, 3]
+    assert ledger.counts(1)["groups_received_by_actor"] == {"0": 2, "1": 3}
+    resumed = Ledger.from_state(ledger.state())
+    assert resumed.cursor_for(1) == [0, 4] and resumed.cursor_for(0) == [0, 3]
+    assert resumed.cursor_for(2) == [0, 4]  # the newest consumed of any slot
 
 
 def test_rollouts_become_groups_or_counted_drops_and_credit_flows(socket_pair):

@@ -19,6 +19,7 @@ from orchestrator.plan import (
     learner_terms,
     make_plan,
     read_shape,
+    render,
     suggestion,
 )
 from policy.logprobs import output_head
@@ -311,3 +312,20 @@ def test_episodes_are_planned_and_checked_at_their_whole_token_budget():
     too_long = cfg.replace(env={"max_episode_tokens": model.context})
     with pytest.raises(DataError, match="context"):
         prompt_tokens(too_long, model.context)
+
+
+def test_each_local_actor_is_planned_with_its_share_of_a_batch():
+    """actor.count = 2, one of them remote: the actor's terms are those of half a batch;
+    the total counts the one local actor; with both local, it counts both and splits
+    the budget so that two actor shares and the learner's add up to it."""
+    m = read_shape(str(TINY_MODEL))
+    one = make_plan(m, shape(batch_size=4), 1e9, "")
+    half = make_plan(m, shape(batch_size=2), 1e9, "")
+    remote = make_plan(m, shape(batch_size=4, actor_count=2, local_actors=1), 1e9, "")
+    both = make_plan(m, shape(batch_size=4, actor_count=2, local_actors=2), 1e9, "")
+    assert remote.actor == half.actor and remote.learner == one.learner
+    assert remote.total == sum(half.actor.values()) + sum(one.learner.values())
+    assert both.total == 2 * sum(half.actor.values()) + sum(one.learner.values())
+    shares = both.shares()
+    assert 2 * shares["actor"] + shares["learner"] == pytest.approx(1e9, abs=3)
+    assert "actors    x2" in render(both) and "actors" not in render(one)
