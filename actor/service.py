@@ -84,6 +84,7 @@ class Actor:
         keys = (key_dir_for(endpoints["learner"], key_dir, insecure) if key_dir is not None
                 else run_key_dir(run_dir, endpoints["learner"], insecure))
         self.sock, self.watch = sockets.connect(self.ctx, endpoints["learner"], keys)
+        log.info("connecting to the learner at %s%s", endpoints["learner"], " (CURVE)" if keys else "")
         self.learner_lost = False
         self.episodes = None
         if env.environment:

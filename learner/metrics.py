@@ -48,6 +48,7 @@ def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarra
         "advantage_std": float(advantages.std()),
         "version_lag_mean": float(np.mean([step - g.policy_version for g in groups])),
         "rollout_tokens_per_s": float(lens.sum()) / gen_s if gen_s > 0 else None,
+        "rollout_gen_s": gen_s,  # the actors' sampling seconds for this batch, summed
         # as the actor measured them for the weights it sampled this batch with
         "weights_transfer_s": newest(groups, "weights_transfer_s"),
         "weights_apply_s": newest(groups, "weights_apply_s"),

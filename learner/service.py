@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -26,6 +27,7 @@ from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
 from learner.metrics import MetricsFile, batch_metrics, batch_tokens, completion_rows
+from learner.ranks import GO, STOP, Part, Ranks, follow
 from learner.reporters import open_reporters
 from learner.rollouts import MB, RolloutSocket
 from learner.step import Sample, Trainer, make_batch
@@ -43,8 +45,10 @@ log = logging.getLogger("learner")
 
 class Learner:
     def __init__(self, run_dir: Path, resume: bool = False,
-                 signals: lifecycle.StopSignals | None = None) -> None:
+                 signals: lifecycle.StopSignals | None = None, ranks: Ranks | None = None) -> None:
+        """`ranks`: the learner ranks this one is rank 0 of (learner.ranks), if any."""
         self.run_dir = Path(run_dir)
+        self.ranks = ranks or Ranks()
         self.cfg = cfg = read_run_config(run_dir)
         self.signals = signals or lifecycle.StopSignals()
         endpoints = protocol.read_endpoints(run_dir)
@@ -55,15 +59,7 @@ class Learner:
         # Reward functions load (and fail) before the model does.
         keys = run_key_dir(run_dir, endpoints["learner"], cfg.run.insecure)  # TCP: CURVE
         self.scorer = Scorer(cfg.reward, self.ctx, endpoints["reward"], instance, keys)
-        mx.random.seed(cfg.train.seed)
-        log.info("loading %s", cfg.model.path)
-        self.model, tokenizer, self.adapter_config = load_policy(cfg.model.path, cfg.lora)
-        self.model.train()
-        if cfg.train.grad_checkpoint:
-            from mlx_lm.tuner.trainer import grad_checkpoint
-
-            grad_checkpoint(self.model.layers[0])
-        self.trainer = Trainer(self.model, cfg.algorithm, cfg.train, cfg.sampling, cfg.completion_tokens)
+        self.model, tokenizer, self.adapter_config, self.trainer = load_trainer(cfg)
         self.evaluator = Evaluator(cfg, tokenizer) if cfg.eval.prompts else None
         vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else len(tokenizer.get_vocab())
         self.pad_id = tokenizer.pad_token_id or 0
@@ -72,6 +68,7 @@ class Learner:
         self.ledger = Ledger()
         if resume:
             self.resume()
+        self.ranks.sync_state(self.trainer)
         self.metrics = MetricsFile(self.run_dir / "metrics.jsonl", self.step if resume else None)
         self.completions = (MetricsFile(self.run_dir / "completions.jsonl", self.step if resume else None)
                             if cfg.log.completions_every else None)
@@ -139,13 +136,19 @@ class Learner:
                    for g in groups
                    for i, (ids, lp, fr) in enumerate(zip(g.completion_ids, g.logprobs, g.finish_reasons))]
         batch = make_batch(samples, self.pad_id)
-        prepared = self.trainer.prepare(batch)
+        self.ranks.share_batch(batch, advantages)
+        part = Part(self.trainer, self.ranks, batch, advantages)  # this rank's rows: all, alone
+        prepared = part.prepared
         self.num_tokens += batch_tokens(samples)
         self.log_completions(groups, advantages)
         shared = {**batch_metrics(groups, samples, rewards, advantages, self.step, self.scorer.metric_name),
                   **prepared.stats, "num_tokens": self.num_tokens}
         for iteration in range(self.trainer.num_iterations):
-            stats = self.trainer.step(batch, prepared, advantages)
+            go = iteration == 0 or not (self.step >= train.steps or self.signals.requested)
+            self.ranks.say(GO if go else STOP)  # the other ranks step (or not) with us
+            if not go:
+                break
+            stats = part.step()
             self.step += 1
             self.rollouts.publish(self.step)
             if iteration == 0:
@@ -160,8 +163,6 @@ class Learner:
                 self.checkpoint()
             self.evaluate()
             t0 = time.perf_counter()
-            if self.step >= train.steps or self.signals.requested:
-                break
 
     def evaluate(self) -> None:
         """Evaluate on the held-out prompts when [eval] says this step is due."""
@@ -193,8 +194,9 @@ class Learner:
         state = {"step": self.step, "version": self.step, "num_tokens": self.num_tokens,
                  **self.ledger.state(), "reward_stats": self.scorer.worker_stats(),
                  "config": self.cfg.to_dict()}
-        save_checkpoint(self.run_dir, self.model, self.trainer.optimizer, self.adapter_config, state,
-                        self.cfg.train.keep_checkpoints)
+        path = save_checkpoint(self.run_dir, self.model, self.trainer.optimizer, self.adapter_config, state,
+                               self.cfg.train.keep_checkpoints)
+        log.info("wrote checkpoint %s (pid %d)", path.name, os.getpid())
 
     def group_counts(self) -> dict:
         return {**self.ledger.counts(self.intake.queued), **self.scorer.worker_stats()}
@@ -212,6 +214,7 @@ class Learner:
         lifecycle.write_atomic(self.run_dir / "status.json", json.dumps(status) + "\n")
 
     def close(self, reason: str = "training finished") -> None:
+        self.ranks.say(STOP)  # the other ranks, waiting for a batch, end
         self.rollouts.close(reason)
         self.metrics.close()
         if self.completions is not None:
@@ -222,14 +225,46 @@ class Learner:
         sockets.close_context(self.ctx)
 
 
+def load_trainer(cfg) -> tuple:
+    """The policy with its adapters, ready to train, and its Trainer: the same on every rank."""
+    mx.random.seed(cfg.train.seed)
+    log.info("loading %s", cfg.model.path)
+    model, tokenizer, adapter_config = load_policy(cfg.model.path, cfg.lora)
+    model.train()
+    if cfg.train.grad_checkpoint:
+        from mlx_lm.tuner.trainer import grad_checkpoint
+
+        grad_checkpoint(model.layers[0])
+    return model, tokenizer, adapter_config, Trainer(model, cfg.algorithm, cfg.train, cfg.sampling,
+                                                     cfg.completion_tokens)
+
+
+def follower_main(run_dir: str, ranks: Ranks) -> int:
+    """A learner rank above 0: no sockets, files or checkpoints; only its rows of each batch."""
+    signals = lifecycle.StopSignals().install()
+    lifecycle.watch_lifeline()
+    start_heartbeat(run_dir, f"learner-{ranks.rank}")
+    apply_memory_share()
+    cfg = read_run_config(run_dir)
+    trainer = load_trainer(cfg)[3]
+    log.info("learner rank %d of %d (pid %d): training its rows of rank 0's batches", ranks.rank, ranks.size,
+             os.getpid())
+    follow(trainer, ranks)
+    log.info("learner rank %d: rank 0 says stop", ranks.rank)
+    return lifecycle.signal_exit_code(signals.signum) if signals.requested else lifecycle.EXIT_OK
+
+
 def main(run_dir: str, resume: bool = False) -> int:
     """Run the learner to the end; returns the exit code (protocol.lifecycle)."""
+    ranks = Ranks.join()  # more than one under `mlx.launch` (learner/ranks.py)
+    if ranks.rank > 0:
+        return follower_main(run_dir, ranks)
     signals = lifecycle.StopSignals().install()
     lifecycle.watch_lifeline()
     lifecycle.hold_run_lock(run_dir)  # before the heartbeat: a refused learner touches nothing
     start_heartbeat(run_dir, "learner")
     apply_memory_share()
-    learner = Learner(Path(run_dir), resume, signals)
+    learner = Learner(Path(run_dir), resume, signals, ranks)
     reason = "the learner failed"
     try:
         learner.run()

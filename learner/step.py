@@ -8,6 +8,7 @@ then used for `num_iterations` optimizer steps, with the old-policy logprobs fro
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -215,18 +216,23 @@ def _logprobs(model: nn.Module, tokens: mx.array, temperature: float, logits: Lo
     return logp, ent
 
 
-def _combine(parts: list[tuple[dict, float]]) -> dict[str, float]:
-    """Merge micro-batch diagnostics: extremes by max/min, the rest token-weighted."""
+def combine_stats(parts: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """Merge the diagnostics of parts of a batch (micro-batches, learner ranks), each with
+    its token count: extremes by max/min, each part's share of the loss summed, what every
+    part has alike (the clipped grad norm, the learning rate) taken once, the rest
+    token-weighted."""
     total = sum(n for _, n in parts) or 1.0
     out = {}
     for key in parts[0][0]:
-        values = [float(d[key].item()) for d, _ in parts]
+        values = [d[key] for d, _ in parts]
         if key.endswith(("_max", "/max")):
             out[key] = max(values)
         elif key.endswith(("_min", "/min")):
             out[key] = min(values)
-        elif key == "surrogate_loss":
+        elif key in ("loss", "surrogate_loss"):
             out[key] = sum(values)
+        elif key in ("grad_norm", "learning_rate"):
+            out[key] = values[0]
         else:
             out[key] = sum(v * n for v, (_, n) in zip(values, parts)) / total
     return out
@@ -235,13 +241,16 @@ def _combine(parts: list[tuple[dict, float]]) -> dict[str, float]:
 def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algorithm,
                    batch: Batch, prepared: Prepared, advantages: np.ndarray, temperature: float,
                    max_grad_norm: float, micro_batch_size: int = 0,
-                   logits: Logits = WHOLE) -> dict[str, float]:
+                   logits: Logits = WHOLE, norm: float | None = None,
+                   all_sum: Callable[[dict], dict] | None = None) -> dict[str, float]:
     """One optimizer step, accumulating gradients over micro-batches of rows.
 
     Each micro-batch's loss is its rows' summed terms over the whole batch's normaliser,
     so the accumulated gradient equals the full batch's exactly (up to float rounding).
+    A learner rank (learner.ranks) passes its rows as `batch`, the whole batch's `norm`,
+    and `all_sum`, which adds every rank's gradients before the clip and the update.
     """
-    norm = algorithm.normalizer(np.array(batch.mask))
+    norm = algorithm.normalizer(np.array(batch.mask)) if norm is None else norm
     adv = mx.array(advantages.astype(np.float32))
 
     def objective(logp: mx.array, entropy: mx.array | None, sl: slice) -> tuple[mx.array, dict]:
@@ -275,12 +284,19 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
         grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
         mx.eval(part_loss, diag, grads)
         loss += float(part_loss.item())
-        parts.append((diag, float(batch.mask[sl].sum().item())))
+        parts.append(({k: float(v.item()) for k, v in diag.items()}, float(batch.mask[sl].sum().item())))
+    timing = {}
+    if all_sum is not None:
+        t0 = time.perf_counter()
+        grads = all_sum(grads)
+        mx.eval(grads)
+        timing["allreduce_s"] = time.perf_counter() - t0  # with the wait for the slowest rank
     grads, grad_norm = optim.clip_grad_norm(grads, max_grad_norm)
     optimizer.update(model, grads)
     mx.eval(model.parameters(), optimizer.state, grad_norm)
     lr = float(mx.array(optimizer.learning_rate).item())
-    return {"loss": loss, "grad_norm": float(grad_norm.item()), "learning_rate": lr, **_combine(parts)}
+    return {"loss": loss, "grad_norm": float(grad_norm.item()), "learning_rate": lr, **combine_stats(parts),
+            **timing}
 
 
 def _chunked_value_and_grad(model: nn.Module, logits: Logits, tokens: mx.array, temperature: float,
@@ -328,9 +344,11 @@ class Trainer:
         return prepare(self.model, batch, self.temperature, self.beta, self.correction, self.micro_batch_size,
                        self.fused, self.logits)
 
-    def step(self, batch: Batch, prepared: Prepared, advantages: np.ndarray) -> dict[str, float]:
+    def step(self, batch: Batch, prepared: Prepared, advantages: np.ndarray, norm: float | None = None,
+             all_sum: Callable[[dict], dict] | None = None) -> dict[str, float]:
         return optimizer_step(self.model, self.optimizer, self.algorithm, batch, prepared, advantages,
-                              self.temperature, self.max_grad_norm, self.micro_batch_size, self.logits)
+                              self.temperature, self.max_grad_norm, self.micro_batch_size, self.logits,
+                              norm, all_sum)
 
 
 def logits_plan(model: nn.Module, chunk_mb: float) -> Logits:

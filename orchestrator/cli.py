@@ -99,6 +99,28 @@ def plan(
     check_plan(cfg, available_memory_gb, show=True)
 
 
+@app.command()
+def prepare(
+    config: str = typer.Option(..., "--config", "-c", help="TOML run config."),
+    run_dir: str | None = typer.Option(None, help="Override run.dir."),
+    set_: list[str] = typer.Option([], "--set", help="Override a key: section.key=value (repeatable)."),
+) -> None:
+    """Check a config and write its run directory (config.json, endpoints.json, keys for
+    TCP) without starting anything: for processes you start yourself, such as learner
+    ranks on several Macs under `mlx.launch --hostfile` (README)."""
+    try:
+        cfg = load_config(config, set_, run_dir=run_dir)
+    except ConfigError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2) from None
+    check_plan(cfg, None)
+    from orchestrator.supervisor import prepare_run_dir
+
+    run = prepare_run_dir(cfg)
+    typer.echo(f"wrote {run}: start the learner (or its ranks) with `python -m learner --run-dir {run}` and "
+               f"each actor with `actor run --run-dir {run} --slot I`")
+
+
 @app.command("reward-worker")
 def reward_worker(
     function: str = typer.Argument(..., help="Reward function as module:function (TRL signature)."),

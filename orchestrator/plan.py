@@ -155,6 +155,7 @@ class Shape:
     fused: bool = True  # the old-policy pass fused into the step (num_iterations 1)
     actor_count: int = 1  # actor.count: each actor samples its share of a batch at a time
     local_actors: int = 1  # those on this machine (actor.count - actor.remote)
+    learner_ranks: int = 1  # learner.ranks: each trains its share of a batch's rows
 
     @property
     def actor_batch(self) -> int:
@@ -163,8 +164,8 @@ class Shape:
 
     @property
     def rows(self) -> int:
-        """Completions in one learner forward (a micro-batch)."""
-        total = self.batch_size * self.group_size
+        """Completions in one learner forward (a micro-batch of one rank's rows)."""
+        total = -(-self.batch_size * self.group_size // self.learner_ranks)
         return self.micro_batch_size if 0 < self.micro_batch_size < total else total
 
     @property
@@ -250,20 +251,21 @@ class Plan:
     budget: float
     budget_source: str
     actors: int = 1  # actor processes on this machine, each with `actor`'s terms
+    learners: int = 1  # learner ranks on this machine, each with `learner`'s terms
 
     @property
     def total(self) -> float:
-        return self.actors * sum(self.actor.values()) + sum(self.learner.values())
+        return self.actors * sum(self.actor.values()) + self.learners * sum(self.learner.values())
 
     @property
     def fits(self) -> bool:
         return self.total * SAFETY <= self.budget
 
     def shares(self) -> dict[str, int]:
-        """The budget split in proportion to each process's estimated need (`actor`: each
-        actor's)."""
+        """The budget split in proportion to each process's estimated need (each actor's,
+        each learner rank's)."""
         a, b = sum(self.actor.values()), sum(self.learner.values())
-        whole = self.actors * a + b
+        whole = self.actors * a + self.learners * b
         return {"actor": int(self.budget * a / whole), "learner": int(self.budget * b / whole)}
 
 
@@ -288,11 +290,11 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
     return Shape(s.group_size, t.batch_size, prompt_tokens, cfg.completion_tokens, t.micro_batch_size,
                  t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, cfg.actor.quantize_bits,
                  t.logit_chunk_mb, t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1,
-                 cfg.actor.count, cfg.actor.count - cfg.actor.remote)
+                 cfg.actor.count, cfg.actor.count - cfg.actor.remote, cfg.learner.ranks)
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:
-    return Plan(actor_terms(m, s), learner_terms(m, s), budget, source, s.local_actors)
+    return Plan(actor_terms(m, s), learner_terms(m, s), budget, source, s.local_actors, s.learner_ranks)
 
 
 def suggestion(m: ModelShape, s: Shape, budget: float) -> str:
@@ -325,9 +327,9 @@ def render(plan: Plan) -> str:
         for term, value in terms.items():
             lines.append(f"{name:<9} {term:<12} {value / MB:>10.1f}")
         lines.append(f"{name:<9} {'total':<12} {sum(terms.values()) / MB:>10.1f}")
-    if plan.actors > 1:
-        every = plan.actors * sum(plan.actor.values())
-        lines.append(f"{'actors':<9} {f'x{plan.actors}':<12} {every / MB:>10.1f}")
+    for name, n, terms in (("actors", plan.actors, plan.actor), ("ranks", plan.learners, plan.learner)):
+        if n > 1:
+            lines.append(f"{name:<9} {f'x{n}':<12} {n * sum(terms.values()) / MB:>10.1f}")
     lines.append(f"{'all':<9} {'total':<12} {plan.total / MB:>10.1f}")
     lines.append(f"{'budget':<9} {'':<12} {plan.budget / MB:>10.1f}   ({plan.budget_source})")
     return "\n".join(lines)

@@ -72,14 +72,16 @@ def prepare_run_dir(cfg: Config, resume: bool = False) -> Path:
 
 
 def spawn(name: str, args: list[str], run_dir: Path, lifeline: lifecycle.Lifeline, lock_fd: int,
-          share_mb: float | None = None, threads: int | None = None) -> Child:
+          share_mb: float | None = None, threads: int | None = None,
+          extra_env: dict[str, str] | None = None) -> Child:
     """Start `python -m ARGS --run-dir RUN` holding the lifeline and the run lock. It runs
     in a session of its own, so a terminal's Ctrl-C reaches only the orchestrator, which
     then stops the children in order (learner checkpoint first). `threads`: its BLAS
     threads on Linux (the CPU backend; Apple GPUs are not affected), unless the user set
     OPENBLAS_NUM_THREADS."""
     log_path = run_dir / f"{name}.log"
-    env = lifecycle.child_env(**lifeline.child_env(), **{lifecycle.RUN_LOCK_ENV: str(lock_fd)})
+    env = lifecycle.child_env(**lifeline.child_env(), **{lifecycle.RUN_LOCK_ENV: str(lock_fd)},
+                              **(extra_env or {}))
     if share_mb is not None:
         env[MEMORY_SHARE_ENV] = f"{share_mb:.0f}"
     if threads is not None and sys.platform.startswith("linux") and "OPENBLAS_NUM_THREADS" not in os.environ:
@@ -90,6 +92,20 @@ def spawn(name: str, args: list[str], run_dir: Path, lifeline: lifecycle.Lifelin
                                 stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, pass_fds=(lifeline.read_fd, lock_fd))
     return Child(name, proc, log_path)
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` TCP ports free on loopback right now (the OS picks them)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def line_order(m: dict) -> tuple[int, bool]:
@@ -135,7 +151,9 @@ class Supervisor:
         # Actor slot i is "actor" in a run of one, else "actor-i"; remote slots come last.
         local = cfg.actor.count - cfg.actor.remote
         self.actors = ["actor"] if cfg.actor.count == 1 else [f"actor-{i}" for i in range(local)]
-        self.restarts = {name: 0 for name in ("learner", *self.actors, *self.env_workers)}
+        # Learner rank r > 0 is "learner-r" (learner/ranks.py); they start and restart together.
+        self.learners = ["learner", *(f"learner-{r}" for r in range(1, cfg.learner.ranks))]
+        self.restarts = {name: 0 for name in (*self.learners, *self.actors, *self.env_workers)}
         self.last_line = (0, False)  # line_order of the last metrics line shown
         self.phase = None
 
@@ -144,13 +162,26 @@ class Supervisor:
 
     def start(self) -> None:
         self.say(f"run directory: {self.run_dir}")
-        self.start_child("learner", resume=self.resume)
+        self.start_learners(self.resume)
         for name in [*self.actors, *self.env_workers]:
             self.start_child(name)
 
-    def start_child(self, name: str, resume: bool = False) -> None:
+    def start_learners(self, resume: bool) -> None:
+        """The learner, or its ranks: as `mlx.launch --backend ring` starts them on one
+        host (MLX_RANK, and MLX_HOSTFILE naming a fresh port per rank), but each our own
+        child, holding the lifeline and the run lock."""
+        ranks_env = {}
+        if len(self.learners) > 1:
+            hostfile = self.run_dir / "ranks.json"
+            ports = free_ports(len(self.learners))
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
+            ranks_env = {"MLX_HOSTFILE": str(hostfile)}
+        for rank, name in enumerate(self.learners):
+            self.start_child(name, resume, {**ranks_env, "MLX_RANK": str(rank)} if ranks_env else None)
+
+    def start_child(self, name: str, resume: bool = False, extra_env: dict[str, str] | None = None) -> None:
         heartbeat_path(self.run_dir, name).unlink(missing_ok=True)
-        if name == "learner":
+        if name in self.learners:
             args = ["learner", *(["--resume"] if resume else [])]
         elif name in self.actors:
             args = ["actor", "run", "--slot", str(self.actors.index(name))]
@@ -163,10 +194,13 @@ class Supervisor:
         else:
             args = ["orchestrator", "env-worker", self.cfg.env.environment,
                     "--search-path", self.cfg.reward.search_path]
-        share = self.shares_mb.get("actor" if name in self.actors else name)
+        share = self.shares_mb.get("actor" if name in self.actors else "learner" if name in self.learners
+                                   else name)
+        threads = thread_count(self.cfg.train.max_staleness > 0)
+        if name in self.learners:
+            threads = max(1, threads // len(self.learners))  # the ranks compute at the same time
         child = spawn(name, args, self.run_dir, self.lifeline, self.lock_fd,
-                      share, 1 if name in self.env_workers else
-                      thread_count(self.cfg.train.max_staleness > 0))
+                      share, 1 if name in self.env_workers else threads, extra_env)
         self.children[name] = child
         self.say(f"started {name} (pid {child.proc.pid}), log: {child.log_path}")
 
@@ -244,9 +278,15 @@ class Supervisor:
         self.restarts[name] += 1
         self.say(f"{name} {why}; restarting it ({self.restarts[name]}/{limit}). Last log lines:\n"
                  f"{child.tail(5)}")
-        if name == "learner":
-            self.stop_children(self.actors, STOP_TIMEOUT_S)
-            self.start_child("learner", resume=True)
+        if name in self.learners:
+            if len(self.learners) > 1:
+                # The others wait for the lost rank inside a collective, where no signal
+                # reaches them: kill them. All go on together from the newest checkpoint.
+                for rank in self.learners:
+                    self.children[rank].proc.kill()
+                    self.children[rank].proc.wait()
+            self.stop_children([*self.learners, *self.actors], STOP_TIMEOUT_S)
+            self.start_learners(resume=True)
             for actor in self.actors:
                 self.start_child(actor)
         else:  # an actor, or an env worker (it attaches to the actor again by itself)
@@ -259,7 +299,7 @@ class Supervisor:
             self.poll_progress()
             if self.children["learner"].proc.poll() == lifecycle.EXIT_OK:
                 break
-            for name in ("learner", *self.actors, *self.env_workers):
+            for name in (*self.learners, *self.actors, *self.env_workers):
                 why = self.failure(name)
                 if why is not None:
                     self.restart(name, why)

@@ -192,6 +192,13 @@ class ActorConfig:
 
 
 @dataclass(frozen=True)
+class LearnerConfig:
+    ranks: int = key(1, "data-parallel learner processes on this machine (mlx.core.distributed, ring "
+                        "backend); each trains its share of every batch, rank 0 owns the sockets and "
+                        "checkpoints. Several Macs: `mlx.launch --hostfile` (README)", _range(1))
+
+
+@dataclass(frozen=True)
 class LogConfig:
     completions_every: int = key(0, "every N steps, write a sample of the batch's groups (prompt, "
                                     "completions, rewards, advantages) to `completions.jsonl`; 0 = never",
@@ -283,6 +290,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     actor: ActorConfig = ActorConfig()
+    learner: LearnerConfig = LearnerConfig()
     reward: RewardConfig
     env: EnvConfig = EnvConfig()
     log: LogConfig = LogConfig()
@@ -386,6 +394,10 @@ def validate(raw: dict[str, Any]) -> Config:
     if cfg.actor.remote >= cfg.actor.count:
         raise ConfigError(f"actor.remote = {cfg.actor.remote} must be below actor.count = {cfg.actor.count}: "
                           "`up` starts at least one actor")
+    if cfg.learner.ranks > cfg.train.batch_size * cfg.sampling.group_size:
+        raise ConfigError(f"learner.ranks = {cfg.learner.ranks} is more than the "
+                          f"{cfg.train.batch_size * cfg.sampling.group_size} completions of a batch "
+                          "(train.batch_size * sampling.group_size): every rank needs rows to train")
     if cfg.eval.every and not cfg.eval.prompts:
         raise ConfigError("eval.every needs eval.prompts (the held-out prompt rows)")
     return cfg

@@ -78,8 +78,8 @@ def error_of(path: Path, **kw) -> str:
 def test_example_config_loads_and_resolves():
     cfg = load_config(str(TINY))
     assert list(cfg.to_dict()) == list(SECTIONS) == [
-        "model", "lora", "data", "sampling", "train", "algorithm", "actor", "reward", "env", "log", "eval",
-        "run"]
+        "model", "lora", "data", "sampling", "train", "algorithm", "actor", "learner", "reward", "env", "log",
+        "eval", "run"]
     # Values from the file.
     assert cfg.lora.rank == 8
     assert cfg.lora.scale == 20.0

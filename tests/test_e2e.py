@@ -235,17 +235,24 @@ def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
     # The run's keys exist before `up` (which keeps them), so the stranger can be there,
     # knocking, before the learner binds: a slow machine cannot let the run end first.
     (keys / "server.key").write_bytes((create_run_keys(run) / "server.key").read_bytes())
+    actor_log = tmp_path / "stranger.log"
     actor = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(stranger),
-                              "--key-dir", str(keys)], cwd=ROOT, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    up = orchestrator("up", "--config", str(cfg))
+                              "--key-dir", str(keys)], cwd=ROOT, stdout=open(actor_log, "w"),
+                             stderr=subprocess.STDOUT)
+    up = None
     try:
-        actor_out, _ = actor.communicate(timeout=240)
+        while "connecting to the learner" not in actor_log.read_text():
+            assert actor.poll() is None, actor_log.read_text()
+            time.sleep(0.05)
+        up = orchestrator("up", "--config", str(cfg))
+        actor.wait(timeout=240)
         out, _ = up.communicate(timeout=300)
     finally:
         for proc in (actor, up):
-            proc.kill()
-            proc.wait()
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+    actor_out = actor_log.read_text()
     assert actor.returncode == 4, actor_out
     assert "the learner refused our CURVE key" in actor_out
     assert up.returncode == 0, out

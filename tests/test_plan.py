@@ -329,3 +329,17 @@ def test_each_local_actor_is_planned_with_its_share_of_a_batch():
     shares = both.shares()
     assert 2 * shares["actor"] + shares["learner"] == pytest.approx(1e9, abs=3)
     assert "actors    x2" in render(both) and "actors" not in render(one)
+
+
+def test_each_learner_rank_is_planned_with_its_share_of_the_rows():
+    """learner.ranks = 2: each rank's learner terms are those of half the rows (its
+    activations and logits), and the total counts both ranks' weights."""
+    m = read_shape(str(TINY_MODEL))
+    one = make_plan(m, shape(batch_size=4), 1e9, "")
+    half_rows = make_plan(m, shape(batch_size=2), 1e9, "")
+    ranks = make_plan(m, shape(batch_size=4, learner_ranks=2), 1e9, "")
+    assert ranks.learner == half_rows.learner and ranks.actor == one.actor
+    assert ranks.total == sum(one.actor.values()) + 2 * sum(half_rows.learner.values())
+    shares = ranks.shares()
+    assert shares["actor"] + 2 * shares["learner"] == pytest.approx(1e9, abs=3)
+    assert "ranks     x2" in render(ranks)

@@ -1,0 +1,153 @@
+"""Data-parallel learner ranks on MLX's own distributed engine (`mlx.core.distributed`).
+
+Started by `mlx.launch` around `python -m learner` (the ring backend over TCP or
+Thunderbolt; JACCL and MPI alike), K learner processes train one adapter. Rank 0 is the
+learner the rest of the project knows: it owns the sockets, the ledger, the metrics, the
+published weights and the checkpoints. The other ranks own a model and an optimizer and
+nothing else: rank 0 sends them each batch (tokens, masks, behavior logprobs, advantages),
+every rank takes its rows, and every optimizer step adds the ranks' gradients (`all_sum`)
+before the same clip and update on every rank. Each row's loss is divided by the *whole*
+batch's normaliser (as micro-batches are, `learner.step`), so the summed gradient is the
+one-rank gradient of the whole batch, to float rounding.
+
+Everything between ranks is an MLX collective; "rank 0 sends" is an `all_sum` to which
+the others add zeros. Before each batch and each optimizer step rank 0 says whether one
+follows, so a stop between steps never leaves a rank waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from learner.step import Batch, Prepared, Trainer, combine_stats
+
+log = logging.getLogger("learner")
+
+STOP, GO = 0, 1
+
+
+@dataclass
+class Ranks:
+    """This process's place among the learner ranks (`group` None: a learner alone)."""
+
+    group: mx.distributed.Group | None = None
+
+    @classmethod
+    def join(cls) -> Ranks:
+        """The ranks `mlx.launch` started this process among; alone when it did not."""
+        if not mx.distributed.is_available():
+            return cls()
+        group = mx.distributed.init()
+        return cls(group if group.size() > 1 else None)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else self.group.size()
+
+    def all_sum(self, tree):
+        if self.group is None:
+            return tree
+        return tree_map(lambda x: mx.distributed.all_sum(x, group=self.group), tree)
+
+    def from_rank0(self, tree):
+        """Rank 0's `tree` on every rank (the others pass one of the same shapes)."""
+        if self.group is None:
+            return tree
+        out = self.all_sum(tree if self.rank == 0 else tree_map(mx.zeros_like, tree))
+        mx.eval(out)
+        return out
+
+    def tree_from_rank0(self, tree: dict) -> dict:
+        """Rank 0's nested dict of arrays on every rank, leaf by leaf in the order of their
+        sorted names (a tree loaded from a checkpoint lists them in another order than a
+        freshly initialised one); the key sets must match."""
+        names = sorted(name for name, _ in tree_flatten(tree))
+        if self.say(GO, len(names))[1] != len(names):
+            raise RuntimeError(f"rank {self.rank} holds {len(names)} arrays where rank 0 holds another "
+                               "number: the ranks run different models or LoRA configs")
+        leaves = dict(tree_flatten(tree))
+        return tree_unflatten(list(zip(names, self.from_rank0([leaves[n] for n in names]))))
+
+    def say(self, command: int = STOP, rows: int = 0, length: int = 0) -> tuple[int, int, int]:
+        """Rank 0's command (and a batch's shape) to every rank; the others pass nothing."""
+        got = self.from_rank0(mx.array([command, rows, length], dtype=mx.int32))
+        return tuple(int(v) for v in np.array(got))
+
+    def share_batch(self, batch: Batch, advantages: np.ndarray) -> None:
+        """Rank 0: send the batch to the other ranks."""
+        if self.group is not None:
+            self.say(GO, *batch.tokens.shape)
+            adv = mx.array(advantages.astype(np.float32))
+            self.from_rank0([batch.tokens, batch.mask, batch.behavior, adv])
+
+    def receive_batch(self) -> tuple[Batch, np.ndarray] | None:
+        """A rank above 0: the next batch from rank 0, or None when it says stop."""
+        command, rows, length = self.say()
+        if command == STOP:
+            return None
+        tokens, mask, behavior, adv = self.from_rank0([
+            mx.zeros((rows, length), mx.int32), mx.zeros((rows, length - 1)), mx.zeros((rows, length - 1)),
+            mx.zeros((rows,))])
+        return Batch(tokens, mask, behavior), np.array(adv)
+
+    def combine(self, stats: dict[str, float], tokens: float) -> dict[str, float]:
+        """Every rank's metrics of a step as the whole batch's (learner.step.combine_stats)."""
+        if self.group is None:
+            return stats
+        keys = sorted(stats)
+        mine = mx.array([[tokens, *(stats[k] for k in keys)]], dtype=mx.float32)
+        every = np.array(mx.distributed.all_gather(mine, group=self.group))
+        return combine_stats([({k: float(v) for k, v in zip(keys, row[1:])}, float(row[0])) for row in every])
+
+    def sync_state(self, trainer: Trainer) -> None:
+        """Rank 0's adapter weights and optimizer state on every rank: at the start (after
+        rank 0 resumed from a checkpoint, if it did)."""
+        if self.group is None:
+            return
+        model, optimizer = trainer.model, trainer.optimizer
+        model.update(self.tree_from_rank0(model.trainable_parameters()))
+        optimizer.init(model.trainable_parameters())  # adds what is missing, keeps what is loaded
+        optimizer.state = self.tree_from_rank0(optimizer.state)
+        mx.eval(model.parameters(), optimizer.state)
+        log.info("rank %d of %d: adapter weights and optimizer state as rank 0's", self.rank, self.size)
+
+
+class Part:
+    """This rank's rows of a batch, ready for its optimizer steps."""
+
+    def __init__(self, trainer: Trainer, ranks: Ranks, batch: Batch, advantages: np.ndarray) -> None:
+        n = batch.tokens.shape[0]
+        rows = slice(ranks.rank * n // ranks.size, (ranks.rank + 1) * n // ranks.size)
+        self.trainer, self.ranks = trainer, ranks
+        self.norm = trainer.algorithm.normalizer(np.array(batch.mask))  # the whole batch's
+        self.batch = Batch(batch.tokens[rows], batch.mask[rows], batch.behavior[rows])
+        self.advantages = advantages[rows]
+        self.tokens = float(self.batch.mask.sum().item())
+        self.prepared: Prepared = trainer.prepare(self.batch)
+        self.prepared.stats = ranks.combine(self.prepared.stats, self.tokens)
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step on every rank; the whole batch's metrics."""
+        all_sum = self.ranks.all_sum if self.ranks.size > 1 else None
+        stats = self.trainer.step(self.batch, self.prepared, self.advantages, self.norm, all_sum)
+        return self.ranks.combine(stats, self.tokens)
+
+
+def follow(trainer: Trainer, ranks: Ranks) -> None:
+    """A rank above 0: train on its rows of every batch rank 0 sends, until it says stop."""
+    ranks.sync_state(trainer)
+    while (got := ranks.receive_batch()) is not None:
+        part = Part(trainer, ranks, *got)
+        for _ in range(trainer.num_iterations):
+            if ranks.say()[0] == STOP:
+                break
+            part.step()
