@@ -24,6 +24,7 @@ that reason: never lost.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ log = logging.getLogger("actor")
 # A turn's noise differs from the last turn's: its seed is the run's plus this times the turn.
 TURN_SEED_STRIDE = 1_000_003
 _MARK = "\x1fmodel-turn\x1f"  # stands for a model turn's text when measuring the template
+_A_TURN = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
 
 
 class Renderer:
@@ -88,13 +90,18 @@ class Renderer:
         """What follows a model turn that ended with an EOS token (`after_eos`) or not."""
         if isinstance(prompt, str):
             return self.encode(observation["content"])
-        turn = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
-        closed = self.template(turn, False)
-        close = closed[closed.index(_MARK) + len(_MARK):]  # what closes the model's turn
+        close = self.turn_close
         if after_eos:  # the model sampled its turn's end itself: keep those ids, add the rest
             eos = next((t for t in self.eos_texts if close.startswith(t)), "")
             close = close[len(eos):]
-        return self.encode(close + self.extension(turn, observation))
+        return self.encode(close + self.extension(_A_TURN, observation))
+
+    @functools.cached_property
+    def turn_close(self) -> str:
+        """What the template puts after a model turn's text to close it (the same for every
+        turn; worked out on first use, as text-only tokenizers have no template)."""
+        closed = self.template(_A_TURN, False)
+        return closed[closed.index(_MARK) + len(_MARK):]
 
     def extension(self, messages: list[dict], observation: dict | None) -> str:
         """The template's text for `observation` and the generation prompt after
@@ -125,6 +132,12 @@ class Episode:
     waiting: bool = False  # a request is out
     attempts: int = 0
     lost: str | None = None  # why it could not be completed: its group is dropped
+
+    @property
+    def wire_id(self) -> str:
+        """The episode's id on the env socket: a new one per attempt, so a late reply to a
+        lost attempt never lands in the next."""
+        return f"{self.episode_id}/a{self.attempts}"
 
     def restart(self) -> None:
         self.ids, self.mask, self.logprobs, self.turns, self.rewards = [], [], [], [], []
@@ -215,9 +228,9 @@ class EpisodeRunner:
     def start(self, e: Episode) -> None:
         e.attempts += 1
         e.waiting = True
-        rid = f"{e.episode_id}/a{e.attempts}/reset"
+        rid = f"{e.wire_id}/reset"
         self.episodes[rid] = e
-        self.pool.submit(rid, {"episode_id": f"{e.episode_id}/a{e.attempts}", "prompt": e.prompt.prompt,
+        self.pool.submit(rid, {"episode_id": e.wire_id, "prompt": e.prompt.prompt,
                                "columns": e.prompt.columns}, protocol.RESET)
 
     def sample_turn(self, ready: list[Episode]) -> None:
@@ -244,9 +257,9 @@ class EpisodeRunner:
             self.finish(e, "length")
             return
         e.waiting = True
-        rid = f"{e.episode_id}/a{e.attempts}/t{e.model_turns}"
+        rid = f"{e.wire_id}/t{e.model_turns}"
         self.episodes[rid] = e
-        self.pool.submit(rid, {"episode_id": f"{e.episode_id}/a{e.attempts}", "action": text,
+        self.pool.submit(rid, {"episode_id": e.wire_id, "action": text,
                                "action_ids": ids}, protocol.STEP, pinned=e.worker)
 
     def handle(self, replies: list, failures: list[tuple[str, str]]) -> None:
@@ -302,4 +315,4 @@ class EpisodeRunner:
     def finish(self, e: Episode, reason: str) -> None:
         e.finish = reason
         if e.worker is not None:
-            self.pool.notify(e.worker, protocol.END, {"episode_id": f"{e.episode_id}/a{e.attempts}"})
+            self.pool.notify(e.worker, protocol.END, {"episode_id": e.wire_id})
