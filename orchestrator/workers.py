@@ -35,14 +35,18 @@ log = logging.getLogger("workers")
 
 
 class SocketWorker:
-    """What every worker does: attach, beat, reattach to a restarted owner, stop. A
-    subclass takes its requests (`take`), works between messages (`work`) and forgets
-    what belonged to an owner that restarted (`forget`)."""
+    """What every worker does: attach, beat, reattach to a restarted owner, stop; and take
+    the messages of `kinds` in arrival order, answering each request (`answer`, in a
+    thread, so the worker beats meanwhile) before the next. A subclass gives `answer`,
+    `reply` (how an answer is sent), `notice` (a message of `kinds` that is no request)
+    and what to forget when the owner restarts (`forget`)."""
 
     role = ""
     owner = ""  # who binds the socket: "learner" or "actor"
     hello_fields: dict = {}
-    job: tuple[str, Future] | None = None  # (request id, result) being worked out in a thread
+    kinds: tuple[str, ...] = ()  # the message kinds this worker takes
+    requests: tuple[str, ...] = ()  # those answered by `answer`
+    job: tuple[str, Future] | None = None  # (request id, answer) being worked out in a thread
 
     def __init__(self, endpoint: str, owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
                  signals: lifecycle.StopSignals | None = None, keys: Path | None = None) -> None:
@@ -54,6 +58,8 @@ class SocketWorker:
         self.sock, self.watch = sockets.connect(self.ctx, endpoint, keys)
         self.instance: str | None = None  # the owner we are attached to
         self.last_beat = 0.0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.role)
+        self.inbox: collections.deque[protocol.Message] = collections.deque()  # in arrival order
 
     def send(self, kind: str, header: dict | None = None) -> None:
         self.sock.send_multipart(protocol.encode(kind, header))
@@ -111,13 +117,35 @@ class SocketWorker:
         return None
 
     def take(self, msg: protocol.Message) -> None:
-        """A request, or a kind this worker ignores (heartbeats)."""
+        if msg.kind in self.kinds:  # other kinds (heartbeats) need nothing
+            self.inbox.append(msg)
 
     def work(self) -> None:
-        """Between messages."""
+        """Send a finished answer; then take the next messages in order, up to a request."""
+        if self.job is not None and self.job[1].done():
+            (request_id, result), self.job = self.job, None
+            self.reply(request_id, result.result())  # answer() turns every failure into a reply
+        while self.job is None and self.inbox:
+            msg = self.inbox.popleft()
+            if msg.kind in self.requests:
+                self.job = (msg["request_id"], self.pool.submit(self.answer, msg))
+            else:
+                self.notice(msg)
+
+    def answer(self, msg: protocol.Message) -> dict:
+        """A request's answer (in the worker's thread); never raises."""
+        raise NotImplementedError
+
+    def reply(self, request_id: str, answer: dict) -> None:
+        raise NotImplementedError
+
+    def notice(self, msg: protocol.Message) -> None:
+        """A message of `kinds` that asks for no answer."""
 
     def forget(self) -> None:
         """Drop what belonged to the owner before its restart."""
+        self.inbox.clear()
+        self.job = None
 
     def beat(self) -> None:
         if time.monotonic() - self.last_beat >= lifecycle.HEARTBEAT_S:
@@ -125,6 +153,7 @@ class SocketWorker:
             self.send(protocol.HEARTBEAT, {"role": self.role, "time": time.time()})
 
     def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
         self.watch.close()
         self.sock.close()
         self.ctx.term()
@@ -134,6 +163,7 @@ class RewardWorker(SocketWorker):
     role = "reward_worker"
     owner = "learner"
     hello_fields = {"beats_while_scoring": True}
+    kinds = requests = (protocol.SCORE,)
 
     def __init__(self, spec: str, endpoint: str, search_path: str | None = None,
                  owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
@@ -141,50 +171,23 @@ class RewardWorker(SocketWorker):
         self.spec = spec
         self.fn = load_reward_function(spec, search_path)
         super().__init__(endpoint, owner_timeout_s, signals, keys)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-        self.requests: collections.deque[protocol.Message] = collections.deque()
-        self.job: tuple[str, Future] | None = None  # (request id, result) being scored
 
     def run(self) -> int:
         log.info("serving %s on %s", self.spec, self.endpoint)
         return super().run()
 
-    def take(self, msg: protocol.Message) -> None:
-        if msg.kind == protocol.SCORE:
-            self.requests.append(msg)
-
-    def forget(self) -> None:
-        self.requests.clear()
-        self.job = None
-
-    def work(self) -> None:
-        self.finish_job()
-        self.start_job()
-
-    def start_job(self) -> None:
-        if self.job is None and self.requests:
-            msg = self.requests.popleft()
-            inputs = {"prompts": msg["prompts"], "completions": msg["completions"],
-                      "completion_ids": msg["completion_ids"], **msg["columns"]}
-            result = self.pool.submit(call_reward, self.fn, inputs, self.spec)
-            self.job = (msg["request_id"], result)
-
-    def finish_job(self) -> None:
-        if self.job is None or not self.job[1].done():
-            return
-        request_id, result = self.job
-        self.job = None
+    def answer(self, msg: protocol.Message) -> dict:
+        inputs = {"prompts": msg["prompts"], "completions": msg["completions"],
+                  "completion_ids": msg["completion_ids"], **msg["columns"]}
         try:
-            reply = {"request_id": request_id, "rewards": result.result()}
+            return {"rewards": call_reward(self.fn, inputs, self.spec)}
         except RewardError as e:
             # The learner ends the run on it, as for an in-process function that raises.
             log.error("%s", e)
-            reply = {"request_id": request_id, "rewards": [], "error": str(e)}
-        self.send(protocol.SCORE_REPLY, reply)
+            return {"rewards": [], "error": str(e)}
 
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        super().close()
+    def reply(self, request_id: str, answer: dict) -> None:
+        self.send(protocol.SCORE_REPLY, {"request_id": request_id, **answer})
 
 
 class EnvError(RuntimeError):
@@ -225,38 +228,24 @@ class EnvWorker(SocketWorker):
     role = "env_worker"
     owner = "actor"
     hello_fields = {"beats_while_working": True}
+    kinds = (protocol.END, protocol.RESET, protocol.STEP)
+    requests = (protocol.RESET, protocol.STEP)
 
     def __init__(self, make_env: Callable[[], Any], name: str, endpoint: str,
                  owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
                  signals: lifecycle.StopSignals | None = None, keys: Path | None = None) -> None:
         self.make_env, self.name = make_env, name
         super().__init__(endpoint, owner_timeout_s, signals, keys)
+        # The environment runs in the worker's thread, so it keeps beating meanwhile: a
+        # worker that dies in the middle of a long step is noticed in seconds.
         self.episodes: dict[str, Any] = {}
-        # The environment runs in a thread so the worker keeps beating meanwhile: a worker
-        # that dies in the middle of a long step is noticed in seconds, not at the deadline.
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="env")
-        self.inbox: collections.deque[protocol.Message] = collections.deque()  # in arrival order
-        self.job: tuple[str, Future] | None = None  # (request id, reply) being worked out
 
     def run(self) -> int:
         log.info("serving %s on %s", self.name, self.endpoint)
         return super().run()
 
-    def take(self, msg: protocol.Message) -> None:
-        if msg.kind in (protocol.END, protocol.RESET, protocol.STEP):
-            self.inbox.append(msg)
-
-    def work(self) -> None:
-        """Send a finished reply; then take the next messages in order, up to a request."""
-        if self.job is not None and self.job[1].done():
-            (request_id, result), self.job = self.job, None
-            self.reply(request_id, result.result())  # answer() turns every failure into a reply
-        while self.job is None and self.inbox:
-            msg = self.inbox.popleft()
-            if msg.kind == protocol.END:
-                self.drop(msg["episode_id"])
-            else:
-                self.job = (msg["request_id"], self.pool.submit(self.answer, msg))
+    def notice(self, msg: protocol.Message) -> None:  # `end`
+        self.drop(msg["episode_id"])
 
     def reply(self, request_id: str, answer: dict) -> None:
         try:
@@ -305,7 +294,6 @@ class EnvWorker(SocketWorker):
             self.drop(episode_id)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
         if self.job is None:
             self.forget()
         super().close()
