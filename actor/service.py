@@ -209,8 +209,7 @@ class Actor:
         max_in_flight = -(-(self.cfg.train.max_staleness + 1) * self.cfg.train.batch_size // count)
         while not (self.told_to_stop or self.signals.requested):
             if self.watch.down_for() and self.watch.refused:
-                log.error("the learner refused our CURVE key: this key directory's client.key is not in "
-                          "the run's keys/authorized (`orchestrator keys add-peer` makes one that is)")
+                log.error("cannot connect to the learner: %s", self.watch.refused)
                 self.refused = True
                 return
             if self.watch.down_for() > lifecycle.LEARNER_TIMEOUT_S:

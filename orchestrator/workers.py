@@ -88,8 +88,7 @@ class SocketWorker:
             self.beat()
             down = self.watch.down_for()
             if down and self.watch.refused:
-                log.error("the %s on %s refused our CURVE key: its client.key is not in the run's "
-                          "keys/authorized", self.owner, self.endpoint)
+                log.error("cannot connect to the %s on %s: %s", self.owner, self.endpoint, self.watch.refused)
                 return lifecycle.EXIT_USER_ERROR
             if down > self.owner_timeout_s:
                 log.error("no %s on %s for %.0f s; it is gone, stopping", self.owner, self.endpoint, down)

@@ -89,9 +89,12 @@ class ConnectionWatch:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # find a restarted learner within a second
         self.sock = sock
         self.monitor = sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self.down_since: float | None = time.monotonic()  # not connected yet
-        self.refused = False  # the server refused our CURVE key
+        # Why a CURVE handshake fails: no retry with the same keys would succeed.
+        self.refused: str | None = None
+        self.failed_handshakes = 0  # in a row
         sock.connect(endpoint)
 
     def down_for(self) -> float:
@@ -101,9 +104,18 @@ class ConnectionWatch:
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.down_since = None
+                self.down_since, self.failed_handshakes = None, 0
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self.refused = True
+                self.refused = ("it refused our CURVE key: the key directory's client key is not in the "
+                                "run's keys/authorized (`orchestrator keys add-peer` makes one that is)")
+            elif event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                # With another server's key the server cannot read our hello and drops the
+                # connection, saying nothing; a single failure may be a restart in between.
+                self.failed_handshakes += 1
+                if self.failed_handshakes >= 3:
+                    self.refused = ("the CURVE handshake failed 3 times: the key directory's server.key "
+                                    "is not this run's (or the other end does not use CURVE: see "
+                                    "run.insecure)")
             elif event == zmq.EVENT_DISCONNECTED and self.down_since is None:
                 self.down_since = time.monotonic()
         return 0.0 if self.down_since is None else time.monotonic() - self.down_since

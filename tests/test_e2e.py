@@ -213,16 +213,17 @@ def free_port_run() -> int:
 
 
 def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
-    """run.transport = "tcp" without `insecure`: `up` makes CURVE keys (owner-only), the
-    actor connects with them and the run trains. An actor with a key of its own (another
-    machine's copy of the run's config and endpoints, the server's public key, but a client
-    key the run never listed) is refused: it exits 4 saying so, the learner logs the
-    refusal, and the run is unaffected (every group trained, none dropped)."""
+    """run.transport = "tcp" without `insecure`: `up` makes CURVE keys (owner-only), and
+    the actor and a reward worker connect with them. An actor with a key of its own
+    (another machine's copy of the run's config and endpoints, the server's public key,
+    but a client key the run never listed) is refused: it exits 4 saying so, the learner
+    logs the refusal, and the run is unaffected (every group trained, none dropped). The
+    run's rewards come from a worker started only once the stranger is gone, so the run
+    cannot end before the stranger has knocked, however the processes are scheduled."""
     from protocol.config import load_config, write_run_config
-    from protocol.keys import create_run_keys
 
     port = free_port_run()
-    cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\nport = {port}", steps=6)
+    cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\nport = {port}", steps=6, reward="worker")
     run = tmp_path / "run"
     # The stranger: a run directory of its own, as on another Mac, with a foreign key.
     stranger = tmp_path / "stranger"
@@ -232,30 +233,31 @@ def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
     keys = stranger / "keys"
     keys.mkdir()
     zmq.auth.create_certificates(keys, "client")
-    # The run's keys exist before `up` (which keeps them), so the stranger can be there,
-    # knocking, before the learner binds: a slow machine cannot let the run end first.
-    (keys / "server.key").write_bytes((create_run_keys(run) / "server.key").read_bytes())
-    actor_log = tmp_path / "stranger.log"
-    actor = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(stranger),
-                              "--key-dir", str(keys)], cwd=ROOT, stdout=open(actor_log, "w"),
-                             stderr=subprocess.STDOUT)
-    up = None
+    up = orchestrator("up", "--config", str(cfg))
+    actor = worker = None
     try:
-        while "connecting to the learner" not in actor_log.read_text():
-            assert actor.poll() is None, actor_log.read_text()
+        while not (run / "keys" / "server.key").exists():
+            assert up.poll() is None, up.communicate()[0]
             time.sleep(0.05)
-        up = orchestrator("up", "--config", str(cfg))
-        actor.wait(timeout=240)
+        (keys / "server.key").write_bytes((run / "keys" / "server.key").read_bytes())
+        actor = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(stranger),
+                                  "--key-dir", str(keys)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT)
+        actor_out, _ = actor.communicate(timeout=240)
+        worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
+                                   "--run-dir", str(run)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.STDOUT)
         out, _ = up.communicate(timeout=300)
+        worker.wait(timeout=60)
     finally:
-        for proc in (actor, up):
+        for proc in (actor, worker, up):
             if proc is not None:
                 proc.kill()
                 proc.wait()
-    actor_out = actor_log.read_text()
     assert actor.returncode == 4, actor_out
-    assert "the learner refused our CURVE key" in actor_out
+    assert "cannot connect to the learner: it refused our CURVE key" in actor_out
     assert up.returncode == 0, out
+    assert worker.returncode == 0  # the learner told it to stop: the run is over
     assert "refused a connection to the rollout socket" in (run / "learner.log").read_text()
     endpoints = json.loads((run / "endpoints.json").read_text())
     assert endpoints == {"learner": f"tcp://127.0.0.1:{port}", "reward": f"tcp://127.0.0.1:{port + 1}",

@@ -64,17 +64,19 @@ def test_run_keys_are_owner_only_and_peers_get_in_while_strangers_are_refused(tm
         sock, watch = dealer(stranger)
         with caplog.at_level("WARNING", logger="keys"):
             assert not delivered(router, sock, watch)
-        assert watch.down_for() > 0 and watch.refused
+        assert watch.down_for() > 0 and watch.refused.startswith("it refused our CURVE key")
         assert "refused a connection to the rollout socket: its client key" in caplog.text
         # A peer added while the socket is up gets in at once (the allow-list is re-read).
         time.sleep(0.01)  # a new mtime for the authorized directory
         peer = add_peer(run, "macb")
         assert sorted(p.name for p in peer.iterdir()) == ["client.key", "client.key_secret", "server.key"]
         assert delivered(router, *dealer(peer))
-        # A client that does not know the server's key never connects.
+        # A client with another server's key never connects, and is told so.
         zmq.auth.create_certificates(stranger, "server")  # a different server key
         sock, watch = dealer(stranger)
         assert not delivered(router, sock, watch)
+        assert watch.down_for() > 0
+        assert watch.refused.startswith("the CURVE handshake failed 3 times: the key directory's server.key")
     finally:
         for sock, watch in opened:
             watch.close()
