@@ -11,7 +11,7 @@ this machine's cores are shared by every process, so two actors or two ranks com
 them. Per configuration it prints the median steps/s and its ratio to one actor and one
 rank, the learner's step time and (with ranks) the gradients' all-reduce time, the weight
 fan-out (serialize once, transfer to each actor, apply), and how much of the wall time
-each kind of process was busy. Everything goes to `benchmarks/results/scale[_quick].json`.
+the learner and (on average) each actor were busy. Everything goes to `benchmarks/results/scale[_quick].json`.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main() -> None:
     print(f"\n{steps} steps a run, {repeats} repeat(s), medians; examples/tiny.toml (batch 8 x 8, "
           "on-policy)\n")
     print("| configuration | steps/s | vs 1 actor, 1 rank | learner step ms | all-reduce ms | weights "
-          "serialize / transfer / apply ms | learner busy | actors busy |")
+          "serialize / transfer / apply ms | learner busy | actor busy (each) |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         ratio = r["steps_per_s"] / base if r["steps_per_s"] and base else None
