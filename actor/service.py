@@ -33,7 +33,7 @@ from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint
 from policy.sampler import Completion, sample_groups
 from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
-from protocol.heartbeat import start_heartbeat
+from protocol.heartbeat import actor_name, start_heartbeat
 from protocol.keys import key_dir_for, run_key_dir
 from protocol.workers import WorkerPool
 
@@ -208,11 +208,12 @@ class Actor:
         batch_size = -(-self.cfg.train.batch_size // count)  # this actor's share of a batch
         max_in_flight = -(-(self.cfg.train.max_staleness + 1) * self.cfg.train.batch_size // count)
         while not (self.told_to_stop or self.signals.requested):
-            if self.watch.down_for() and self.watch.refused:
+            down = self.watch.down_for()
+            if down and self.watch.refused:
                 log.error("cannot connect to the learner: %s", self.watch.refused)
                 self.refused = True
                 return
-            if self.watch.down_for() > lifecycle.LEARNER_TIMEOUT_S:
+            if down > lifecycle.LEARNER_TIMEOUT_S:
                 log.error("no learner for %.0f s; it is gone, stopping", lifecycle.LEARNER_TIMEOUT_S)
                 self.learner_lost = True
                 return
@@ -238,8 +239,7 @@ def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str |
     exit code (protocol.lifecycle)."""
     signals = lifecycle.StopSignals().install()
     lifecycle.watch_lifeline()
-    # The name the orchestrator watches: "actor" in a run of one, else "actor-SLOT".
-    start_heartbeat(run_dir, "actor" if read_run_config(run_dir).actor.count == 1 else f"actor-{slot}")
+    start_heartbeat(run_dir, actor_name(slot, read_run_config(run_dir).actor.count))
     apply_memory_share()
     actor = Actor(Path(run_dir), signals, Path(key_dir) if key_dir else None, slot, connect)
     try:

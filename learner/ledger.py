@@ -41,9 +41,8 @@ class Ledger:
 
     def received_group(self, sender: bytes, cursor: list[int] | None) -> None:
         """A well-formed group from `sender` came in with `cursor`."""
-        slot = self.slots.get(sender)
-        if slot is not None and cursor is not None and list(cursor) > self.slot_received.get(slot, []):
-            self.slot_received[slot] = list(cursor)
+        if cursor is not None:
+            self._advance(self.slot_received, sender, cursor)
 
     def cursor_for(self, slot: int) -> list[int] | None:
         """Where an attaching actor of `slot` starts in the data: after the newest group of
@@ -70,9 +69,13 @@ class Ledger:
             return
         if self.data_cursor is None or list(cursor) > self.data_cursor:
             self.data_cursor = list(cursor)
+        self._advance(self.slot_cursors, sender, cursor)
+
+    def _advance(self, cursors: dict[int, list[int]], sender: bytes, cursor: list[int]) -> None:
+        """Move the sender's slot's cursor in `cursors` forward to `cursor` (never back)."""
         slot = self.slots.get(sender)
-        if slot is not None and list(cursor) > self.slot_cursors.get(slot, []):
-            self.slot_cursors[slot] = list(cursor)
+        if slot is not None and list(cursor) > cursors.get(slot, []):
+            cursors[slot] = list(cursor)
 
     def credits_due(self, actors: list[bytes]) -> list[tuple[bytes, int]]:
         """(actor, groups consumed) for each actor whose count changed since it was told;

@@ -54,8 +54,7 @@ class Ranks:
         return 1 if self.group is None else self.group.size()
 
     def all_sum(self, tree):
-        if self.group is None:
-            return tree
+        """Every rank's `tree`, added up (only among several ranks)."""
         return tree_map(lambda x: mx.distributed.all_sum(x, group=self.group), tree)
 
     def from_rank0(self, tree):

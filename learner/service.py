@@ -35,7 +35,7 @@ from policy.memory import apply_memory_share
 from policy.model import adapter_weights_numpy, load_policy, tokenizer_fingerprint
 from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
-from protocol.heartbeat import start_heartbeat
+from protocol.heartbeat import learner_name, start_heartbeat
 from protocol.keys import run_key_dir
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
@@ -243,7 +243,7 @@ def follower_main(run_dir: str, ranks: Ranks) -> int:
     """A learner rank above 0: no sockets, files or checkpoints; only its rows of each batch."""
     signals = lifecycle.StopSignals().install()
     lifecycle.watch_lifeline()
-    start_heartbeat(run_dir, f"learner-{ranks.rank}")
+    start_heartbeat(run_dir, learner_name(ranks.rank))
     apply_memory_share()
     cfg = read_run_config(run_dir)
     trainer = load_trainer(cfg)[3]

@@ -194,7 +194,7 @@ def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str, key_
     import logging
 
     import protocol
-    from protocol.keys import KeysError, key_dir_for, run_keys
+    from protocol.keys import KeysError, key_dir_for, run_key_dir, run_keys
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if (run_dir is None) == (connect is None):
@@ -206,11 +206,10 @@ def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str, key_
         typer.echo(f"error: {run_dir} has no endpoints.json with a {socket} socket; "
                    "is the run started?", err=True)
         raise typer.Exit(2) from None
-    if key_dir is None and run_dir is not None:
-        own = run_keys(run_dir)
-        # A TCP run without keys was started insecure (`up` makes keys otherwise).
-        key_dir, insecure = (own, insecure) if own.exists() else (None, True)
     try:
+        if key_dir is None and run_dir is not None:
+            # A TCP run without keys was started insecure (`up` makes keys otherwise).
+            return endpoint, run_key_dir(run_dir, endpoint, insecure or not run_keys(run_dir).exists())
         return endpoint, key_dir_for(endpoint, key_dir, insecure)
     except KeysError as e:
         typer.echo(f"error: {e}", err=True)

@@ -25,7 +25,7 @@ from orchestrator.progress import display_for, is_eval
 from orchestrator.show import read_lines
 from protocol import lifecycle
 from protocol.config import MEMORY_SHARE_ENV, Config, write_run_config
-from protocol.heartbeat import heartbeat_path, seconds_since_beat
+from protocol.heartbeat import actor_name, heartbeat_path, learner_name, seconds_since_beat
 from protocol.keys import create_run_keys
 
 STOP_TIMEOUT_S = 30.0
@@ -148,11 +148,10 @@ class Supervisor:
         # `env.environment = "module:Class"`: env workers are the run's processes too.
         self.env_workers = ([f"env-worker-{i}" for i in range(env.num_workers)]
                             if env.environment and env.environment != "socket" else [])
-        # Actor slot i is "actor" in a run of one, else "actor-i"; remote slots come last.
-        local = cfg.actor.count - cfg.actor.remote
-        self.actors = ["actor"] if cfg.actor.count == 1 else [f"actor-{i}" for i in range(local)]
-        # Learner rank r > 0 is "learner-r" (learner/ranks.py); they start and restart together.
-        self.learners = ["learner", *(f"learner-{r}" for r in range(1, cfg.learner.ranks))]
+        # By slot: `up` starts the first count - remote (the remote slots come last).
+        self.actors = [actor_name(i, cfg.actor.count) for i in range(cfg.actor.count - cfg.actor.remote)]
+        # By rank (learner/ranks.py): they start and restart together.
+        self.learners = [learner_name(r) for r in range(cfg.learner.ranks)]
         self.restarts = {name: 0 for name in (*self.learners, *self.actors, *self.env_workers)}
         self.last_line = (0, False)  # line_order of the last metrics line shown
         self.phase = None

@@ -19,6 +19,17 @@ from protocol.lifecycle import write_atomic
 INTERVAL_S = 1.0
 
 
+def actor_name(slot: int, count: int) -> str:
+    """What an actor's heartbeat file and log are named: "actor" in a run of one, else
+    "actor-SLOT"."""
+    return "actor" if count == 1 else f"actor-{slot}"
+
+
+def learner_name(rank: int) -> str:
+    """What a learner rank's heartbeat file and log are named: rank 0 is "the learner"."""
+    return "learner" if rank == 0 else f"learner-{rank}"
+
+
 def heartbeat_path(run_dir: str | Path, role: str) -> Path:
     return Path(run_dir) / f"heartbeat.{role}"
 

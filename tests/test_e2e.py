@@ -18,6 +18,7 @@ import zmq
 import zmq.auth
 
 import protocol
+from orchestrator.supervisor import free_ports
 from tests.conftest import ROOT, write_config
 
 REQUIRED_METRICS = {
@@ -204,14 +205,6 @@ def test_ratio_is_one_at_step_zero_with_temperature_and_top_p(tmp_path):
     assert first["mismatch_kl"] < 1e-8
 
 
-def free_port_run() -> int:
-    import socket
-
-    with socket.socket() as s:  # a free port triple, most likely
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
     """run.transport = "tcp" without `insecure`: `up` makes CURVE keys (owner-only), and
     the actor and a reward worker connect with them. An actor with a key of its own
@@ -222,7 +215,7 @@ def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
     cannot end before the stranger has knocked, however the processes are scheduled."""
     from protocol.config import load_config, write_run_config
 
-    port = free_port_run()
+    port = free_ports(1)[0]
     cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\nport = {port}", steps=6, reward="worker")
     run = tmp_path / "run"
     # The stranger: a run directory of its own, as on another Mac, with a foreign key.
@@ -270,7 +263,7 @@ def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
 
 
 def test_an_insecure_tcp_run_trains_without_keys(tmp_path):
-    port = free_port_run()
+    port = free_ports(1)[0]
     cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\ninsecure = true\nport = {port}", steps=2)
     code, out = run_up(cfg)
     assert code == 0, out

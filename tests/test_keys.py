@@ -12,17 +12,10 @@ import pytest
 import zmq
 import zmq.auth
 
+from orchestrator.supervisor import free_ports
 from protocol import sockets
 from protocol.keys import KeysError, add_peer, create_run_keys, key_dir_for
 from tests.conftest import ROOT
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def delivered(router: zmq.Socket, dealer: zmq.Socket, watch: sockets.ConnectionWatch) -> bool:
@@ -44,7 +37,7 @@ def test_run_keys_are_owner_only_and_peers_get_in_while_strangers_are_refused(tm
     assert create_run_keys(run) == keys  # a resumed run keeps its keys
     for path in [keys, *keys.rglob("*")]:
         assert path.stat().st_mode & 0o077 == 0, path
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     router = sockets.listen(ctx, endpoint, keys, "rollout")
     opened = []
 

@@ -51,11 +51,11 @@ def test_an_actor_from_another_machine_joins_over_curve_tcp(tmp_path):
     import sys
     import time
 
+    from orchestrator.supervisor import free_ports
     from protocol.config import load_config, write_run_config
     from tests.conftest import ROOT
-    from tests.test_e2e import free_port_run
 
-    port = free_port_run()
+    port = free_ports(1)[0]
     cfg = write_config(tmp_path, f"[actor]\ncount = 2\nremote = 1\n[run]\ntransport = \"tcp\"\nport = {port}",
                        steps=4)
     run, other = tmp_path / "run", tmp_path / "other-mac"
@@ -104,8 +104,8 @@ def test_two_learner_ranks_under_mlx_launch_train_the_adapter_one_rank_trains(tm
     import mlx.core as mx
     import numpy as np
 
+    from orchestrator.supervisor import free_ports
     from tests.conftest import ROOT
-    from tests.test_e2e import free_port_run
 
     def start(name: str, learner: list[str]) -> tuple[Path, list]:
         (tmp_path / name).mkdir()
@@ -122,7 +122,7 @@ def test_two_learner_ranks_under_mlx_launch_train_the_adapter_one_rank_trains(tm
         return run, procs
 
     launch = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
-              "--starting-port", str(free_port_run()), "--", sys.executable]
+              "--starting-port", str(free_ports(1)[0]), "--", sys.executable]
     runs = [start("alone", [sys.executable]), start("ranks", launch)]
     try:
         for _, procs in runs:
