@@ -29,7 +29,7 @@ import zmq
 
 import protocol
 from policy.data import encode_prompt
-from policy.model import set_adapter_weights, tokenizer_fingerprint
+from policy.model import set_adapter_weights, tokenizer_fingerprint, weights_frame_bytes
 from policy.sampler import Completion, sample_groups
 from protocol import lifecycle, sockets
 from protocol.config import Config, SamplingConfig, as_dict
@@ -293,13 +293,20 @@ class Follower:
         self.ctx = zmq.Context()
         endpoint = protocol.read_endpoints(run_dir)["learner"]
         keys = run_key_dir(run_dir, endpoint, cfg.run.insecure)
-        self.sock, self.watch = sockets.connect(self.ctx, endpoint, keys)
-        self.sock.send_multipart(protocol.encode(protocol.HELLO, {
+        self.sock, self.watch = sockets.connect(self.ctx, endpoint, keys,
+                                                sockets.frame_limit(weights_frame_bytes(policy.model)))
+        self.hello = protocol.encode(protocol.HELLO, {
             "role": "observer", "model": cfg.model.path, "tokenizer": tokenizer_fingerprint(policy.tokenizer),
-            "lora": as_dict(cfg.lora), "pid": os.getpid()}))
+            "lora": as_dict(cfg.lora), "pid": os.getpid()})
+        self.sock.send_multipart(self.hello)
+        self.greeted = 1  # the connection the hello goes on
         self.stopped: str | None = None
 
     def poll(self) -> None:
+        self.watch.down_for()
+        if self.watch.connections > self.greeted:  # a new connection is a stranger to the learner
+            self.greeted = self.watch.connections
+            self.sock.send_multipart(self.hello)
         newest = None
         for incoming in sockets.incoming(self.sock, 0):
             msg = incoming.msg
@@ -337,6 +344,9 @@ def serve(policy: Policy, host: str, port: int, follower: Follower | None = None
                 if follower.stopped:
                     print(f"the run ended ({follower.stopped}); stopping", flush=True)
                     return lifecycle.EXIT_OK
+                if follower.watch.refused:
+                    print(f"cannot follow the run: the learner {follower.watch.refused}", flush=True)
+                    return lifecycle.EXIT_USER_ERROR
     finally:
         server.server_close()
         if follower is not None:

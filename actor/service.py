@@ -29,12 +29,13 @@ import protocol
 from actor.episodes import EpisodeRunner
 from policy.data import DataError, Prompt, PromptStream, check_context, load_prompts
 from policy.memory import apply_memory_share
-from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint
+from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint, weights_frame_bytes
 from policy.sampler import Completion, sample_groups
 from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
 from protocol.heartbeat import actor_name, start_heartbeat
 from protocol.keys import key_dir_for, run_key_dir
+from protocol.wire import MAX_HEADER_BYTES
 from protocol.workers import WorkerPool
 
 log = logging.getLogger("actor")
@@ -83,7 +84,8 @@ class Actor:
         insecure = self.cfg.run.insecure
         keys = (key_dir_for(endpoints["learner"], key_dir, insecure) if key_dir is not None
                 else run_key_dir(run_dir, endpoints["learner"], insecure))
-        self.sock, self.watch = sockets.connect(self.ctx, endpoints["learner"], keys)
+        self.sock, self.watch = sockets.connect(self.ctx, endpoints["learner"], keys,
+                                                sockets.frame_limit(weights_frame_bytes(self.model)))
         log.info("connecting to the learner at %s%s", endpoints["learner"], " (CURVE)" if keys else "")
         self.learner_lost = False
         self.episodes = None
@@ -176,8 +178,23 @@ class Actor:
             }
             if self.episodes is not None:
                 header["env_retries"] = self.episodes.retries
-            self.send(protocol.ROLLOUT, header, arrays)
+            self.send_rollout(header, arrays)
             self.groups_sent += 1
+
+    def send_rollout(self, header: dict, arrays: dict) -> None:
+        """Send a group; one whose header the learner would refuse unread (over the
+        protocol's limit: huge texts or data columns) goes as an `error` group instead, so
+        the learner counts it as dropped, with the reason."""
+        frames = protocol.encode(protocol.ROLLOUT, header, arrays)
+        if len(frames[0]) > MAX_HEADER_BYTES:
+            reason = (f"rollout header over the protocol's limit of {MAX_HEADER_BYTES} bytes (texts, prompt, "
+                      "columns)")
+            log.error("data row %s: a rollout header of %d bytes is over the protocol's limit of %d bytes; "
+                      "its group is sent as dropped", header["row"], len(frames[0]), MAX_HEADER_BYTES)
+            header = {**header, "prompt": "", "columns": {}, "texts": [""] * len(header["texts"]),
+                      "turns": None, "error": reason}
+            frames = protocol.encode(protocol.ROLLOUT, header, arrays)
+        self.sock.send_multipart(frames, copy=False)
 
     def completions(self, prompt: Prompt, completions: list[Completion]) -> tuple[dict, dict]:
         """A single-turn group's rollout fields and arrays."""
@@ -200,10 +217,20 @@ class Actor:
         self.receive(0)
         return self.told_to_stop or self.signals.requested
 
-    def run(self) -> None:
+    def greet(self) -> None:
+        """Say hello: once at the start, and again on every new connection. A TCP connection
+        that dropped comes back as a stranger to the learner (a new identity; what was on
+        the wire is lost), so the actor starts over as a restarted actor does: the learner
+        sends weights and where the slot's data continues, and the credit counts from 0."""
+        self.receive(0)  # what the old connection brought, before starting over
+        self.greeted = max(self.watch.connections, 1)  # the first hello goes on the first connection
+        self.version, self.pending, self.groups_sent, self.groups_consumed = None, None, 0, 0
         self.send(protocol.HELLO, {"role": "actor", "model": self.cfg.model.path,
                                    "tokenizer": tokenizer_fingerprint(self.tokenizer),
                                    "lora": as_dict(self.cfg.lora), "pid": os.getpid(), "slot": self.slot})
+
+    def run(self) -> None:
+        self.greet()
         count = self.cfg.actor.count
         batch_size = -(-self.cfg.train.batch_size // count)  # this actor's share of a batch
         max_in_flight = -(-(self.cfg.train.max_staleness + 1) * self.cfg.train.batch_size // count)
@@ -217,6 +244,9 @@ class Actor:
                 log.error("no learner for %.0f s; it is gone, stopping", lifecycle.LEARNER_TIMEOUT_S)
                 self.learner_lost = True
                 return
+            if self.watch.connections > self.greeted:
+                log.warning("the connection to the learner dropped and came back; saying hello again")
+                self.greet()
             self.receive(0)
             self.apply_pending()
             room = max_in_flight - (self.groups_sent - self.groups_consumed)

@@ -33,14 +33,15 @@ MB = 1 << 20
 class RolloutSocket:
     def __init__(self, ctx: zmq.Context, endpoint: str, ledger: Ledger, identity: dict[str, Any],
                  check_group: Callable[[bytes, protocol.Message], Group],
-                 weights: Callable[[], dict], keys: Path | None = None, actor_count: int = 1) -> None:
+                 weights: Callable[[], dict], keys: Path | None = None, actor_count: int = 1,
+                 max_frame: int = sockets.MAX_HEADER_BYTES) -> None:
         """`identity`: what this learner runs (model, tokenizer, lora, instance), sent in
         its hello and checked in actors'. `check_group` turns a rollout into a Group or
         raises ValueError with the drop reason. `weights()` gives the adapter arrays. `keys`:
         the run's CURVE key directory, for TCP (protocol.keys). `actor_count`: the run's
-        actor slots."""
+        actor slots. `max_frame`: the largest frame a rollout of the run carries."""
         self.actor_count = actor_count
-        self.sock = sockets.listen(ctx, endpoint, keys, "rollout")
+        self.sock = sockets.listen(ctx, endpoint, keys, "rollout", max_frame)
         self.ledger = ledger
         self.identity = identity
         self.check_group = check_group

@@ -42,6 +42,8 @@ from rewards.scorer import Scorer
 
 log = logging.getLogger("learner")
 
+CHECKPOINT_ATTEMPTS, CHECKPOINT_RETRY_S = 30, 2.0
+
 
 class Learner:
     def __init__(self, run_dir: Path, resume: bool = False,
@@ -66,6 +68,7 @@ class Learner:
         self.step = 0  # optimizer steps taken: also the version of the weights (policy_version)
         self.num_tokens = 0  # prompt and completion tokens trained on (TRL's num_tokens)
         self.ledger = Ledger()
+        self.status_failing = False
         if resume:
             self.resume()
         self.ranks.sync_state(self.trainer)
@@ -80,7 +83,8 @@ class Learner:
         self.rollouts = RolloutSocket(
             self.ctx, endpoints["learner"], self.ledger, identity,
             lambda actor, msg: group_from_message(actor, msg, vocab_size, group_size),
-            lambda: adapter_weights_numpy(self.model), keys, cfg.actor.count)
+            lambda: adapter_weights_numpy(self.model), keys, cfg.actor.count,
+            sockets.frame_limit(cfg.rollout_array_bytes))
         plan = self.run_dir / "plan.json"
         shares = json.loads(plan.read_text())["shares_mb"] if plan.exists() else {}
         self.shares = {f"{k}_share_mb": v for k, v in shares.items()}
@@ -194,8 +198,19 @@ class Learner:
         state = {"step": self.step, "version": self.step, "num_tokens": self.num_tokens,
                  **self.ledger.state(), "reward_stats": self.scorer.worker_stats(),
                  "config": self.cfg.to_dict()}
-        path = save_checkpoint(self.run_dir, self.model, self.trainer.optimizer, self.adapter_config, state,
-                               self.cfg.train.keep_checkpoints)
+        # A write can fail for a while (every descriptor taken by a flood of connections,
+        # a full disk): try again for a minute before the run fails on it.
+        for attempt in range(CHECKPOINT_ATTEMPTS):
+            try:
+                path = save_checkpoint(self.run_dir, self.model, self.trainer.optimizer, self.adapter_config,
+                                       state, self.cfg.train.keep_checkpoints)
+                break
+            except (OSError, RuntimeError) as e:  # MLX reports a failed open as RuntimeError
+                if attempt == CHECKPOINT_ATTEMPTS - 1:
+                    raise
+                log.error("cannot write the checkpoint of step %d: %s; trying again in %.0f s", self.step, e,
+                          CHECKPOINT_RETRY_S)
+                time.sleep(CHECKPOINT_RETRY_S)
         log.info("wrote checkpoint %s (pid %d)", path.name, os.getpid())
 
     def group_counts(self) -> dict:
@@ -211,7 +226,13 @@ class Learner:
     def write_status(self, phase: str) -> None:
         status = {"phase": phase, "step": self.step, "steps": self.cfg.train.steps,
                   "actors": len(self.rollouts.actors), "time": time.time(), **self.group_counts()}
-        lifecycle.write_atomic(self.run_dir / "status.json", json.dumps(status) + "\n")
+        try:
+            lifecycle.write_atomic(self.run_dir / "status.json", json.dumps(status) + "\n")
+            self.status_failing = False
+        except OSError as e:  # status.json is for watchers; the next one may go through
+            if not self.status_failing:
+                log.error("cannot write status.json: %s; trying again with the next status", e)
+            self.status_failing = True
 
     def close(self, reason: str = "training finished") -> None:
         self.ranks.say(STOP)  # the other ranks, waiting for a batch, end

@@ -194,7 +194,7 @@ def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str, key_
     import logging
 
     import protocol
-    from protocol.keys import KeysError, key_dir_for, run_key_dir, run_keys
+    from protocol.keys import KeysError, key_dir_for, run_key_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if (run_dir is None) == (connect is None):
@@ -208,12 +208,22 @@ def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str, key_
         raise typer.Exit(2) from None
     try:
         if key_dir is None and run_dir is not None:
-            # A TCP run without keys was started insecure (`up` makes keys otherwise).
-            return endpoint, run_key_dir(run_dir, endpoint, insecure or not run_keys(run_dir).exists())
+            # The run's config says whether it is insecure; without one, it is not.
+            insecure = insecure or _run_is_insecure(run_dir)
+            return endpoint, run_key_dir(run_dir, endpoint, insecure)
         return endpoint, key_dir_for(endpoint, key_dir, insecure)
     except KeysError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def _run_is_insecure(run_dir: str) -> bool:
+    from protocol.config import read_run_config
+
+    try:
+        return read_run_config(run_dir).run.insecure
+    except (OSError, ValueError):  # no config.json, or a broken one: fail closed
+        return False
 
 
 def _serve(make_worker, user_error: type[Exception]) -> None:

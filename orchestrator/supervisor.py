@@ -23,10 +23,10 @@ import protocol
 from orchestrator.plan import thread_count
 from orchestrator.progress import display_for, is_eval
 from orchestrator.show import read_lines
-from protocol import lifecycle
+from protocol import lifecycle, sockets
 from protocol.config import MEMORY_SHARE_ENV, Config, write_run_config
 from protocol.heartbeat import actor_name, heartbeat_path, learner_name, seconds_since_beat
-from protocol.keys import create_run_keys
+from protocol.keys import AUTHORIZED, create_run_keys, run_keys
 
 STOP_TIMEOUT_S = 30.0
 # How long a new run waits for the orphans of a killed orchestrator to stop (they get
@@ -92,6 +92,30 @@ def spawn(name: str, args: list[str], run_dir: Path, lifeline: lifecycle.Lifelin
                                 stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, pass_fds=(lifeline.read_fd, lock_fd))
     return Child(name, proc, log_path)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def exposure_note(cfg: Config, run_dir: Path) -> str | None:
+    """What a TCP run bound beyond loopback exposes, and what protects it (None otherwise)."""
+    r = cfg.run
+    if r.transport != "tcp" or r.host in LOOPBACK or r.host.startswith("127."):
+        return None
+    names = ["rollout", "reward"] + (["env"] if cfg.env.environment else [])
+    ports = ", ".join(f"{n} {r.port + i}" for i, n in enumerate(names))
+    limits = (f"each socket refuses frames over {sockets.frame_limit(cfg.rollout_array_bytes) >> 20} MB, "
+              f"closes connections that have not finished their handshake after {sockets.HANDSHAKE_S:.0f} s "
+              f"and holds at most {sockets.MAX_CONNECTIONS} at a time.")
+    firewall = ("Nothing here stops a flood of connections from keeping new peers out: let only the run's "
+                "machines reach these ports (README, 'TCP and CURVE keys').")
+    if r.insecure:
+        return (f"exposed on {r.host} (ports: {ports}) in PLAIN TCP (run.insecure): anyone who reaches them "
+                f"can join the run, send it rollouts and read its weights. {limits} {firewall}")
+    allowed = len(list((run_keys(run_dir) / AUTHORIZED).glob("*.key")))
+    return (f"exposed on {r.host} (ports: {ports}), protected by CURVE: encrypted, and only the {allowed} "
+            f"client key(s) in {run_keys(run_dir) / AUTHORIZED} get in (`orchestrator keys add-peer` adds "
+            f"one); {limits} {firewall}")
 
 
 def free_ports(n: int) -> list[int]:
@@ -161,6 +185,9 @@ class Supervisor:
 
     def start(self) -> None:
         self.say(f"run directory: {self.run_dir}")
+        note = exposure_note(self.cfg, self.run_dir)
+        if note:
+            self.say(note)
         self.start_learners(self.resume)
         for name in [*self.actors, *self.env_workers]:
             self.start_child(name)

@@ -62,7 +62,12 @@ class SocketWorker:
         self.inbox: collections.deque[protocol.Message] = collections.deque()  # in arrival order
 
     def send(self, kind: str, header: dict | None = None) -> None:
-        self.sock.send_multipart(protocol.encode(kind, header))
+        """Send, or drop the message when it cannot go now: never wait on a connection that
+        is gone for good (a refused key), which the loop's watch then reports."""
+        try:
+            self.sock.send_multipart(protocol.encode(kind, header), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("dropped a %s: no connection to the %s", kind, self.owner)
 
     def attach(self) -> None:
         self.send(protocol.HELLO, {"role": self.role, "pid": os.getpid(), **self.hello_fields})
@@ -76,6 +81,13 @@ class SocketWorker:
                 # Tell the owner at once, so what we hold goes to another worker now.
                 self.send(protocol.STOP, {"reason": f"{self.role} stopped by {self.signals.name}"})
                 return lifecycle.signal_exit_code(self.signals.signum)
+            down = self.watch.down_for()
+            if down and self.watch.refused:
+                log.error("cannot connect to the %s on %s: %s", self.owner, self.endpoint, self.watch.refused)
+                return lifecycle.EXIT_USER_ERROR
+            if down > self.owner_timeout_s:
+                log.error("no %s on %s for %.0f s; it is gone, stopping", self.owner, self.endpoint, down)
+                return lifecycle.EXIT_CRASH
             # While a job runs, wait on it rather than on the socket: its reply goes out at once.
             for incoming in sockets.incoming(self.sock, 0 if self.job is not None else 50):
                 reason = self.handle(incoming)
@@ -86,13 +98,6 @@ class SocketWorker:
                 wait([self.job[1]], timeout=0.05)
             self.work()
             self.beat()
-            down = self.watch.down_for()
-            if down and self.watch.refused:
-                log.error("cannot connect to the %s on %s: %s", self.owner, self.endpoint, self.watch.refused)
-                return lifecycle.EXIT_USER_ERROR
-            if down > self.owner_timeout_s:
-                log.error("no %s on %s for %.0f s; it is gone, stopping", self.owner, self.endpoint, down)
-                return lifecycle.EXIT_CRASH
 
     def handle(self, incoming: sockets.Incoming) -> str | None:
         """Act on one message; return the stop reason when told to stop."""

@@ -100,6 +100,11 @@ def adapter_weights_numpy(model: nn.Module) -> dict[str, np.ndarray]:
     return {k: np.array(v.astype(mx.float32)) for k, v in adapter_weights(model).items()}
 
 
+def weights_frame_bytes(model: nn.Module) -> int:
+    """The largest array frame of a `weights` message: one adapter array as float32."""
+    return 4 * max((v.size for v in adapter_weights(model).values()), default=0)
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Run the base model: every LoRA layer's scale is set to 0, then restored.

@@ -9,12 +9,15 @@ by a process that is busy or broken.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 
 from protocol.lifecycle import write_atomic
+
+log = logging.getLogger("heartbeat")
 
 INTERVAL_S = 1.0
 
@@ -38,10 +41,17 @@ def start_heartbeat(run_dir: str | Path, role: str) -> threading.Thread:
     path = heartbeat_path(run_dir, role)
 
     def beat() -> None:
+        failing = False
         while True:
-            # Whole or not at all: a reader (a test, a user's script) must never see the
-            # empty file that a truncating write leaves for a moment.
-            write_atomic(path, f"{os.getpid()} {time.time():.3f}\n")
+            try:
+                # Whole or not at all: a reader (a test, a user's script) must never see the
+                # empty file that a truncating write leaves for a moment.
+                write_atomic(path, f"{os.getpid()} {time.time():.3f}\n")
+                failing = False
+            except OSError as e:  # out of descriptors in a flood, a full disk: beat again later
+                if not failing:
+                    log.error("cannot write the heartbeat %s: %s; trying every second", path, e)
+                failing = True
             time.sleep(INTERVAL_S)
 
     thread = threading.Thread(target=beat, name=f"heartbeat-{role}", daemon=True)

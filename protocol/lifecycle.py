@@ -74,6 +74,24 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
 
 
+def raise_fd_limit() -> None:
+    """Let this process open as many descriptors as its hard limit allows. Importing mlx_lm
+    sets 2048 (hard 4096), macOS starts programs at 256; a bound TCP socket's connections
+    each take one (protocol.sockets caps them)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # macOS refuses more than its per-process maximum, whatever the hard limit says.
+    for target in ([] if hard == resource.RLIM_INFINITY else [hard]) + [65536, 10240]:
+        if soft >= target or (hard != resource.RLIM_INFINITY and target > hard):
+            continue
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return
+        except (ValueError, OSError):
+            continue
+
+
 def write_atomic(path: str | Path, text: str) -> None:
     """Write a file that readers (and a resume after a kill) see whole or not at all: write
     a temporary file beside it, then rename it over (atomic within a file system)."""

@@ -40,6 +40,7 @@ import zmq
 import protocol
 from protocol import sockets
 from protocol.lifecycle import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S
+from protocol.wire import MAX_HEADER_BYTES
 
 log = logging.getLogger("workers")
 
@@ -50,8 +51,7 @@ ReplyCheck = Callable[[dict], "str | None"]
 @dataclass
 class Request:
     request_id: str
-    kind: str
-    header: dict
+    frames: list  # the request as sent: encoded once, whatever worker takes it
     check: ReplyCheck | None = None
     pinned: bytes | None = None  # only this worker may take it
     attempts: int = 0
@@ -113,7 +113,8 @@ class WorkerPool:
 
     def submit(self, request_id: str, header: dict, kind: str = protocol.SCORE,
                check: ReplyCheck | None = None, pinned: bytes | None = None) -> None:
-        self.waiting.append(Request(request_id, kind, header, check, pinned))
+        frames = protocol.encode(kind, {"request_id": request_id, **header})
+        self.waiting.append(Request(request_id, frames, check, pinned))
 
     def alive(self, worker: bytes) -> bool:
         w = self.workers.get(worker)
@@ -280,6 +281,11 @@ class WorkerPool:
                 self.waiting.remove(request)
                 failed.append((request.request_id, f"{self.name}: the worker holding it is gone"))
                 continue
+            if len(request.frames[0]) > MAX_HEADER_BYTES:  # workers refuse it unread
+                self.waiting.remove(request)
+                failed.append((request.request_id, f"{self.name}: the request's {len(request.frames[0])} "
+                               f"bytes exceed the protocol's limit of {MAX_HEADER_BYTES}"))
+                continue
             if request.pinned is None and self.ready:
                 identity = self.ready.popleft()
             elif request.pinned is not None and request.pinned in self.ready:
@@ -292,7 +298,7 @@ class WorkerPool:
             request.worker = identity
             request.deadline = time.monotonic() + self.timeout_s
             self.assigned[request.request_id] = request
-            self.send(identity, request.kind, {"request_id": request.request_id, **request.header})
+            self.sock.send_multipart([identity, *request.frames], copy=False)
 
     def beat(self) -> None:
         """Heartbeats to the attached workers, while this process's loop runs."""

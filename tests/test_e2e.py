@@ -333,3 +333,25 @@ def test_plot_writes_a_png_of_the_run_s_curves(default_run, tmp_path):
     proc = orchestrator("plot", "--run-dir", str(sparse))
     assert proc.communicate(timeout=120)[0].strip() == f"wrote {sparse / 'curves.png'}"
     assert (sparse / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_group_too_large_for_the_wire_is_dropped_with_the_reason(tmp_path):
+    """A data row whose columns alone pass the protocol's 16 MiB header limit: the learner's
+    socket would refuse the rollout unread (and an on-policy run would wait for it
+    forever), so the actor sends it as a dropped group, naming the sizes, and the run
+    trains on the other rows."""
+    from protocol.wire import MAX_HEADER_BYTES
+
+    rows = [{"prompt": f"repeat {d}", "target": str(d)} for d in range(3)]
+    rows.append({"prompt": "repeat 9", "target": "9", "notes": "x" * (MAX_HEADER_BYTES + 1)})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out = run_up(write_config(tmp_path, f'[data]\nprompts = "{tmp_path / "rows.jsonl"}"', steps=4))
+    assert code == 0, out
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    reason = f"rollout header over the protocol's limit of {MAX_HEADER_BYTES} bytes (texts, prompt, columns)"
+    assert metrics[-1]["dropped_reasons"].keys() == {reason}
+    assert metrics[-1]["groups_trained"] == 8
+    log = (tmp_path / "run" / "actor.log").read_text()
+    assert f"data row 3: a rollout header of {MAX_HEADER_BYTES + 1}" not in log  # the header holds more
+    assert "data row 3: a rollout header of " in log and "its group is sent as dropped" in log

@@ -6,22 +6,33 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import zmq
 import zmq.auth
 
+import protocol
 from orchestrator.supervisor import free_ports
 from protocol import sockets
+from protocol.config import load_config, write_run_config
 from protocol.keys import KeysError, add_peer, create_run_keys, key_dir_for
-from tests.conftest import ROOT
+from tests.conftest import EXAMPLES, ROOT, write_config
 
 
 def delivered(router: zmq.Socket, dealer: zmq.Socket, watch: sockets.ConnectionWatch) -> bool:
     """Whether a message from `dealer` reaches `router` within 2 s."""
     dealer.send(b"hello")
     return bool(router.poll(2000)) and router.recv_multipart()[-1] == b"hello"
+
+
+def close_all(router: zmq.Socket, opened: list[tuple[zmq.Socket, sockets.ConnectionWatch]]) -> None:
+    for sock, watch in opened:
+        watch.close()
+        sock.close(linger=0)
+    router.close(linger=0)
 
 
 @pytest.fixture
@@ -68,13 +79,13 @@ def test_run_keys_are_owner_only_and_peers_get_in_while_strangers_are_refused(tm
         zmq.auth.create_certificates(stranger, "server")  # a different server key
         sock, watch = dealer(stranger)
         assert not delivered(router, sock, watch)
-        assert watch.down_for() > 0
-        assert watch.refused.startswith("the CURVE handshake failed 3 times: the key directory's server.key")
+        deadline = time.monotonic() + sockets.WRONG_KEY_S + 5
+        while watch.down_for() > 0 and not watch.refused and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert watch.refused.startswith(f"every CURVE handshake failed for {sockets.WRONG_KEY_S:.0f} s: the "
+                                        "key directory's server.key is not this run's")
     finally:
-        for sock, watch in opened:
-            watch.close()
-            sock.close(linger=0)
-        router.close(linger=0)
+        close_all(router, opened)
 
 
 def test_add_peer_refuses_a_bad_name_and_an_existing_peer(tmp_path):
@@ -108,3 +119,200 @@ def test_a_worker_refuses_tcp_without_keys_or_insecure_and_add_peer_writes_a_key
     assert done.returncode == 0, done.stderr
     assert f"wrote {tmp_path / 'keys' / 'peers' / 'macb'}" in done.stdout
     assert (tmp_path / "keys" / "authorized" / "macb.key").exists()
+
+
+def test_a_bad_file_in_the_allow_list_is_skipped_and_said_and_the_others_still_get_in(tmp_path, ctx, caplog):
+    """A file in keys/authorized that is no public key (a truncated copy, a stray note)
+    would end the ZAP thread if it raised, and with it every later handshake: it is
+    skipped with a log line naming it, the run's own key still gets in, and so does a
+    peer added after it."""
+    run = tmp_path / "run"
+    keys = create_run_keys(run)
+    (keys / "authorized" / "broken.key").write_bytes(b"\x00\xff no key here\n")
+    (keys / "authorized" / "short.key").write_text('public-key = "tooshort"\n')
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    router = sockets.listen(ctx, endpoint, keys, "rollout")
+    opened = []
+    try:
+        with caplog.at_level("ERROR", logger="keys"):
+            for key_dir in (keys, None):
+                time.sleep(0.01)  # a new mtime for the authorized directory
+                key_dir = key_dir or add_peer(run, "macb")
+                sock, watch = sockets.connect(ctx, endpoint, key_dir)
+                opened.append((sock, watch))
+                assert delivered(router, sock, watch)
+        for name in ("broken.key", "short.key"):
+            assert f"skipped {keys / 'authorized' / name} in the allow-list" in caplog.text
+    finally:
+        close_all(router, opened)
+
+
+def test_keys_are_written_whole(tmp_path):
+    """A reader of keys/authorized (the ZAP handler, at any handshake) never finds a key
+    file half written: every key lands by a rename."""
+    keys = create_run_keys(tmp_path)
+    seen_bad, stop = [], threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            for path in (keys / "authorized").glob("*.key"):
+                try:
+                    zmq.auth.load_certificate(path)
+                except FileNotFoundError:
+                    pass
+                except Exception as e:  # read while being written
+                    seen_bad.append((path.name, e))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(150):
+            add_peer(tmp_path, f"peer{i}")
+    finally:
+        stop.set()
+        reader.join()
+    assert seen_bad == []
+    assert len(list((keys / "authorized").glob("*.key"))) == 151
+    assert not [p for p in keys.rglob("*") if p.name.startswith(".")]  # no temporary left over
+
+
+def test_a_refused_key_sees_one_failure_and_no_retry(tmp_path, ctx):
+    """What PROTOCOL.md tells a peer: with libzmq 4.3 a refused key gets one
+    HANDSHAKE_FAILED_AUTH (ZAP status 400) and its connection is never tried again."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    keys = create_run_keys(tmp_path / "run")
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    zmq.auth.create_certificates(stranger, "client")
+    shutil.copy(keys / "server.key", stranger / "server.key")
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    router = sockets.listen(ctx, endpoint, keys, "rollout")
+    sock = ctx.socket(zmq.DEALER)
+    sockets.secure_client(sock, stranger)
+    monitor = sockets.monitor_socket(sock, zmq.EVENT_ALL)
+    sock.connect(endpoint)
+    events, deadline = [], time.monotonic() + 3
+    while time.monotonic() < deadline:
+        if monitor.poll(100):
+            message = recv_monitor_message(monitor)
+            events.append((message["event"], message["value"]))
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
+    router.close(linger=0)
+    assert events.count((zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400)) == 1, events
+    after = events[[e for e, _ in events].index(zmq.EVENT_HANDSHAKE_FAILED_AUTH):]
+    assert not [e for e, _ in after if e in (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECTED)], events
+
+
+@pytest.mark.parametrize("server_curve", [True, False])
+def test_one_end_with_curve_and_the_other_without_is_told_at_once(tmp_path, ctx, server_curve):
+    """A plain-TCP peer facing a CURVE socket (or the reverse) fails its handshake once and
+    libzmq never retries: the watch says so at once, naming the setting to change."""
+    keys = create_run_keys(tmp_path / "run")
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    router = sockets.listen(ctx, endpoint, keys if server_curve else None, "rollout")
+    sock, watch = sockets.connect(ctx, endpoint, None if server_curve else keys)
+    try:
+        deadline = time.monotonic() + 3
+        while not watch.refused and time.monotonic() < deadline:
+            watch.down_for()
+            time.sleep(0.05)
+        expected = ("the other end uses CURVE and we connected in plain TCP" if server_curve else
+                    "the other end is plain TCP and we use CURVE")
+        assert (watch.refused or "").startswith(expected), watch.refused
+    finally:
+        watch.close()
+        sock.close(linger=0)
+        router.close(linger=0)
+
+
+def test_refusals_are_logged_at_most_ten_a_minute_per_socket(tmp_path, caplog, monkeypatch):
+    """Strangers with fresh keys each time: ten refusals are logged one by one, the rest
+    counted in one line once the minute is over; a key let in is never logged."""
+    import protocol.keys as keys_module
+
+    keys = create_run_keys(tmp_path)
+    allow = keys_module.AllowList(keys / "authorized")
+    clock = [1000.0]
+    monkeypatch.setattr(keys_module.time, "monotonic", lambda: clock[0])
+    with caplog.at_level("WARNING", logger="keys"):
+        for _ in range(50):
+            public, _ = zmq.curve_keypair()
+            assert allow.callback("rollout", public) is False
+        assert allow.callback("rollout", (keys / "client.key").read_bytes().split(b'"')[1]) is True
+        one_by_one = [r for r in caplog.records if "its client key" in r.getMessage()]
+        assert len(one_by_one) == 10
+        clock[0] += 61
+        allow.callback("rollout", zmq.curve_keypair()[0])
+    assert "refused 40 more connections to the rollout socket in the last minute" in caplog.text
+
+
+def stranger_keys(tmp_path, keys) -> Path:
+    """A key directory with the run's server key and a client key nobody let in."""
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    zmq.auth.create_certificates(stranger, "client")
+    shutil.copy(keys / "server.key", stranger / "server.key")
+    return stranger
+
+
+@pytest.mark.parametrize("kind,spec", [
+    ("reward-worker", ["tiny_task:reward"]),
+    ("env-worker", ["digits_env:DigitsEnv", "--search-path", str(EXAMPLES)]),
+])
+def test_a_refused_worker_exits_4_within_10_s_saying_why(tmp_path, ctx, kind, spec):
+    """libzmq drops a refused connection for good, so a send would wait forever: the
+    worker checks before it sends, and says why it stops."""
+    keys = create_run_keys(tmp_path / "run")
+    endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    router = sockets.listen(ctx, endpoint, keys, kind.split("-")[0])
+    try:
+        done = subprocess.run([sys.executable, "-m", "orchestrator", kind, *spec, "--connect", endpoint,
+                               "--key-dir", str(stranger_keys(tmp_path, keys))],
+                              cwd=EXAMPLES, capture_output=True, text=True, timeout=10)
+    finally:
+        router.close(linger=0)
+    assert done.returncode == 4, done.stderr
+    assert "it refused our CURVE key" in done.stderr
+
+
+def test_a_worker_of_a_secure_tcp_run_without_its_keys_refuses_to_connect(tmp_path):
+    """A copy of a secure TCP run's directory without keys/ (the README's "Mac B" before the
+    key directory is copied): the worker never falls back to plain TCP; it stops, naming
+    the fix."""
+    cfg = load_config(write_config(tmp_path, '[run]\ntransport = "tcp"\nport = 5599'))
+    run = tmp_path / "copy"
+    run.mkdir()
+    write_run_config(run, cfg)
+    protocol.write_endpoints(run, protocol.make_endpoints(run, "tcp", "127.0.0.1", 5599))
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
+                           "--run-dir", str(run)], cwd=EXAMPLES, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert "the run is secure (run.insecure is false)" in done.stderr
+    assert "orchestrator keys add-peer NAME --run-dir RUN" in done.stderr
+
+
+def test_an_actor_set_insecure_facing_a_curve_learner_exits_4_saying_why(tmp_path, ctx):
+    """The actor's copy of the config says run.insecure = true, the learner uses CURVE: one
+    failed handshake, which libzmq never retries. The actor stops at once (not after its
+    120 s), exit 4, naming the setting."""
+    port = free_ports(1)[0]
+    cfg = load_config(write_config(tmp_path, f'[run]\ntransport = "tcp"\nport = {port}'))
+    endpoints = protocol.make_endpoints(tmp_path, "tcp", "127.0.0.1", port)
+    keys = create_run_keys(tmp_path / "run")
+    router = sockets.listen(ctx, endpoints["learner"], keys, "rollout")  # the learner's socket
+    actor_dir = tmp_path / "actor"
+    actor_dir.mkdir()
+    write_run_config(actor_dir, cfg.replace(run={"insecure": True}))
+    protocol.write_endpoints(actor_dir, endpoints)
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "actor", "run", "--run-dir", str(actor_dir)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=30)
+    finally:
+        router.close(linger=0)
+    assert done.returncode == 4, done.stderr
+    assert "the other end uses CURVE and we connected in plain TCP" in done.stderr
+    assert time.monotonic() - t0 < 20

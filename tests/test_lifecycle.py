@@ -206,3 +206,35 @@ def test_a_heartbeat_file_is_never_seen_half_written(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+OUT_OF_DESCRIPTORS = """
+import os, resource, sys, time
+from protocol.heartbeat import heartbeat_path, start_heartbeat
+run = sys.argv[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+start_heartbeat(run, "x")
+time.sleep(1.5)
+taken = []
+try:
+    while True:
+        taken.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+time.sleep(2.5)  # every beat meanwhile fails
+for fd in taken:
+    os.close(fd)
+since = time.time()
+time.sleep(2.5)
+print("beating" if os.stat(heartbeat_path(run, "x")).st_mtime > since else "stopped")
+"""
+
+
+def test_the_heartbeat_outlives_a_moment_without_descriptors(tmp_path):
+    """A flood of connections can take every descriptor for a moment; a heartbeat that
+    stopped for good would have the orchestrator kill a healthy process. It beats again
+    once descriptors are free, and says once that it could not."""
+    done = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS, str(tmp_path)], cwd=ROOT,
+                          env=lifecycle.child_env(), capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "beating", done.stdout + done.stderr
+    assert done.stderr.count("cannot write the heartbeat") == 1, done.stderr

@@ -135,3 +135,24 @@ def test_a_pinned_request_waits_for_its_worker_and_fails_when_that_worker_leaves
         failed += dispatcher.poll(10)[1]
     assert sorted(rid for rid, _ in failed) == ["r2", "r3"]  # pinned: never handed on
     assert all("the worker left" in why for _, why in failed)
+
+
+def test_a_request_over_the_protocol_s_limit_fails_instead_of_being_sent(socket_pair):
+    """A worker's socket refuses a frame over the protocol's header limit unread, so the
+    request would never be answered: it fails at once, naming the size, and the next one
+    goes out as usual."""
+    from protocol.wire import MAX_HEADER_BYTES
+
+    dispatcher, worker = socket_pair
+    w = worker()
+    attach(w, dispatcher)
+    huge = {"prompts": ["x"], "completions": ["y"], "completion_ids": [[1]],
+            "columns": {"blob": ["z" * (MAX_HEADER_BYTES + 1)]}}
+    dispatcher.submit("huge", huge)
+    _, failed = dispatcher.poll(10)
+    size = len(protocol.encode(protocol.SCORE, {"request_id": "huge", **huge})[0])
+    assert size > MAX_HEADER_BYTES
+    assert failed == [("huge", f"reward worker: the request's {size} bytes exceed the protocol's limit of "
+                               f"{MAX_HEADER_BYTES}")]
+    request(dispatcher, "r1")
+    assert receive(w, dispatcher, protocol.SCORE)["request_id"] == "r1"

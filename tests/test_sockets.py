@@ -3,6 +3,7 @@ the connection watch, on real ZeroMQ sockets in this process."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import zmq
 
 import protocol
+from orchestrator.supervisor import free_ports
 from protocol import sockets
 
 
@@ -71,3 +73,79 @@ def test_watch_counts_time_without_a_learner(ctx, tmp_path):
         time.sleep(0.05)
     assert watch.down_for() > 0  # the learner went away
     watch.close()
+
+
+def raw_connections(port: int, n: int) -> list[socket.socket]:
+    return [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(n)]
+
+
+def closed_by_peer(conn: socket.socket) -> bool:
+    """Whether the other end has closed or shut down the connection (EOF or reset), past
+    what it sent before (libzmq's greeting)."""
+    try:
+        while conn.recv(1 << 16, socket.MSG_DONTWAIT):
+            pass
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_bound_tcp_socket_sheds_silent_connections_beyond_its_cap(ctx):
+    """400 idle connections to a socket whose cap is 128: those beyond the cap that have
+    said nothing for GRACE_S are shut down, long before libzmq's handshake timeout. A real
+    peer that connects in the middle of them speaks at once, so its connection is never
+    cut: it delivers on the one connection it made."""
+    port = free_ports(1)[0]
+    router = sockets.listen(ctx, f"tcp://127.0.0.1:{port}", name="test")
+    idle = raw_connections(port, 250)
+    dealer, watch = sockets.connect(ctx, f"tcp://127.0.0.1:{port}")
+    idle += raw_connections(port, 150)
+    try:
+        t0 = time.monotonic()
+        while sum(closed_by_peer(c) for c in idle) < len(idle) - sockets.MAX_CONNECTIONS:
+            assert time.monotonic() - t0 < sockets.HANDSHAKE_S, sum(closed_by_peer(c) for c in idle)
+            time.sleep(0.1)
+        dealer.send_multipart(protocol.encode(protocol.HEARTBEAT, {"role": "actor", "time": 1.0}))
+        (got,) = list(sockets.incoming(router, 5000))
+        assert got.msg.kind == protocol.HEARTBEAT
+        assert watch.down_for() == 0.0 and watch.connections == 1  # never cut, never reconnected
+    finally:
+        for c in idle:
+            c.close()
+        watch.close()
+        dealer.close(linger=0)
+        router.close(linger=0)
+
+
+def test_a_frame_over_the_limit_is_refused_before_it_is_buffered(ctx):
+    """A plain-TCP socket (no CURVE, where nothing else stops a stranger's frame): a frame
+    that announces 64 MB ends the connection when its size arrives, long before 64 MB are
+    sent; a frame within the limit is delivered."""
+    port = free_ports(1)[0]
+    router = sockets.listen(ctx, f"tcp://127.0.0.1:{port}", max_frame=sockets.frame_limit(1 << 20))
+    stranger = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sent = 0
+    try:
+        # ZMTP 2.0: signature, revision 1, a DEALER; then a long frame's flags and size.
+        stranger.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x01\x05")
+        stranger.sendall(b"\x02" + (64 << 20).to_bytes(8, "big"))
+        chunk = b"\x01" * (1 << 20)
+        for _ in range(64):
+            stranger.sendall(chunk)
+            sent += len(chunk)
+    except OSError:
+        pass
+    assert sent < 16 << 20, sent
+    dealer, watch = sockets.connect(ctx, f"tcp://127.0.0.1:{port}", max_frame=sockets.frame_limit(1 << 20))
+    try:
+        dealer.send_multipart(protocol.encode(protocol.WEIGHTS, {"version": 1},
+                                              {"w": np.zeros(1 << 18, dtype=np.float32)}))  # 1 MB
+        (got,) = list(sockets.incoming(router, 5000))
+        assert got.msg.arrays["w"].nbytes == 1 << 20
+    finally:
+        stranger.close()
+        watch.close()
+        dealer.close(linger=0)
+        router.close(linger=0)
