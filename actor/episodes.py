@@ -37,7 +37,7 @@ import protocol
 from policy.data import DataError, Prompt
 from policy.sampler import sample_groups
 from protocol.config import EnvConfig, SamplingConfig
-from protocol.workers import WorkerPool
+from protocol.workers import Holder, WorkerPool
 
 log = logging.getLogger("actor")
 
@@ -128,7 +128,7 @@ class Episode:
     rewards: list[float] = field(default_factory=list)  # what the environment returned
     finish: str | None = None
     model_turns: int = 0
-    worker: bytes | None = None  # the env worker that holds the episode
+    worker: Holder | None = None  # the env worker (its attachment) that holds the episode
     waiting: bool = False  # a request is out
     attempts: int = 0
     lost: str | None = None  # why it could not be completed: its group is dropped
@@ -215,6 +215,9 @@ class EpisodeRunner:
         while any(e.finish is None for e in live):
             if interrupted():
                 return None
+            for e in live:  # between turns and its worker lost: it starts again now, not at its next step
+                if e.finish is None and not e.waiting and e.worker and not self.pool.holds(e.worker):
+                    self.retry(e, f"{self.pool.name}: the worker holding it is gone")
             if not any(e.waiting for e in live):
                 # Every environment has answered: the next turn of all of them, one batch.
                 self.sample_turn([e for e in live if e.finish is None])
@@ -234,9 +237,13 @@ class EpisodeRunner:
                                "columns": e.prompt.columns}, protocol.RESET)
 
     def sample_turn(self, ready: list[Episode]) -> None:
-        """One model turn of every episode in `ready`, episodes at the same turn batched."""
-        for turn in sorted({e.model_turns for e in ready}):
-            batch = [e for e in ready if e.model_turns == turn]
+        """One model turn of every episode in `ready`, episodes at the same turn batched.
+        The batches are fixed before any is sampled: an episode that started again is
+        behind the others, and must not be taken again at the next turn's batch."""
+        by_turn: dict[int, list[Episode]] = {}
+        for e in ready:
+            by_turn.setdefault(e.model_turns, []).append(e)
+        for turn, batch in sorted(by_turn.items()):
             seed = self.sampling.seed + TURN_SEED_STRIDE * turn
             out = sample_groups(self.model, [e.prompt_ids + e.ids for e in batch], 1, self.sampling,
                                 self.eos_ids, seed, row_ids=[e.row for e in batch])
@@ -271,16 +278,21 @@ class EpisodeRunner:
         for rid, reason in failures:
             e = self.episodes.pop(rid)
             e.waiting = False
-            if e.attempts >= self.env.max_attempts:
-                log.error("episode %s: %s; %d attempts used, its group is dropped", e.episode_id, reason,
-                          e.attempts)
-                e.lost = f"environment: {reason} ({e.attempts} attempts)"
-                e.finish = "env_error"
-                continue
-            log.warning("episode %s: %s; starting it again", e.episode_id, reason)
-            self.retries += 1
-            e.restart()
-            self.start(e)
+            self.retry(e, reason)
+
+    def retry(self, e: Episode, reason: str) -> None:
+        """Start an episode that lost its worker again, from `reset`, or give it up (its
+        group is dropped) once it has had `env.max_attempts`."""
+        if e.attempts >= self.env.max_attempts:
+            log.error("episode %s: %s; %d attempts used, its group is dropped", e.episode_id, reason,
+                      e.attempts)
+            e.lost = f"environment: {reason} ({e.attempts} attempts)"
+            e.finish = "env_error"
+            return
+        log.warning("episode %s: %s; starting it again", e.episode_id, reason)
+        self.retries += 1
+        e.restart()
+        self.start(e)
 
     def observe(self, e: Episode, reply: dict, first: bool) -> None:
         if reply.get("reward") is not None:

@@ -11,6 +11,11 @@ requests, so its `policy_version` follows training.
 One request at a time, on the main thread: MLX runs one stream, and the weights change
 only between requests. Standard library HTTP, so the core install stays small. It listens
 on loopback unless told otherwise: there is no authentication.
+
+No request ends the server: a body over MAX_BODY_BYTES, one that is not a JSON object,
+token ids outside the vocabulary, numbers out of range are a 400 (413) naming the field;
+anything else that fails is a 500 with the error, logged; a client that stalls is
+dropped after CLIENT_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
+import mlx.core as mx
 import zmq
 
 import protocol
@@ -34,58 +41,85 @@ from policy.sampler import Completion, sample_groups
 from protocol import lifecycle, sockets
 from protocol.config import Config, SamplingConfig, as_dict
 from protocol.keys import run_key_dir
+from protocol.rundir import checkpoint_step, latest_checkpoint
 
 log = logging.getLogger("actor.serve")
 
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = 256  # or what the model's context leaves after the prompt, if less
+MAX_BODY_BYTES = 16 << 20
+CLIENT_TIMEOUT_S = 5.0  # a request must arrive whole within this (one request at a time)
+MAX_SEED = 2**31 - 1
 
 
 class BadRequest(ValueError):
     """A request that cannot be served; the message names the field."""
+
+    status = 400
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
 
 
+class TooLarge(BadRequest):
+    status = 413
+
+
+class TooSlow(BadRequest):
+    status = 408
+
+
 class Policy:
     """The model being served, its tokenizer, and the version of its adapter weights."""
 
-    def __init__(self, model, tokenizer, name: str, sampling: SamplingConfig, version: int | None) -> None:
+    def __init__(self, model, tokenizer, name: str, sampling: SamplingConfig, version: int | None,
+                 waiting: str | None = None) -> None:
+        """`waiting`: why there is nothing to serve yet (a followed run without adapters so
+        far); requests get a 503 saying it until weights arrive (`set_weights`)."""
         self.model, self.tokenizer, self.name = model, tokenizer, name
-        self.sampling, self.version = sampling, version
-        self.context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-        self.seeds = itertools.count(int(time.time()))  # a request without `seed` draws anew
+        self.sampling, self.version, self.waiting = sampling, version, waiting
+        args = getattr(model, "args", None)
+        self.context = getattr(args, "max_position_embeddings", None)
+        self.vocab = getattr(args, "vocab_size", None) or len(tokenizer.get_vocab())
+        self.seeds = itertools.count(int(time.time()) % MAX_SEED)  # a request without `seed` draws anew
 
-    def params(self, body: dict) -> tuple[SamplingConfig, int]:
-        """Sampling settings from OpenAI's fields; temperature 0 is greedy (top-k 1)."""
+    def set_weights(self, weights: dict, version: int) -> None:
+        set_adapter_weights(self.model, weights)
+        self.version, self.waiting = version, None
+
+    def params(self, body: dict, prompt_tokens: int) -> tuple[SamplingConfig, int]:
+        """Sampling settings from OpenAI's fields; temperature 0 is greedy (top-k 1). An
+        unset max_tokens is what the context leaves, at most DEFAULT_MAX_TOKENS."""
         def number(name: str, default, lo=None, hi=None, kind=float):
             v = body.get(name, default)
             if v is None:
                 return default
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or (kind is int and v != int(v)):
-                raise BadRequest(f"{name} must be a number", name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or (
+                    kind is int and v != int(v)):
+                raise BadRequest(f"{name} must be a{'n integer' if kind is int else ' number'}", name)
             if (lo is not None and v < lo) or (hi is not None and v > hi):
                 raise BadRequest(f"{name} must be between {lo} and {hi}", name)
             return kind(v)
         temperature = number("temperature", 1.0, 0.0, 2.0)
+        room = DEFAULT_MAX_TOKENS if self.context is None else min(DEFAULT_MAX_TOKENS,
+                                                                   self.context - prompt_tokens)
         max_tokens = number("max_completion_tokens", None, 1, None, int) or number(
-            "max_tokens", DEFAULT_MAX_TOKENS, 1, None, int)
-        top_k = 1 if temperature == 0 else number("top_k", 0, 0, None, int)
+            "max_tokens", max(room, 1), 1, None, int)
+        top_k = 1 if temperature == 0 else number("top_k", 0, 0, self.vocab, int)
         top_p, min_p = number("top_p", 1.0, 0.0, 1.0), number("min_p", 0.0, 0.0, 1.0)
         params = dataclasses.replace(self.sampling, temperature=temperature or 1.0, top_k=top_k, top_p=top_p,
                                      min_p=min_p, max_tokens=max_tokens)
         if params.top_p == 0:
             raise BadRequest("top_p must be above 0", "top_p")
-        seed = number("seed", None, 0, None, int)
-        return params, next(self.seeds) if seed is None else seed
+        seed = number("seed", None, 0, MAX_SEED, int)
+        return params, next(self.seeds) % MAX_SEED if seed is None else seed
 
     def generate(self, prompt_ids: list[int], body: dict) -> list[tuple[Completion, str]]:
         """`n` completions of the prompt, each cut at the first stop string, with its text."""
         n = body.get("n", 1)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
             raise BadRequest("n must be an integer from 1 to 64", "n")
-        params, seed = self.params(body)
+        params, seed = self.params(body, len(prompt_ids))
         if self.context and len(prompt_ids) + params.max_tokens > self.context:
             raise BadRequest(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
                              f"model's context of {self.context}", "max_tokens")
@@ -195,7 +229,11 @@ def text_prompt(policy: Policy, body: dict) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < policy.vocab), None)
+        if bad is not None:  # MLX would read past the embedding table
+            raise BadRequest(f"prompt: token id {bad} is outside the vocabulary (0 to {policy.vocab - 1})",
+                             "prompt")
         return prompt  # token ids, as OpenAI allows
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt must be a non-empty string (or one string, or token ids)", "prompt")
@@ -236,12 +274,17 @@ def respond(policy: Policy, body: dict, chat: bool) -> dict:
 def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         # HTTP/1.0: the connection closes after each response, so an idle keep-alive client
-        # cannot hold the one-request-at-a-time loop; a silent one is dropped after 30 s.
+        # cannot hold the one-request-at-a-time loop; a silent one is dropped.
         protocol_version = "HTTP/1.0"
-        timeout = 30
+        timeout = CLIENT_TIMEOUT_S
 
         def reply(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
+            try:
+                data = json.dumps(body, allow_nan=False).encode()  # NaN is not JSON
+            except ValueError as e:
+                status, data = 500, json.dumps({"error": {
+                    "message": f"the response holds a number JSON cannot carry ({e})", "type": "server_error",
+                    "param": None, "code": None}}).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -251,6 +294,12 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
         def error(self, status: int, message: str, param: str | None = None) -> None:
             self.reply(status, {"error": {"message": message, "type": "invalid_request_error",
                                           "param": param, "code": None}})
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """http.server's own errors (a request line or headers it cannot parse), as
+            JSON like ours."""
+            self.close_connection = True
+            self.error(code, message or self.responses.get(code, ("error",))[0])
 
         def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
             if self.path.rstrip("/") == "/v1/models":
@@ -268,16 +317,49 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
                 self.error(404, f"no route {self.path}")
                 return
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                if not isinstance(body, dict):
-                    raise BadRequest("the request body must be a JSON object")
+                body = self.body()
+                if policy.waiting:
+                    self.error(503, policy.waiting)
+                    return
                 if body.get("stream"):
                     raise BadRequest("stream is not supported", "stream")
                 self.reply(200, respond(policy, body, chat=route == "/v1/chat/completions"))
-            except json.JSONDecodeError as e:
-                self.error(400, f"the request body is not JSON: {e}")
             except BadRequest as e:
-                self.error(400, str(e), e.param)
+                self.error(e.status, str(e), e.param)
+            except Exception as e:  # a bug or an MLX error: this request fails, the server goes on
+                log.exception("request failed")
+                self.reply(500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
+                                           "param": None, "code": None}})
+
+        def body(self) -> dict:
+            """The request's JSON object: at most MAX_BODY_BYTES, UTF-8, no NaN or Infinity."""
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                raise BadRequest("Content-Length must be a number of bytes", "Content-Length") from None
+            if length < 0:
+                raise BadRequest("Content-Length must not be negative", "Content-Length")
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True  # what follows is not read
+                raise TooLarge(f"the request body must be at most {MAX_BODY_BYTES} bytes", "Content-Length")
+            try:
+                data = self.rfile.read(length)
+            except TimeoutError:
+                raise TooSlow(f"the request body did not arrive within {CLIENT_TIMEOUT_S:.0f} s") from None
+            if len(data) < length:
+                raise BadRequest(f"the request body ended after {len(data)} of {length} bytes")
+            try:
+                body = json.loads(data.decode() if data else "{}", parse_constant=reject_constant)
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+                raise BadRequest(f"the request body is not JSON (UTF-8): {e}") from None
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            try:
+                json.dumps(body, ensure_ascii=False).encode()
+            except UnicodeEncodeError:  # "\ud800" is JSON, but no text a tokenizer can read
+                raise BadRequest("the request body holds a lone surrogate (\\ud800-\\udfff): not Unicode "
+                                 "text") from None
+            return body
 
         def log_message(self, fmt: str, *args) -> None:
             log.info("%s %s", self.address_string(), fmt % args)
@@ -285,11 +367,25 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 class Follower:
     """Attached to a training run's learner as an observer: takes each new adapter version."""
 
     def __init__(self, run_dir: str, cfg: Config, policy: Policy) -> None:
+        """Start from the run's newest checkpoint (a finished run's last); without one, serve
+        nothing until the learner's first weights arrive."""
         self.policy = policy
+        newest = latest_checkpoint(run_dir)
+        if newest is not None:
+            step = checkpoint_step(newest)
+            policy.set_weights(mx.load(str(newest / "adapters" / "adapters.safetensors")), step)
+            log.info("serving the adapters of %s (policy version %d)", newest.name, step)
+        else:
+            policy.waiting = (f"{run_dir} has no adapters yet: no checkpoint, and no weights from its "
+                              "learner (it sends them as soon as it runs; is the run started?)")
         self.ctx = zmq.Context()
         endpoint = protocol.read_endpoints(run_dir)["learner"]
         keys = run_key_dir(run_dir, endpoint, cfg.run.insecure)
@@ -313,13 +409,13 @@ class Follower:
             if msg is None:
                 log.error("dropped a malformed message: %s", incoming.error)
             elif msg.kind == protocol.WEIGHTS:
-                newest = msg if newest is None or msg["version"] > newest["version"] else newest
-            elif msg.kind == protocol.STOP:
+                newest = msg if newest is None or msg["version"] >= newest["version"] else newest
+            elif msg.kind == protocol.STOP and msg.header.get("final") is not False:
                 self.stopped = msg["reason"]
-        if newest is not None:
+        version = self.policy.version
+        if newest is not None and (version is None or newest["version"] >= version):
             try:
-                set_adapter_weights(self.policy.model, newest.arrays)
-                self.policy.version = newest["version"]
+                self.policy.set_weights(newest.arrays, newest["version"])
             except ValueError as e:
                 log.error("ignored weights of version %d: %s", newest["version"], e)
 

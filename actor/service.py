@@ -5,10 +5,12 @@ holds the learner's current weights: a restarted actor never samples with stale 
 LoRA weights. Between batches it applies the newest weights that arrived.
 
 Flow control is by credit: the learner reports how many of this actor's groups it has
-consumed (trained or dropped). With `max_staleness = k`, batch size B and N actors
-(`actor.count`), each keeps at most ceil((k + 1) * B / N) groups in flight, and samples
-every N-th prompt of the run's data stream (its `--slot`). With k = 0 it samples only for
-the batch being filled:
+consumed (trained or dropped), and the actor's window. With `max_staleness = k`, batch
+size B and N live actors, each keeps at most ceil((k + 1) * B / N) groups in flight (the
+window; an actor that dies gives its share to the others), and samples every
+`actor.count`-th prompt of the run's data stream (its `--slot`). The actor beats from a
+thread of its own, so the learner hears it through long batches. With k = 0 it samples
+only for the batch being filled:
 when the learner trains, it sends the new weights before the credit, so every batch is
 sampled by the weights the previous batch produced; when the learner drops groups (DAPO's
 filter, a reward error), the actor replaces exactly those, with unchanged weights.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +77,10 @@ class Actor:
         self.timings: dict[str, float] = {}  # newest weight-sync times, sent with rollouts
         self.told_to_stop = False
         self.refused = False  # the learner refused our handshake
+        self.strange = False  # the learner does not know us (it took us for gone): say hello again
+        train = self.cfg.train
+        # Until the learner says otherwise: this slot's share, as if every actor were live.
+        self.window = -(-(train.max_staleness + 1) * train.batch_size // self.cfg.actor.count)
         self.ctx = zmq.Context()
         # Under an orchestrator the lifeline ends us; started by hand, we end when the
         # learner has been unreachable for good (the watch).
@@ -86,6 +93,9 @@ class Actor:
                 else run_key_dir(run_dir, endpoints["learner"], insecure))
         self.sock, self.watch = sockets.connect(self.ctx, endpoints["learner"], keys,
                                                 sockets.frame_limit(weights_frame_bytes(self.model)))
+        # The heartbeat thread shares the socket: every use of it holds this lock, briefly.
+        self.lock = threading.Lock()
+        self.beating = threading.Event()
         log.info("connecting to the learner at %s%s", endpoints["learner"], " (CURVE)" if keys else "")
         self.learner_lost = False
         self.episodes = None
@@ -97,37 +107,63 @@ class Actor:
             self.episodes.renderer.check(prompts[0].prompt)
 
     def send(self, kind: str, header: dict, arrays: dict | None = None) -> None:
-        self.sock.send_multipart(protocol.encode(kind, header, arrays), copy=False)
+        self.send_frames(protocol.encode(kind, header, arrays))
+
+    def send_frames(self, frames: list) -> None:
+        with self.lock:
+            self.sock.send_multipart(frames, copy=False)
+
+    def beat(self) -> None:
+        """Every HEARTBEAT_S, from a thread: the learner takes a silent actor for gone."""
+        while not self.beating.wait(lifecycle.HEARTBEAT_S):
+            try:
+                self.send(protocol.HEARTBEAT, {"role": "actor", "time": time.time(), "slot": self.slot})
+            except zmq.ZMQError:  # closing, or the connection refused for good: the loop says so
+                return
 
     def receive(self, timeout_ms: int) -> None:
+        with self.lock:
+            messages = list(sockets.incoming(self.sock, timeout_ms))
+        for incoming in messages:
+            self.take(incoming)
+
+    def take(self, incoming: sockets.Incoming) -> None:
         """Keep the newest weights message; never raise on a bad message."""
-        for incoming in sockets.incoming(self.sock, timeout_ms):
-            msg = incoming.msg
-            if msg is None:
-                log.error("dropped a malformed message: %s", incoming.error)
-                continue
-            if msg.kind == protocol.WEIGHTS:
-                if self.pending is None or msg["version"] >= self.pending["version"]:
-                    self.pending = msg
-                    sent_at = msg.header.get("sent_at")
-                    # Same machine, same clock: sent -> received and decoded.
-                    if isinstance(sent_at, float):
-                        self.timings["weights_transfer_s"] = time.time() - sent_at
-            elif msg.kind == protocol.CREDIT:
-                self.groups_consumed = max(self.groups_consumed, msg["groups_consumed"])
-            elif msg.kind == protocol.STOP:
-                log.info("learner says stop: %s", msg["reason"])
-                self.told_to_stop = True
-                self.refused = msg["reason"].startswith("incompatible")
-            elif msg.kind == protocol.HELLO:
-                log.info("learner pid %s accepted the handshake", msg["pid"])
-                cursor = msg.header.get("data_cursor")
-                if isinstance(cursor, list) and len(cursor) == 2:
-                    # A restarted actor, or a resumed run: continue the data where the
-                    # learner's consumed groups end.
-                    self.stream = PromptStream(self.stream.prompts, self.stream.shuffle,
-                                               self.stream.seed, (cursor[0], cursor[1]), self.shard)
-                    log.info("data cursor from the learner: epoch %d, position %d", *cursor)
+        msg = incoming.msg
+        if msg is None:
+            log.error("dropped a malformed message: %s", incoming.error)
+            return
+        if msg.kind == protocol.WEIGHTS:
+            if self.pending is None or msg["version"] >= self.pending["version"]:
+                self.pending = msg
+                sent_at = msg.header.get("sent_at")
+                # Same machine, same clock: sent -> received and decoded.
+                if isinstance(sent_at, float):
+                    self.timings["weights_transfer_s"] = time.time() - sent_at
+        elif msg.kind == protocol.CREDIT:
+            self.groups_consumed = max(self.groups_consumed, msg["groups_consumed"])
+            window = msg.header.get("window")
+            if type(window) is int and window > 0 and window != self.window:
+                log.info("window: %d groups in flight (was %d)", window, self.window)
+                self.window = window
+        elif msg.kind == protocol.STOP:
+            if msg.header.get("final") is False:  # a restart, or a resume to come
+                log.info("the learner goes away (%s); waiting for it to come back", msg["reason"])
+                return
+            log.info("learner says stop: %s", msg["reason"])
+            self.told_to_stop = True
+            self.refused = msg["reason"].startswith("incompatible")
+        elif msg.kind == protocol.HELLO and msg.header.get("attached") is False:
+            self.strange = True  # it took us for gone
+        elif msg.kind == protocol.HELLO:
+            log.info("learner pid %s accepted the handshake", msg["pid"])
+            cursor = msg.header.get("data_cursor")
+            if isinstance(cursor, list) and len(cursor) == 2:
+                # A restarted actor, or a resumed run: continue the data where the
+                # learner's consumed groups end.
+                self.stream = PromptStream(self.stream.prompts, self.stream.shuffle,
+                                           self.stream.seed, (cursor[0], cursor[1]), self.shard)
+                log.info("data cursor from the learner: epoch %d, position %d", *cursor)
 
     def apply_pending(self) -> None:
         if self.pending is None:
@@ -194,7 +230,7 @@ class Actor:
             header = {**header, "prompt": "", "columns": {}, "texts": [""] * len(header["texts"]),
                       "turns": None, "error": reason}
             frames = protocol.encode(protocol.ROLLOUT, header, arrays)
-        self.sock.send_multipart(frames, copy=False)
+        self.send_frames(frames)
 
     def completions(self, prompt: Prompt, completions: list[Completion]) -> tuple[dict, dict]:
         """A single-turn group's rollout fields and arrays."""
@@ -225,15 +261,15 @@ class Actor:
         self.receive(0)  # what the old connection brought, before starting over
         self.greeted = max(self.watch.connections, 1)  # the first hello goes on the first connection
         self.version, self.pending, self.groups_sent, self.groups_consumed = None, None, 0, 0
+        self.strange = False
         self.send(protocol.HELLO, {"role": "actor", "model": self.cfg.model.path,
                                    "tokenizer": tokenizer_fingerprint(self.tokenizer),
                                    "lora": as_dict(self.cfg.lora), "pid": os.getpid(), "slot": self.slot})
 
     def run(self) -> None:
         self.greet()
-        count = self.cfg.actor.count
-        batch_size = -(-self.cfg.train.batch_size // count)  # this actor's share of a batch
-        max_in_flight = -(-(self.cfg.train.max_staleness + 1) * self.cfg.train.batch_size // count)
+        threading.Thread(target=self.beat, name="actor-heartbeat", daemon=True).start()
+        batches_in_flight = self.cfg.train.max_staleness + 1
         while not (self.told_to_stop or self.signals.requested):
             down = self.watch.down_for()
             if down and self.watch.refused:
@@ -244,22 +280,27 @@ class Actor:
                 log.error("no learner for %.0f s; it is gone, stopping", lifecycle.LEARNER_TIMEOUT_S)
                 self.learner_lost = True
                 return
-            if self.watch.connections > self.greeted:
-                log.warning("the connection to the learner dropped and came back; saying hello again")
+            if self.watch.connections > self.greeted or self.strange:
+                log.warning("the learner does not know us (%s); saying hello again",
+                            "it took us for gone" if self.strange else "the connection dropped and came back")
                 self.greet()
             self.receive(0)
             self.apply_pending()
-            room = max_in_flight - (self.groups_sent - self.groups_consumed)
+            room = self.window - (self.groups_sent - self.groups_consumed)
             if self.version is None or room <= 0:
                 self.receive(200)  # wait for weights or credit
                 continue
-            # At most a batch at a time, so newer weights are applied between batches.
-            self.sample_groups(min(room, batch_size))
+            # At most our share of a batch at a time, so newer weights are applied between batches.
+            self.sample_groups(min(room, -(-self.window // batches_in_flight)))
 
-    def close(self) -> None:
+    def close(self, final: bool = True) -> None:
+        """`final`: the run is over, so env workers exit (else they wait for a new actor)."""
         if self.episodes is not None:
-            self.episodes.pool.close("the actor stopped")
-        self.watch.close()
+            self.episodes.pool.close("the run is over" if final else "the actor stops; a new one will come",
+                                     final)
+        self.beating.set()
+        with self.lock:  # the heartbeat thread is out of the socket
+            self.watch.close()
         self.sock.close()
         sockets.close_context(self.ctx)
 
@@ -275,7 +316,9 @@ def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str |
     try:
         actor.run()
     finally:
-        actor.close()
+        # The run is over when the learner says so, or when we are stopped for its end;
+        # a crash, a restart or a lost orchestrator leave the env workers waiting.
+        actor.close(actor.told_to_stop or (signals.requested and lifecycle.stop_is_final(run_dir)))
     if actor.refused:
         return lifecycle.EXIT_USER_ERROR  # another model or LoRA config: a restart won't help
     if actor.learner_lost:

@@ -53,11 +53,6 @@ def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: optim.Optimizer,
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    steps = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / "state.json").exists())
-    return steps[-1] if steps else None
-
-
 def load_checkpoint(path: Path, model: nn.Module, optimizer: optim.Optimizer) -> dict[str, Any]:
     """Restore adapters and optimizer state; return the saved state (checked digest)."""
     set_adapter_weights(model, mx.load(str(path / "adapters" / "adapters.safetensors")))

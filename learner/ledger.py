@@ -32,7 +32,11 @@ class Ledger:
         self.received_by_slot: collections.Counter[int] = collections.Counter()
 
     def attach(self, actor: bytes, slot: int) -> None:
+        """An actor's hello: its credit counts from 0 (what it sent before, under this
+        identity, was dropped as without a handshake, and is sampled again)."""
         self.slots[actor] = slot
+        self.consumed[actor] = 0
+        self.credited.pop(actor, None)
 
     def receive(self, sender: bytes | None = None) -> None:
         self.received += 1

@@ -27,7 +27,8 @@ def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarra
     lens = np.array([s.trained_tokens for s in samples])  # an episode's: the model's tokens
     stopped = np.array([s.finish_reason != "length" for s in samples])  # TRL: not truncated
     scored = rewards.astype(np.float64)
-    group_std = np.array([nanstd(row) for row in scored])
+    # A group with fewer than two scored completions has no std (TRL: NaN, not close to 0).
+    group_std = np.array([np.nan if (std := nanstd(row)) is None else std for row in scored])
     gen_s = sum(g.gen_s for g in groups)
     actor_peaks = [g.actor_peak_mb for g in groups if g.actor_peak_mb is not None]
     terminated = lens[stopped] if stopped.any() else np.zeros(1)

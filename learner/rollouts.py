@@ -5,6 +5,14 @@ the learner runs (model, tokenizer, LoRA config); one that matches gets the lear
 hello and the current weights before it may sample. Every rollout that arrives is
 counted in the ledger as received, and becomes a Group or is dropped with a reason;
 a message that fails validation is logged and dropped, never raised.
+
+Actors beat every second. One silent for ACTOR_TIMEOUT_S (dead, frozen, its machine or
+link gone) is taken for gone, and the batch is shared among the live ones: each actor's
+credit says its window, the groups it may keep in flight, ceil((k + 1) * B / live). For
+ACTOR_TIMEOUT_S after the learner starts, a slot that has not attached yet counts as
+live (its actor is loading), so the first actor does not take whole batches meanwhile. An
+actor the learner does not know (taken for gone, or a connection that came back under a
+new identity) is greeted with `hello`, `attached: false`, and says hello again.
 """
 
 from __future__ import annotations
@@ -28,25 +36,32 @@ from protocol.wire import HELLO_MODEL_FIELDS
 log = logging.getLogger("learner")
 
 MB = 1 << 20
+ACTOR_TIMEOUT_S = 10.0  # an actor that sent nothing this long is taken for gone
 
 
 class RolloutSocket:
     def __init__(self, ctx: zmq.Context, endpoint: str, ledger: Ledger, identity: dict[str, Any],
                  check_group: Callable[[bytes, protocol.Message], Group],
                  weights: Callable[[], dict], keys: Path | None = None, actor_count: int = 1,
-                 max_frame: int = sockets.MAX_HEADER_BYTES) -> None:
+                 max_frame: int = sockets.MAX_HEADER_BYTES, in_flight: int = 1) -> None:
         """`identity`: what this learner runs (model, tokenizer, lora, instance), sent in
         its hello and checked in actors'. `check_group` turns a rollout into a Group or
         raises ValueError with the drop reason. `weights()` gives the adapter arrays. `keys`:
         the run's CURVE key directory, for TCP (protocol.keys). `actor_count`: the run's
-        actor slots. `max_frame`: the largest frame a rollout of the run carries."""
-        self.actor_count = actor_count
+        actor slots. `max_frame`: the largest frame a rollout of the run carries.
+        `in_flight`: (k + 1) * B, the groups all actors together may have in flight."""
+        self.actor_count, self.in_flight = actor_count, in_flight
         self.sock = sockets.listen(ctx, endpoint, keys, "rollout", max_frame)
         self.ledger = ledger
         self.identity = identity
         self.check_group = check_group
         self.weights = weights
         self.actors: dict[bytes, dict] = {}
+        self.last_seen: dict[bytes, float] = {}  # attached actors
+        self.windows: dict[bytes, int] = {}  # the window each actor was last told
+        self.attached_slots: set[int] = set()  # slots that have had an actor
+        self.started = time.monotonic()
+        self.greeted: set[bytes] = set()  # strangers told they are not attached
         # `actor serve --run-dir`: gets every weights version, sends nothing, has no credit.
         self.observers: dict[bytes, dict] = {}
         self.weight_sync: dict[str, float] = {}  # the newest publish's size and serialize time
@@ -60,6 +75,8 @@ class RolloutSocket:
         groups = []
         for incoming in sockets.incoming(self.sock, timeout_ms):
             actor, msg = incoming.peer, incoming.msg
+            if actor in self.actors:
+                self.last_seen[actor] = time.monotonic()
             if msg is None:
                 self.ledger.reject_message()
                 log.error("dropped a malformed message from %s: %s", actor.hex(), incoming.error)
@@ -77,9 +94,39 @@ class RolloutSocket:
                     groups.append(group)
             elif msg.kind == protocol.STOP:
                 log.info("peer asked to stop: %s", msg["reason"])
-            # Heartbeats need no answer; other kinds have no meaning for the learner.
+            elif msg.kind == protocol.HEARTBEAT and msg["role"] == "actor" and actor not in self.actors:
+                self.greet(actor)
+            # Other kinds have no meaning for the learner.
+        self.check_actors()
         self.send_credits()
         return groups
+
+    def greet(self, actor: bytes) -> None:
+        """An actor we do not know (taken for gone, or a connection that came back): tell
+        it, once, to say hello again."""
+        if actor not in self.greeted:
+            self.greeted.add(actor)
+            log.info("an actor that is not attached beats; sending it our hello")
+            self.send(actor, protocol.HELLO, {"role": "learner", "pid": os.getpid(), **self.identity,
+                                              "attached": False})
+
+    def check_actors(self) -> None:
+        """Take an actor that has been silent for ACTOR_TIMEOUT_S for gone: its share of the
+        batch goes to the others (their windows grow) until it, or another, takes its slot."""
+        now = time.monotonic()
+        for actor in [a for a in self.actors if now - self.last_seen[a] > ACTOR_TIMEOUT_S]:
+            header = self.actors.pop(actor)
+            del self.last_seen[actor]
+            log.warning("actor pid %s (slot %d) sent nothing for %.0f s: taking it for gone; %d actor(s) "
+                        "share the batch", header["pid"], header.get("slot", 0), ACTOR_TIMEOUT_S,
+                        len(self.actors))
+
+    def window(self) -> int:
+        """The groups each live actor may keep in flight: (k + 1) * B shared among them."""
+        loading = self.actor_count - len(self.attached_slots)
+        if time.monotonic() - self.started > ACTOR_TIMEOUT_S:
+            loading = 0  # an actor that never came is not waited for
+        return -(-self.in_flight // max(len(self.actors) + loading, 1))
 
     def attach(self, actor: bytes, msg: protocol.Message, version: int) -> None:
         problem = self.incompatibility(msg)
@@ -88,7 +135,7 @@ class RolloutSocket:
             self.send(actor, protocol.STOP, {"reason": f"incompatible: {problem}"})
             return
         role, slot = msg["role"], msg.header.get("slot", 0)
-        hello = {"role": "learner", "pid": os.getpid(), **self.identity}
+        hello = {"role": "learner", "pid": os.getpid(), **self.identity, "attached": True}
         if role == "observer":
             self.observers[actor] = msg.header
         else:
@@ -96,7 +143,11 @@ class RolloutSocket:
                 # Its slot is taken by a new actor (a restart): the old one is gone, and
                 # what it had not sent is sampled again from the slot's cursor.
                 log.info("slot %d was actor pid %s's; that actor is gone", slot, self.actors.pop(old)["pid"])
+                del self.last_seen[old]
             self.actors[actor] = msg.header
+            self.attached_slots.add(slot)
+            self.last_seen[actor] = time.monotonic()
+            self.greeted.discard(actor)
             self.ledger.attach(actor, slot)
             hello["data_cursor"] = self.ledger.cursor_for(slot)
         log.info("%s pid %s attached%s; sending weights of version %d", role, msg["pid"],
@@ -148,13 +199,19 @@ class RolloutSocket:
             self.sock.send_multipart([actor, *frames], copy=False)
 
     def send_credits(self) -> None:
-        """Tell each attached actor how many of its groups are consumed, when that changed."""
-        for actor, n in self.ledger.credits_due(list(self.actors)):
-            self.send(actor, protocol.CREDIT, {"groups_consumed": n})
+        """Tell each attached actor how many of its groups are consumed and its window, when
+        either changed."""
+        window = self.window()
+        due = dict(self.ledger.credits_due(list(self.actors)))
+        for actor in self.actors:
+            if actor in due or self.windows.get(actor) != window:
+                self.windows[actor] = window
+                self.send(actor, protocol.CREDIT, {"groups_consumed": self.ledger.consumed[actor],
+                                                   "window": window})
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, final: bool = True) -> None:
         for actor in [*self.actors, *self.observers]:
-            self.send(actor, protocol.STOP, {"reason": reason})
+            self.send(actor, protocol.STOP, {"reason": reason, "final": final})
         self.sock.close()
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 import protocol
-from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.evaluation import Evaluator
 from learner.groups import Group, group_from_message
 from learner.intake import Intake
@@ -37,6 +37,7 @@ from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
 from protocol.heartbeat import learner_name, start_heartbeat
 from protocol.keys import run_key_dir
+from protocol.rundir import latest_checkpoint
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
 
@@ -84,7 +85,8 @@ class Learner:
             self.ctx, endpoints["learner"], self.ledger, identity,
             lambda actor, msg: group_from_message(actor, msg, vocab_size, group_size),
             lambda: adapter_weights_numpy(self.model), keys, cfg.actor.count,
-            sockets.frame_limit(cfg.rollout_array_bytes))
+            sockets.frame_limit(cfg.rollout_array_bytes),
+            in_flight=(cfg.train.max_staleness + 1) * cfg.train.batch_size)
         plan = self.run_dir / "plan.json"
         shares = json.loads(plan.read_text())["shares_mb"] if plan.exists() else {}
         self.shares = {f"{k}_share_mb": v for k, v in shares.items()}
@@ -234,15 +236,17 @@ class Learner:
                 log.error("cannot write status.json: %s; trying again with the next status", e)
             self.status_failing = True
 
-    def close(self, reason: str = "training finished") -> None:
+    def close(self, reason: str = "training finished", final: bool = True) -> None:
+        """Stop the ranks and the sockets; `final`: the run is over, so actors and reward
+        workers exit (else they wait for this learner to come back)."""
         self.ranks.say(STOP)  # the other ranks, waiting for a batch, end
-        self.rollouts.close(reason)
+        self.rollouts.close(reason, final)
         self.metrics.close()
         if self.completions is not None:
             self.completions.close()
         for reporter in self.reporters:
             reporter.close()
-        self.scorer.close(reason)
+        self.scorer.close(reason, final)
         sockets.close_context(self.ctx)
 
 
@@ -286,12 +290,20 @@ def main(run_dir: str, resume: bool = False) -> int:
     start_heartbeat(run_dir, "learner")
     apply_memory_share()
     learner = Learner(Path(run_dir), resume, signals, ranks)
-    reason = "the learner failed"
+    # A crash is restarted: the workers wait for the new learner; so they do when only this
+    # process is stopped (a restart, or its orchestrator died: a resume comes).
+    reason, final = "the learner failed", False
     try:
         learner.run()
-        reason = f"learner stopped by {signals.name}" if signals.requested else "training finished"
+        if signals.requested:
+            reason, final = f"learner stopped by {signals.name}", lifecycle.stop_is_final(run_dir)
+        else:
+            reason, final = "training finished", True
+    except RewardError:
+        reason, final = "a reward function failed", True  # a user error: the run is over
+        raise
     finally:
-        learner.close(reason)
+        learner.close(reason, final)
     log.info("%s at step %d; adapters in %s", "stopped" if signals.requested else "finished",
              learner.step, learner.run_dir / "adapters")
     return lifecycle.signal_exit_code(signals.signum) if signals.requested else lifecycle.EXIT_OK

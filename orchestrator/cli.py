@@ -24,10 +24,15 @@ def up(
     set_: list[str] = typer.Option([], "--set", help="Override a key: section.key=value (repeatable)."),
     available_memory_gb: float | None = typer.Option(
         None, help="Memory budget to plan against; default: detected."),
+    overwrite: bool = typer.Option(False, help="Start over in a run directory that holds another run: "
+                                   "delete its metrics, checkpoints, adapters and logs."),
 ) -> None:
     """Validate the config, check the memory plan, start learner and actor, train, stop."""
     if (config is None) == (resume is None):
         typer.echo("error: give --config to start a run, or --resume RUN_DIR to continue one", err=True)
+        raise typer.Exit(2)
+    if overwrite and resume is not None:
+        typer.echo("error: --overwrite starts a run over; --resume continues one: give one of them", err=True)
         raise typer.Exit(2)
     try:
         if resume is not None:
@@ -45,7 +50,7 @@ def up(
     shares = check_plan(cfg, available_memory_gb)
     from orchestrator.supervisor import up as run_up
 
-    raise typer.Exit(run_up(cfg, resume=resume is not None, shares_mb=shares))
+    raise typer.Exit(run_up(cfg, resume=resume is not None, shares_mb=shares, overwrite=overwrite))
 
 
 def check_plan(cfg: Config, available_gb: float | None, show: bool = False) -> dict[str, float]:
@@ -104,6 +109,7 @@ def prepare(
     config: str = typer.Option(..., "--config", "-c", help="TOML run config."),
     run_dir: str | None = typer.Option(None, help="Override run.dir."),
     set_: list[str] = typer.Option([], "--set", help="Override a key: section.key=value (repeatable)."),
+    overwrite: bool = typer.Option(False, help="Delete another run's results in the directory first."),
 ) -> None:
     """Check a config and write its run directory (config.json, endpoints.json, keys for
     TCP) without starting anything: for processes you start yourself, such as learner
@@ -115,8 +121,13 @@ def prepare(
         raise typer.Exit(2) from None
     check_plan(cfg, None)
     from orchestrator.supervisor import prepare_run_dir
+    from protocol.rundir import RunExists
 
-    run = prepare_run_dir(cfg)
+    try:
+        run = prepare_run_dir(cfg, overwrite=overwrite)
+    except RunExists as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"wrote {run}: start the learner (or its ranks) with `python -m learner --run-dir {run}` and "
                f"each actor with `actor run --run-dir {run} --slot I`")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from protocol import lifecycle, sockets
 from protocol.config import MEMORY_SHARE_ENV, Config, write_run_config
 from protocol.heartbeat import actor_name, heartbeat_path, learner_name, seconds_since_beat
 from protocol.keys import AUTHORIZED, create_run_keys, run_keys
+from protocol.rundir import RunExists, checkpoint_step, clear_results, latest_checkpoint, refuse_to_overwrite
 
 STOP_TIMEOUT_S = 30.0
 # How long a new run waits for the orphans of a killed orchestrator to stop (they get
@@ -53,16 +53,18 @@ class Child:
             return "(no log)"
 
 
-def prepare_run_dir(cfg: Config, resume: bool = False) -> Path:
-    """Create the run directory. A fresh run clears an old run's metrics and checkpoints
-    there; a resumed one keeps them (the learner trims metrics to its checkpoint)."""
+def prepare_run_dir(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
+    """Create the run directory. A new run refuses one that holds another run's results
+    (RunExists) unless told to `overwrite` them; a resumed one keeps them (the learner
+    trims metrics to its checkpoint)."""
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    stale = ["status.json"] if resume else ["metrics.jsonl", "status.json"]
-    for name in stale:
+    if overwrite:
+        clear_results(run_dir)
+    elif not resume:
+        refuse_to_overwrite(run_dir)
+    for name in ("status.json", lifecycle.FINAL_STOP):
         (run_dir / name).unlink(missing_ok=True)
-    if not resume:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     r = cfg.run
     protocol.write_endpoints(run_dir, protocol.make_endpoints(run_dir, r.transport, r.host, r.port))
     if r.transport == "tcp" and not r.insecure:
@@ -118,18 +120,32 @@ def exposure_note(cfg: Config, run_dir: Path) -> str | None:
             f"one); {limits} {firewall}")
 
 
+# Below the systems' ephemeral ranges (Linux 32768-60999, macOS 49152-65535): a port found
+# free here is not taken a moment later by some process's outgoing connection.
+FREE_PORT_RANGE = (20000, 32000)
+
+
 def free_ports(n: int) -> list[int]:
-    """`n` TCP ports free on loopback right now (the OS picks them)."""
+    """`n` TCP ports free on loopback right now, each with the next two free too (a run's
+    sockets take port, port + 1 and port + 2)."""
+    import random
     import socket
 
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    found: list[int] = []
+    while len(found) < n:
+        port = random.randrange(*FREE_PORT_RANGE)
+        socks = [socket.socket() for _ in range(3)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("127.0.0.1", port + i))
+            if port not in found:
+                found.append(port)
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    return found
 
 
 def line_order(m: dict) -> tuple[int, bool]:
@@ -149,7 +165,7 @@ class Supervisor:
 
     def __init__(self, cfg: Config, out: IO[str] = sys.stdout, resume: bool = False,
                  shares_mb: dict[str, float] | None = None,
-                 signals: lifecycle.StopSignals | None = None) -> None:
+                 signals: lifecycle.StopSignals | None = None, overwrite: bool = False) -> None:
         self.cfg = cfg
         self.out = out
         self.resume = resume
@@ -163,8 +179,13 @@ class Supervisor:
         except lifecycle.RunBusy:
             self.display.close()
             raise
+        try:
+            self.run_dir = prepare_run_dir(cfg, resume, overwrite)
+        except RunExists:
+            os.close(self.lock_fd)
+            self.display.close()
+            raise
         self.lifeline = lifecycle.Lifeline()
-        self.run_dir = prepare_run_dir(cfg, resume)
         (self.run_dir / "plan.json").write_text(json.dumps({"shares_mb": self.shares_mb}) + "\n")
         self.warned: set[str] = set()
         self.children: dict[str, Child] = {}
@@ -177,7 +198,11 @@ class Supervisor:
         # By rank (learner/ranks.py): they start and restart together.
         self.learners = [learner_name(r) for r in range(cfg.learner.ranks)]
         self.restarts = {name: 0 for name in (*self.learners, *self.actors, *self.env_workers)}
-        self.last_line = (0, False)  # line_order of the last metrics line shown
+        # line_order of the last metrics line shown: a resumed run's lines up to its
+        # checkpoint were shown by the run it continues.
+        newest = latest_checkpoint(self.run_dir) if resume else None
+        self.resumed_at = checkpoint_step(newest) if newest else 0
+        self.last_line = (self.resumed_at, True) if newest else (0, False)
         self.phase = None
 
     def say(self, text: str) -> None:
@@ -185,6 +210,9 @@ class Supervisor:
 
     def start(self) -> None:
         self.say(f"run directory: {self.run_dir}")
+        if self.resume:
+            self.say(f"resuming from the checkpoint of step {self.resumed_at} of {self.cfg.train.steps}"
+                     if self.resumed_at else "resuming: no checkpoint yet, so from step 0")
         note = exposure_note(self.cfg, self.run_dir)
         if note:
             self.say(note)
@@ -257,8 +285,8 @@ class Supervisor:
         """Whole lines of metrics.jsonl past the last step shown. A restarted learner trims
         the file back to its checkpoint, so the file is re-read rather than tailed."""
         path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
+        if not path.exists() or not (self.run_dir / "status.json").exists():
+            return []  # the learner has not started: a resumed run's file is not trimmed yet
         rows = read_lines(path)  # a line being written does not parse yet: skipped
         if rows and line_order(rows[-1]) < self.last_line:
             self.say(f"continuing from the checkpoint of step {rows[-1]['step']}")
@@ -357,14 +385,17 @@ class Supervisor:
                 proc.wait()
 
     def run(self) -> int:
-        """Start, watch and stop the run; returns the exit code (see up())."""
+        """Start, watch and stop the run; returns the exit code (see up()). Every way out is
+        the end of the run, so the processes tell their workers to exit."""
         try:
             self.start()
             self.watch()
         except RunFailed as e:
             self.say(f"error: {e}")
+            lifecycle.mark_final_stop(self.run_dir)
             self.stop()
             return e.code
+        lifecycle.mark_final_stop(self.run_dir)
         if self.signals.requested:
             self.say(f"{self.signals.name}: asking the learner to checkpoint and every process to "
                      "stop (send it again to kill them now)")
@@ -390,16 +421,20 @@ class Supervisor:
 
 
 def up(cfg: Config, out: IO[str] = sys.stdout, resume: bool = False,
-       shares_mb: dict[str, float] | None = None) -> int:
+       shares_mb: dict[str, float] | None = None, overwrite: bool = False) -> int:
     """Run training to the end. Returns the process exit code for the CLI: 0 done, 1 the
-    run failed (restarts used up), 4 a user error, 5 the run directory is busy, 128 + N
-    stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
+    run failed (restarts used up), 2 the run directory holds another run, 4 a user error,
+    5 the run directory is busy, 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129
+    SIGHUP)."""
     signals = lifecycle.StopSignals().install()
     try:
-        sup = Supervisor(cfg, out, resume, shares_mb, signals)
+        sup = Supervisor(cfg, out, resume, shares_mb, signals, overwrite)
     except lifecycle.RunBusy as e:
         print(f"error: {e}", file=out, flush=True)
         return lifecycle.EXIT_BUSY
+    except RunExists as e:
+        print(f"error: {e}", file=out, flush=True)
+        return lifecycle.EXIT_CONFIG
     try:
         return sup.run()
     except lifecycle.ForcedStop as e:

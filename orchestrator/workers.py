@@ -106,6 +106,12 @@ class SocketWorker:
             log.error("dropped a malformed message: %s", incoming.error)
             return None
         if msg.kind == protocol.STOP:
+            if msg.header.get("final") is False:
+                # The owner is being restarted (or its run resumed): what we hold is its
+                # predecessor's; the new one greets us with `attached: false`.
+                log.info("the %s goes away (%s); waiting for it to come back", self.owner, msg["reason"])
+                self.forget()
+                return None
             return msg["reason"]
         if msg.kind == protocol.HELLO:
             if msg.header.get("attached") is False:

@@ -52,6 +52,7 @@ RUN_LOCK_ENV = "MLXRL_RUN_LOCK_FD"
 # After the orchestrator is gone a child stops cleanly (checkpoint included); past this
 # many seconds it exits anyway, so nothing of a dead run lingers.
 LIFELINE_GRACE_S = 10.0
+_supervised = False  # this process was started by an orchestrator (it handed us a lifeline)
 
 # Reward socket liveness (PROTOCOL.md, "Liveness"): a worker beats every HEARTBEAT_S and
 # is taken for gone after HEARTBEAT_TIMEOUT_S of silence.
@@ -186,9 +187,11 @@ def watch_lifeline(grace_s: float = LIFELINE_GRACE_S) -> None:
     """In a child: when the orchestrator that started this process dies, stop cleanly
     (as on SIGTERM), and exit after `grace_s` whatever happens. Nothing to watch in a
     process started by hand."""
+    global _supervised
     value = os.environ.pop(LIFELINE_ENV, None)  # not for our own children
     if value is None:
         return
+    _supervised = True
     fd = int(value)
 
     def watch() -> None:
@@ -207,6 +210,29 @@ def watch_lifeline(grace_s: float = LIFELINE_GRACE_S) -> None:
         os._exit(EXIT_CRASH)
 
     threading.Thread(target=watch, name="lifeline", daemon=True).start()
+
+
+# -- a stop that ends the run ---------------------------------------------------------
+
+FINAL_STOP = "stop.final"
+
+
+def mark_final_stop(run_dir: str | Path) -> None:
+    """The orchestrator, before it stops its processes because the run is over (the last
+    step, a stop signal, a failure it will not restart): they tell their peers so."""
+    (Path(run_dir) / FINAL_STOP).touch()
+
+
+def clear_final_stop(run_dir: str | Path) -> None:
+    (Path(run_dir) / FINAL_STOP).unlink(missing_ok=True)
+
+
+def stop_is_final(run_dir: str | Path) -> bool:
+    """Whether a process stopped by a signal ends the run for its peers (workers then exit)
+    or only goes away (it is being restarted, or its orchestrator died and a resume will
+    start it again: workers wait for it). A process started by hand is stopped by its user:
+    final."""
+    return not _supervised or (Path(run_dir) / FINAL_STOP).exists()
 
 
 # -- the run lock ---------------------------------------------------------------------

@@ -157,6 +157,8 @@ def decode(frames: list, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
         _check_score_reply(head)
     elif kind == OBSERVATION:
         _check_observation(head)
+    elif kind == STOP and head.get("final") is not None and not isinstance(head["final"], bool):
+        raise ProtocolError("stop: field 'final' must be true or false")
     return msg
 
 

@@ -8,25 +8,29 @@ The owner binds a ROUTER socket; workers connect a DEALER, say hello, then `read
 send a heartbeat every second. Each worker holds at most one request at a time; a reply
 makes it ready again.
 
-A request goes to another worker when its worker misses the deadline, answers with a
-malformed or mismatched reply, says `stop`, or falls silent (no heartbeat for
-HEARTBEAT_TIMEOUT_S; while it works, only if it promised to beat while working). A late
-reply to a request already handed on is ignored, so nothing is answered twice; a worker
-taken for gone that speaks again is taken back. After `max_attempts` a request fails
-with a reason.
+A worker is *lost* when it says `stop`, falls silent (no heartbeat for
+HEARTBEAT_TIMEOUT_S; while it works, only if it promised to beat while working), misses
+a deadline, sends a reply that cannot be used, or says hello again. The owner then
+forgets it: its request goes to another worker (after `max_attempts` a request fails
+with a reason), and whatever it holds is given up. If it speaks again it is a stranger,
+greeted as one below: it drops all it held and attaches afresh. So a worker's state and
+the owner's never disagree, and a late reply is never counted.
 
-A request may be *pinned* to one worker: an environment's `step` must reach the worker
-that holds the episode. A pinned request is never handed on; when its worker is lost it
-fails at once, and the episode's owner starts the episode again elsewhere.
+A request may be *pinned* to one attachment of a worker (`Holder`: its identity and the
+session its hello began): an environment's `step` must reach the worker that holds the
+episode. A pinned request is never handed on; when its worker is lost it fails at once,
+and the episode's owner starts the episode again elsewhere.
 
 Every socket owner has an `instance` id, sent in its hello. A peer that speaks without
-having said hello to this instance (a worker of an owner that was restarted) is answered
-with our hello marked `attached: false`, and attaches with hello + ready.
+having said hello to this instance (a worker of an owner that was restarted, or one it
+lost) is answered with our hello marked `attached: false`, and attaches with hello +
+ready.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import time
@@ -44,8 +48,15 @@ from protocol.wire import MAX_HEADER_BYTES
 
 log = logging.getLogger("workers")
 
+# While requests wait with no worker ready, say so this often.
+STARVED_SAY_S = 30.0
+
 # What a reply must also satisfy, beyond its kind's wire checks: the problem, or None.
 ReplyCheck = Callable[[dict], "str | None"]
+# One attachment of a worker: its identity and the session its hello began.
+Holder = tuple[bytes, int]
+
+_sessions = itertools.count(1)
 
 
 @dataclass
@@ -53,7 +64,7 @@ class Request:
     request_id: str
     frames: list  # the request as sent: encoded once, whatever worker takes it
     check: ReplyCheck | None = None
-    pinned: bytes | None = None  # only this worker may take it
+    pinned: Holder | None = None  # only this attachment of a worker may take it
     attempts: int = 0
     worker: bytes | None = None  # who holds it: the one assignment table is `assigned`
     deadline: float = 0.0
@@ -64,14 +75,13 @@ class Worker:
     pid: int
     beats_while_working: bool  # promised a heartbeat every second even while working
     last_seen: float
-    alive: bool = True
-    idle_when_lost: bool = False  # taken for gone while it held nothing: ready when back
+    session: int  # this attachment's: a request pinned to another one is not for it
 
 
 @dataclass
 class Reply:
     request_id: str
-    worker: bytes
+    worker: Holder
     pid: int
     header: dict
 
@@ -89,17 +99,19 @@ class WorkerPool:
         self.name = role.replace("_", " ")  # "reward worker", for logs
         self.instance = instance or uuid.uuid4().hex[:12]
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
-        self.workers: dict[bytes, Worker] = {}  # every worker that said hello to this instance
-        self.greeted: set[bytes] = set()  # unknown peers we told who we are
+        self.workers: dict[bytes, Worker] = {}  # the attached workers
+        self.greeted: set[bytes] = set()  # strangers we told who we are
         self.ready: collections.deque[bytes] = collections.deque()
         self.waiting: collections.deque[Request] = collections.deque()
         self.assigned: dict[str, Request] = {}
         self.stats = collections.Counter()
         self.last_beat = 0.0
+        self.starved_since: float | None = None  # since when requests wait with no worker ready
+        self.said_starved = 0.0
 
     @property
     def n_workers(self) -> int:
-        return sum(w.alive for w in self.workers.values())
+        return len(self.workers)
 
     @property
     def pending(self) -> int:
@@ -107,36 +119,42 @@ class WorkerPool:
 
     def hello(self, attached: bool) -> dict:
         """`attached` tells a worker whether this answers its hello, or greets a stranger
-        that must say hello (PROTOCOL.md, "Liveness")."""
+        that must say hello (PROTOCOL.md, "Liveness"); `timeout_s` is the deadline for a
+        reply."""
         return {"role": self.owner_role, "pid": os.getpid(), "instance": self.instance,
-                "heartbeat_s": HEARTBEAT_S, "attached": attached}
+                "heartbeat_s": HEARTBEAT_S, "timeout_s": self.timeout_s, "attached": attached}
 
     def submit(self, request_id: str, header: dict, kind: str = protocol.SCORE,
-               check: ReplyCheck | None = None, pinned: bytes | None = None) -> None:
+               check: ReplyCheck | None = None, pinned: Holder | None = None) -> None:
         frames = protocol.encode(kind, {"request_id": request_id, **header})
         self.waiting.append(Request(request_id, frames, check, pinned))
 
-    def alive(self, worker: bytes) -> bool:
-        w = self.workers.get(worker)
-        return w is not None and w.alive
+    def holds(self, holder: Holder) -> bool:
+        """Whether that attachment of a worker is still attached."""
+        w = self.workers.get(holder[0])
+        return w is not None and w.session == holder[1]
 
-    def notify(self, worker: bytes, kind: str, header: dict) -> None:
-        """A message that wants no reply (an environment's `end`), straight to `worker`."""
-        if self.alive(worker):
-            self.send(worker, kind, header)
+    def notify(self, holder: Holder, kind: str, header: dict) -> None:
+        """A message that wants no reply (an environment's `end`), to that attachment of a
+        worker; one lost since has dropped everything already."""
+        if self.holds(holder):
+            self.send(holder[0], kind, header)
 
     def poll(self, timeout_ms: int = 0) -> tuple[list[Reply], list[tuple[str, str]]]:
         """Handle worker messages, deadlines, silence and dispatch. Returns (replies, failures)."""
         done: list[Reply] = []
         failed: list[tuple[str, str]] = []
         for incoming in sockets.incoming(self.sock, timeout_ms):
-            self.seen(incoming.peer)
+            if incoming.peer in self.workers:
+                self.workers[incoming.peer].last_seen = time.monotonic()
             if incoming.msg is None:
-                self.reject(incoming.peer, f"malformed message: {incoming.error}", failed)
+                if incoming.peer in self.workers:
+                    self.reject(incoming.peer, f"malformed message: {incoming.error}", failed)
                 continue
             self.handle(incoming.peer, incoming.msg, done, failed)
         self.check_workers(failed)
         self.dispatch(failed)
+        self.say_if_starved()
         self.beat()
         return done, failed
 
@@ -157,42 +175,29 @@ class WorkerPool:
             self.lose(identity, "the worker left", failed)
         # A heartbeat is only for last_seen; other kinds mean nothing here.
 
-    def seen(self, identity: bytes) -> None:
-        """Any message, even a malformed one, shows that an attached worker is alive."""
-        worker = self.workers.get(identity)
-        if worker is None:
-            return
-        worker.last_seen = time.monotonic()
-        if not worker.alive:
-            log.info("%s pid %d is back; taking it again", self.name, worker.pid)
-            worker.alive = True
-            if worker.idle_when_lost:
-                # It was waiting for work when we gave up on it, so it is waiting still. One
-                # lost holding a request is ready again only once it answers (late).
-                self.mark_ready(identity)
-
     def attach(self, identity: bytes, msg: protocol.Message, failed: list) -> None:
         if msg["role"] != self.role:
             log.error("refused a %s on the %s socket", msg["role"], self.name)
-            self.send(identity, protocol.STOP, {"reason": f"only {self.name}s attach here"})
+            self.send(identity, protocol.STOP, {"reason": f"only {self.name}s attach here", "final": True})
             return
         if identity in self.workers:  # said hello again: it forgot what it held
             self.lose(identity, "the worker said hello again", failed)
+        self.greeted.discard(identity)
         promise = msg.header.get("beats_while_working", msg.header.get("beats_while_scoring"))
-        self.workers[identity] = Worker(msg["pid"], promise is True, time.monotonic())
+        self.workers[identity] = Worker(msg["pid"], promise is True, time.monotonic(), next(_sessions))
         log.info("%s pid %s attached (%d attached)", self.name, msg["pid"], self.n_workers)
         self.send(identity, protocol.HELLO, self.hello(attached=True))
 
     def greet(self, identity: bytes, msg: protocol.Message) -> None:
-        """A peer that never said hello to this instance: most likely a worker of an owner
-        that was restarted. Tell it, once, that it is not attached; it answers with hello
-        and ready."""
+        """A peer that is not attached to this instance: a worker of an owner that was
+        restarted, or one we lost. Tell it, once, that it is not attached; it drops what
+        it holds and answers with hello and ready."""
         if msg.kind == self.reply_kind:
-            self.stats["late_replies"] += 1  # to a request of a previous instance
+            self.stats["late_replies"] += 1  # to a request it lost, or of a previous instance
         if identity not in self.greeted:
             self.greeted.add(identity)
-            log.info("a peer that has not said hello to this %s sent %r; sending it our hello",
-                     self.owner_role, msg.kind)
+            log.info("a peer not attached to this %s sent %r; sending it our hello", self.owner_role,
+                     msg.kind)
             self.send(identity, protocol.HELLO, self.hello(attached=False))
 
     def take_reply(self, identity: bytes, msg: protocol.Message, done: list, failed: list) -> None:
@@ -204,9 +209,7 @@ class WorkerPool:
                             f"the worker holds {held.request_id!r}", failed)
                 return
             self.stats["late_replies"] += 1
-            log.warning("ignored a reply to request %s: not (or no longer) assigned to "
-                        "that worker", msg["request_id"])
-            self.mark_ready(identity)
+            log.warning("ignored a reply to request %s: it was never that worker's", msg["request_id"])
             return
         problem = request.check(msg.header) if request.check is not None else None
         if problem is not None:
@@ -214,30 +217,28 @@ class WorkerPool:
             return
         del self.assigned[request.request_id]
         self.mark_ready(identity)
-        done.append(Reply(request.request_id, identity, self.workers[identity].pid, msg.header))
+        worker = self.workers[identity]
+        done.append(Reply(request.request_id, (identity, worker.session), worker.pid, msg.header))
 
     def holding(self, identity: bytes) -> Request | None:
         return next((r for r in self.assigned.values() if r.worker == identity), None)
 
     def reject(self, identity: bytes, reason: str, failed: list) -> None:
-        """A bad reply: log it, hand the worker's request to another worker."""
+        """A reply that cannot be used: log it and lose the worker (what it holds may be
+        anything now)."""
         self.stats["rejected_replies"] += 1
-        log.error("bad reply from %s %s: %s", self.name, identity.hex(), reason)
-        self.requeue(identity, reason, failed)
-        if identity in self.workers:
-            self.mark_ready(identity)
+        log.error("bad reply from %s pid %d: %s", self.name, self.workers[identity].pid, reason)
+        self.lose(identity, f"bad reply: {reason}", failed)
 
     def lose(self, identity: bytes, why: str, failed: list) -> None:
-        """The worker is gone (it left, fell silent, or missed a deadline): stop sending
-        it requests, hand on the one it holds, fail those pinned to it."""
-        worker = self.workers[identity]
-        worker.alive = False
-        worker.idle_when_lost = self.holding(identity) is None
+        """Forget the worker: hand on the request it holds, fail those pinned to it. If it
+        speaks again it is greeted as a stranger."""
+        del self.workers[identity]
         self.stats["lost_workers"] += 1
         if identity in self.ready:
             self.ready.remove(identity)
         self.requeue(identity, why, failed)
-        for request in [r for r in self.waiting if r.pinned == identity]:
+        for request in [r for r in self.waiting if r.pinned is not None and r.pinned[0] == identity]:
             self.waiting.remove(request)
             failed.append((request.request_id, f"{self.name}: {why}"))
 
@@ -259,9 +260,9 @@ class WorkerPool:
             log.error("%s pid %d missed the %.0f s deadline for request %s; sending it elsewhere",
                       self.name, self.workers[request.worker].pid, self.timeout_s, request.request_id)
             self.lose(request.worker, "deadline missed", failed)
-        for identity, w in self.workers.items():
+        for identity, w in list(self.workers.items()):
             silent = now - w.last_seen
-            if not w.alive or silent <= HEARTBEAT_TIMEOUT_S:
+            if silent <= HEARTBEAT_TIMEOUT_S:
                 continue
             held = self.holding(identity)
             if held is None or w.beats_while_working:
@@ -277,7 +278,7 @@ class WorkerPool:
         """Give waiting requests to ready workers, in order; a pinned request waits for its
         own worker, and fails when that worker is gone."""
         for request in list(self.waiting):
-            if request.pinned is not None and not self.alive(request.pinned):
+            if request.pinned is not None and not self.holds(request.pinned):
                 self.waiting.remove(request)
                 failed.append((request.request_id, f"{self.name}: the worker holding it is gone"))
                 continue
@@ -288,8 +289,8 @@ class WorkerPool:
                 continue
             if request.pinned is None and self.ready:
                 identity = self.ready.popleft()
-            elif request.pinned is not None and request.pinned in self.ready:
-                identity = request.pinned
+            elif request.pinned is not None and request.pinned[0] in self.ready:
+                identity = request.pinned[0]
                 self.ready.remove(identity)
             else:
                 continue
@@ -300,19 +301,36 @@ class WorkerPool:
             self.assigned[request.request_id] = request
             self.sock.send_multipart([identity, *request.frames], copy=False)
 
+    def say_if_starved(self) -> None:
+        """Every STARVED_SAY_S while requests wait and no worker is ready: say what for."""
+        if not self.waiting or self.ready:
+            self.starved_since = None
+            return
+        now = time.monotonic()
+        if self.starved_since is None:
+            self.starved_since = self.said_starved = now
+        if now - self.said_starved < STARVED_SAY_S:
+            return
+        self.said_starved = now
+        held = "".join(f"; pid {self.workers[r.worker].pid} holds {r.request_id} (deadline in "
+                       f"{r.deadline - now:.0f} s)" for r in self.assigned.values())
+        log.warning("no %s has been ready for %.0f s: %d request(s) wait, %d worker(s) attached%s", self.name,
+                    now - self.starved_since, len(self.waiting), self.n_workers, held)
+
     def beat(self) -> None:
         """Heartbeats to the attached workers, while this process's loop runs."""
         if time.monotonic() - self.last_beat < HEARTBEAT_S:
             return
         self.last_beat = time.monotonic()
-        for identity, w in self.workers.items():
-            if w.alive:
-                self.send(identity, protocol.HEARTBEAT, {"role": self.owner_role, "time": time.time()})
+        for identity in self.workers:
+            self.send(identity, protocol.HEARTBEAT, {"role": self.owner_role, "time": time.time()})
 
     def send(self, identity: bytes, kind: str, header: dict) -> None:
         self.sock.send_multipart([identity, *protocol.encode(kind, header)])
 
-    def close(self, reason: str = "run finished") -> None:
+    def close(self, reason: str = "run finished", final: bool = True) -> None:
+        """`final`: the run is over and workers exit; else this owner only goes away (it is
+        restarted, or a resume will start it) and workers wait to attach again."""
         for identity in self.workers:
-            self.send(identity, protocol.STOP, {"reason": reason})
+            self.send(identity, protocol.STOP, {"reason": reason, "final": final})
         self.sock.close()

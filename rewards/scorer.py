@@ -124,10 +124,11 @@ class Scorer:
             scored |= ~np.isnan(values)
         return Scored(key, np.where(scored, total, np.nan), by_fn)
 
-    def close(self, reason: str = "run finished") -> None:
-        """Tell attached workers to exit, with the reason, and close the reward socket."""
+    def close(self, reason: str = "run finished", final: bool = True) -> None:
+        """Tell attached workers why the socket closes, and whether to exit (`final`) or to
+        wait for the learner to come back; close the reward socket."""
         if self.dispatcher is not None:
-            self.dispatcher.close(reason)
+            self.dispatcher.close(reason, final)
 
 
 def reply_check(n: int):

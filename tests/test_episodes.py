@@ -299,3 +299,86 @@ def test_env_workers_attach_to_a_restarted_actor(tmp_path):
     assert_nothing_lost(read_metrics(run), 4, 2)
     assert "the actor restarted (instance" in (run / "env-worker-0.log").read_text()
     assert any(line.startswith("actor exited with code") for _, line in lines.lines)
+
+
+def episode_record(*paths: Path) -> dict[str, list[list[int]]]:
+    """The model's turns (their sampled ids) of each episode's last attempt, from the
+    `--record` files of the workers that served it."""
+    attempts: dict[str, dict[int, list[list[int]]]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            base, attempt = r["episode_id"].rsplit("/a", 1)
+            attempts.setdefault(base, {}).setdefault(int(attempt), []).append(r["action_ids"])
+    return {base: by_attempt[max(by_attempt)] for base, by_attempt in attempts.items()}
+
+
+def test_an_episode_that_starts_again_is_the_episode_an_uninterrupted_run_samples(tmp_path):
+    """Three runs of the same two steps: one served by a single worker throughout, and two
+    whose first worker goes partway through the first batch's second turn (it says `stop`
+    instead of answering its 21st request, or is SIGKILLed on it) and a fresh worker
+    takes over. The episodes that start again are the uninterrupted run's, turn for turn
+    and token for token, and every group is trained on exactly as in that run."""
+    runs, ups, workers = {}, {}, []
+    extra = ENV_CONFIG + "[log]\ncompletions_every = 1\ncompletions_groups = 2\n"
+    for name in ("uninterrupted", "left", "killed"):
+        (tmp_path / name).mkdir()
+        runs[name] = tmp_path / name / "run"
+        ups[name] = orchestrator("up", "--config", str(write_config(tmp_path / name, extra, steps=2,
+                                                                    reward="env")))
+    try:
+        for name, args in (("uninterrupted", []), ("left", ["--leave-after", "20"]),
+                           ("killed", ["--die-after", "20"])):
+            wait_for(runs[name] / "endpoints.json")
+            workers.append(raw_worker(protocol.read_endpoints(runs[name])["env"], *args, "--record",
+                                      str(runs[name].parent / "first.jsonl")))
+        for w, name in zip(workers[1:], ("left", "killed")):
+            w.wait(timeout=120)  # gone partway through the first batch
+            workers.append(raw_worker(protocol.read_endpoints(runs[name])["env"], "--record",
+                                      str(runs[name].parent / "second.jsonl")))
+        for up in ups.values():
+            assert up.wait(timeout=240) == 0, up.communicate()[0]
+    finally:
+        for proc in (*workers, *ups.values()):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    completions = {name: [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+                   for name, run in runs.items()}
+    reference = episode_record(tmp_path / "uninterrupted" / "first.jsonl")
+    for name in ("left", "killed"):
+        metrics = read_metrics(runs[name])
+        assert_nothing_lost(metrics, 2, 2)
+        assert metrics[-1]["groups_dropped"] == 0 and metrics[-1]["env_retries"] >= 4
+        assert episode_record(tmp_path / name / "first.jsonl", tmp_path / name / "second.jsonl") == reference
+        for a, b in zip(completions["uninterrupted"], completions[name], strict=True):
+            assert [t["role"] for t in b["turns"]] == ["assistant", "user"] * 2 + ["assistant"], b
+            assert (a["turns"], a["tokens"], a["reward"]) == (b["turns"], b["tokens"], b["reward"])
+
+
+def test_an_env_worker_waits_through_an_actor_restart(tmp_path):
+    """SIGKILL the learner: the orchestrator restarts it with fresh actors, stopping the old
+    actor, which tells its env workers `stop` with `final: false`. A worker written from
+    PROTOCOL.md alone stays, attaches to the new actor, serves the run to its end and exits
+    when the run is over (`final: true`)."""
+    cfg = write_config(tmp_path, ENV_CONFIG + "[train]\ncheckpoint_every = 2\n", steps=5, reward="env")
+    proc = orchestrator("up", "--config", str(cfg))
+    run = tmp_path / "run"
+    wait_for(run / "endpoints.json")
+    worker = raw_worker(protocol.read_endpoints(run)["env"])
+    said = Lines(worker)
+    try:
+        wait_for_step(run, 2, proc)
+        os.kill(pid_of(run, "learner"), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, out
+        assert worker.wait(timeout=30) == 0
+    finally:
+        for p in (proc, worker):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert_nothing_lost(read_metrics(run), 5, 2)
+    lines = [line for _, line in said.lines]
+    assert any(line.startswith("waiting: the actor stops; a new one will come") for line in lines), lines
+    assert "reattached" in lines and lines[-1] == "stopped: the run is over"

@@ -65,10 +65,11 @@ def test_a_flood_of_idle_connections_and_oversized_frames_ends_nothing(tmp_path)
     endpoints: 5,000 idle connections (two processes of 2,500) and 100 frames claiming
     256 MB, in every ZMTP greeting. Both runs train every step with nothing lost and no
     restart, and the flooded learner's peak memory stays within 64 MB of the other's."""
-    port = free_ports(1)[0]
-    flooded = port + 10  # each run takes three ports from its own
+    quiet = flooded = free_ports(1)[0]
+    while abs(flooded - quiet) < 3:  # each run takes three ports from its own
+        flooded = free_ports(1)[0]
     runs, ups, peaks = [], [], []
-    for name, base in (("quiet", port), ("flooded", flooded)):
+    for name, base in (("quiet", quiet), ("flooded", flooded)):
         (tmp_path / name).mkdir()
         cfg = episode_run(tmp_path / name, base)
         runs.append(tmp_path / name / "run")

@@ -193,8 +193,10 @@ def test_rollouts_become_groups_or_counted_drops_and_credit_flows(socket_pair):
     assert [g.group_id for g in groups] == ["x"]
     assert ledger.received == 3 and ledger.rejected == 1 and ledger.dropped["malformed"] == 1
     credit = [m for m in got if m.kind == protocol.CREDIT]
-    # consumed: the one before its hello and the malformed one (so the actor is not left waiting)
-    assert credit[-1]["groups_consumed"] == 2
+    # Consumed since its hello: the malformed one (so the actor is not left waiting); the one
+    # before its hello is not its to count (it counts from its hello too).
+    assert credit[-1]["groups_consumed"] == 1
+    assert credit[-1]["window"] == 1  # (k + 1) * B = 1 in flight, for slot 0 and slot 1 (loading)
 
 
 # -- the metrics file --------------------------------------------------------------------
@@ -272,3 +274,23 @@ def test_the_completions_table_shows_each_group_under_its_prompt():
     assert lines[5].split()[1:3] == ["-", "+0.500"]  # unscored: no reward, each function "-"
     assert "old" not in text
     assert "logged steps: 1, 3" in completions_table(rows, 2)
+
+
+def test_a_group_that_no_reward_scored_has_no_std_and_advantage_zero():
+    """Every episode of group b ended with an environment error before any reward: its
+    rewards are all unscored. As in TRL, it has no std (not "zero std"), stays out of
+    `reward`, and its advantages are 0 (it still counts as trained)."""
+    from learner.algorithms import make_algorithm
+    from learner.metrics import batch_metrics
+    from learner.step import Sample
+
+    a = scored_group("a", (2, 3), ["stop", "stop"], {"env": [1.0, 0.0]}, {"env": 1.0})
+    b = scored_group("b", (2, 2), ["stop", "stop"], {"env": [None, None]}, {"env": 1.0})
+    rewards = np.stack([a.rewards, b.rewards])
+    advantages = make_algorithm("grpo").advantages(rewards)
+    np.testing.assert_array_equal(advantages[2:], [0.0, 0.0])
+    samples = [Sample(g.prompt_ids, ids, lp, fr) for g in (a, b)
+               for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)]
+    m = batch_metrics([a, b], samples, rewards, advantages, 1, lambda k: k)
+    assert m["frac_reward_zero_std"] == 0.0  # a's std is 0.71, b has none
+    assert m["reward"] == pytest.approx(0.5)

@@ -238,3 +238,22 @@ def test_the_heartbeat_outlives_a_moment_without_descriptors(tmp_path):
                           env=lifecycle.child_env(), capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "beating", done.stdout + done.stderr
     assert done.stderr.count("cannot write the heartbeat") == 1, done.stderr
+
+
+def test_a_second_run_in_a_run_directory_is_refused_unless_asked_to_overwrite(tmp_path):
+    """`up` over a directory that holds a run's results refuses, naming `--resume` and
+    `--overwrite`, and touches nothing; with `--overwrite` it starts over."""
+    cfg = write_config(tmp_path, "[train]\ncheckpoint_every = 2", steps=2)
+    run = tmp_path / "run"
+    code, out = run_up(cfg)
+    assert code == 0, out
+    results = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.suffix not in (".log", ".lock")}
+    code, out = run_up(cfg)
+    assert code == lifecycle.EXIT_CONFIG, out
+    assert (f"error: {run} holds a run (metrics.jsonl, checkpoints up to step 2, adapters): continue it with "
+            f"`orchestrator up --resume {run}`, or start over with --overwrite") in out
+    assert {p: p.read_bytes() for p in results} == results
+    code, out = run_up(cfg, "--overwrite", "--steps", "1")
+    assert code == 0, out
+    assert [m["step"] for m in read_metrics(run)] == [1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]

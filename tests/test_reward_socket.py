@@ -98,7 +98,9 @@ def test_a_worker_that_says_stop_hands_on_its_request_at_once(socket_pair):
     assert [r.request_id for r in done] == ["r1"] and not failed
 
 
-def test_an_idle_worker_taken_for_gone_is_ready_again_when_it_speaks(socket_pair):
+def test_a_worker_taken_for_gone_is_greeted_as_a_stranger_and_attaches_again(socket_pair):
+    """A worker that fell silent is forgotten; when it speaks again it is told it is not
+    attached (`hello`, `attached: false`), and once it says hello and ready it works."""
     dispatcher, worker = socket_pair
     a = worker()
     attach(a, dispatcher)
@@ -107,12 +109,16 @@ def test_an_idle_worker_taken_for_gone_is_ready_again_when_it_speaks(socket_pair
         dispatcher.poll(50)
     assert dispatcher.n_workers == 0 and dispatcher.stats["lost_workers"] == 1
     send(a, protocol.HEARTBEAT, role="reward_worker", time=1.0)  # it was only slow to beat
+    assert receive(a, dispatcher, protocol.HELLO)["attached"] is False
     request(dispatcher, "r1")
-    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"  # no new ready needed
+    assert attach(a, dispatcher)["attached"] is True
+    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"
 
 
 def test_a_pinned_request_waits_for_its_worker_and_fails_when_that_worker_leaves(socket_pair):
-    """The env socket's rule: a step goes only to the worker that holds the episode."""
+    """The env socket's rule: a step goes only to the worker that holds the episode, in the
+    attachment that took the episode: once that worker left (or said hello again), its
+    pinned requests fail, and so does one pinned to the attachment it left."""
     dispatcher, worker = socket_pair
     a, b = worker(), worker()
     attach(a, dispatcher)
@@ -120,11 +126,12 @@ def test_a_pinned_request_waits_for_its_worker_and_fails_when_that_worker_leaves
     assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"  # a is busy now
     attach(b, dispatcher)
     send(a, protocol.SCORE_REPLY, request_id="r1", rewards=[0.0])
-    identity = next(iter(dispatcher.workers))  # a attached first
+    identity, attached = next(iter(dispatcher.workers.items()))  # a attached first
+    holder = (identity, attached.session)
     header = {"prompts": ["p"], "completions": ["c"], "completion_ids": [[1]], "columns": {}}
-    dispatcher.submit("r2", header, protocol.SCORE, pinned=identity)
+    dispatcher.submit("r2", header, protocol.SCORE, pinned=holder)
     assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r2"
-    dispatcher.submit("r3", header, protocol.SCORE, pinned=identity)
+    dispatcher.submit("r3", header, protocol.SCORE, pinned=holder)
     for _ in range(20):  # b is ready, a is busy: r3 waits for a
         dispatcher.poll(10)
     while b.poll(0):
@@ -135,6 +142,9 @@ def test_a_pinned_request_waits_for_its_worker_and_fails_when_that_worker_leaves
         failed += dispatcher.poll(10)[1]
     assert sorted(rid for rid, _ in failed) == ["r2", "r3"]  # pinned: never handed on
     assert all("the worker left" in why for _, why in failed)
+    attach(a, dispatcher)  # back, afresh: what was pinned to its old attachment is not for it
+    dispatcher.submit("r4", header, protocol.SCORE, pinned=holder)
+    assert dispatcher.poll(10)[1] == [("r4", "reward worker: the worker holding it is gone")]
 
 
 def test_a_request_over_the_protocol_s_limit_fails_instead_of_being_sent(socket_pair):
@@ -156,3 +166,33 @@ def test_a_request_over_the_protocol_s_limit_fails_instead_of_being_sent(socket_
                                f"{MAX_HEADER_BYTES}")]
     request(dispatcher, "r1")
     assert receive(w, dispatcher, protocol.SCORE)["request_id"] == "r1"
+
+
+def test_a_worker_that_dropped_a_request_is_ready_again_after_the_deadline(socket_pair, caplog, monkeypatch):
+    """PROTOCOL.md tells a worker to drop a request it cannot read. Its deadline passes and
+    the worker is taken for gone; its next heartbeat is answered with `attached: false`,
+    it attaches again, and the request comes back to it (the only worker) instead of
+    waiting forever. The hello says the deadline; a request that waits for a worker is
+    said in the log."""
+    import protocol.workers as workers_module
+
+    dispatcher, worker = socket_pair
+    dispatcher.timeout_s = 0.5
+    a = worker()
+    assert attach(a, dispatcher)["timeout_s"] == 0.5
+    request(dispatcher, "r1")
+    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"  # and dropped, unread
+    deadline = time.monotonic() + 5
+    while dispatcher.stats["lost_workers"] == 0 and time.monotonic() < deadline:
+        send(a, protocol.HEARTBEAT, role="reward_worker", time=1.0)
+        dispatcher.poll(50)
+    monkeypatch.setattr(workers_module, "STARVED_SAY_S", 0.0)
+    with caplog.at_level("WARNING", logger="workers"):
+        dispatcher.poll(50)
+    assert "no reward worker has been ready for" in caplog.text
+    assert "1 request(s) wait, 0 worker(s) attached" in caplog.text
+    send(a, protocol.HEARTBEAT, role="reward_worker", time=1.0)  # still there: told to attach again
+    assert receive(a, dispatcher, protocol.HELLO)["attached"] is False
+    attach(a, dispatcher)
+    again = receive(a, dispatcher, protocol.SCORE)
+    assert again["request_id"] == "r1" and dispatcher.stats["retries"] == 1

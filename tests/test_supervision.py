@@ -6,14 +6,17 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import protocol
 from tests.conftest import write_config
-from tests.test_e2e import orchestrator, read_metrics
+from tests.test_e2e import orchestrator, read_metrics, wait_for
 
 CHECKPOINTS = "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100\n[run]\nhang_timeout_s = 60.0"
 
@@ -101,6 +104,9 @@ def test_a_resumed_run_repeats_the_uninterrupted_run(tmp_path):
     proc = orchestrator("up", "--resume", str(b / "run"), "--steps", "4")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
+    # It says where it goes on from, and shows only the steps it trains.
+    assert "resuming from the checkpoint of step 2 of 4" in out
+    assert [int(n) for n in re.findall(r"^step +(\d+)/4", out, re.M)] == [3, 4], out
     ma, mb = read_metrics(a / "run"), read_metrics(b / "run")
     assert [m["step"] for m in mb] == [1, 2, 3, 4]
     for x, y in zip(ma, mb):
@@ -145,3 +151,65 @@ def test_blas_threads_follow_whether_the_processes_take_turns(tmp_path, stalenes
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
+
+
+EXTERNAL_WORKERS = """
+[reward]
+functions = ["env", "worker"]
+[env]
+environment = "socket"
+max_turns = 3
+max_episode_tokens = 64
+timeout_s = 10.0
+[train]
+checkpoint_every = 2
+"""
+
+
+def external_workers(run: Path) -> list[subprocess.Popen]:
+    """A reward worker (this project's) and an env worker written from PROTOCOL.md alone,
+    started by hand: nothing restarts them."""
+    from tests.test_episodes import raw_worker
+
+    reward = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
+                               "--run-dir", str(run)], cwd=run.parent, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+    return [reward, raw_worker(protocol.read_endpoints(run)["env"])]
+
+
+def test_workers_outlive_a_killed_orchestrator_and_serve_the_resumed_run(tmp_path):
+    """SIGKILL `orchestrator up` mid-run: its learner and actor stop on their own (the
+    lifeline) and tell the workers to wait, not to exit; `up --resume` brings the run
+    back, and the same two workers, never restarted, serve it to the end, which tells them
+    to exit."""
+    from tests.test_reward_workers import Lines
+
+    steps = 6
+    proc = orchestrator("up", "--config", str(write_config(tmp_path, EXTERNAL_WORKERS, steps=steps)))
+    run = tmp_path / "run"
+    wait_for(run / "endpoints.json")
+    workers = external_workers(run)
+    lines = [Lines(w) for w in workers]
+    resumed = None
+    try:
+        wait_for_step(run, 3, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        resumed = orchestrator("up", "--resume", str(run))
+        out, _ = resumed.communicate(timeout=240)
+        assert resumed.returncode == 0, out
+        assert time.monotonic() - t0 < 90
+        for w in workers:
+            assert w.wait(timeout=30) == 0
+    finally:
+        for p in (proc, resumed, *workers):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert_steps_once_and_nothing_lost(read_metrics(run), steps)
+    env_said = [line for _, line in lines[1].lines]
+    assert any(line.startswith("waiting: ") for line in env_said), env_said
+    assert env_said[-1] == "stopped: the run is over", env_said
+    reward_said = "\n".join(line for _, line in lines[0].lines)
+    assert "the learner goes away" in reward_said and "the learner restarted (instance" in reward_said

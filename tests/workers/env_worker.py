@@ -4,7 +4,9 @@ The environment: reset stores columns["target"] (one character); each step's rew
 action's characters equal to it, divided by 3; the episode is done after the third step. Otherwise the
 observation asks for more: "\\nrepeat " + target.
 Usage: python env_worker.py ENDPOINT | --run-dir DIR  (DIR/endpoints.json's "env" address)
-           [--step-delay SECONDS] [--record FILE]
+           [--step-delay SECONDS] [--record FILE] [--leave-after N | --die-after N]
+--leave-after N: answer N requests, then send stop instead of answering the next, and exit.
+--die-after N: answer N requests, then SIGKILL itself on receiving the next.
 """
 
 import argparse
@@ -52,6 +54,8 @@ def parse_args(argv):
     parser.add_argument("--run-dir")
     parser.add_argument("--step-delay", type=float, default=0.0, metavar="SECONDS")
     parser.add_argument("--record", metavar="FILE")
+    parser.add_argument("--leave-after", type=int, metavar="N")
+    parser.add_argument("--die-after", type=int, metavar="N")
     args = parser.parse_args(argv)
     if (args.endpoint is None) == (args.run_dir is None):
         parser.error("give exactly one of ENDPOINT and --run-dir")
@@ -69,6 +73,7 @@ def main(argv):
     sock.setsockopt(zmq.LINGER, 1000)  # so a last stop still goes out on close
     sock.connect(args.endpoint)
     last_sent = 0.0
+    answered = 0
     episodes = {}
     leaving = "env worker interrupted"
 
@@ -108,6 +113,13 @@ def main(argv):
                 if not (isinstance(request_id, str) and isinstance(episode_id, str)):
                     print(f"dropped a malformed {kind}: request_id/episode_id not strings", file=sys.stderr)
                     continue
+                if answered == args.die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if answered == args.leave_after:
+                    send("stop", reason=f"leaving after {answered} requests")
+                    print("left", flush=True)
+                    return
+                answered += 1
                 if kind == "reset":
                     try:
                         episodes[episode_id] = new_episode(msg.get("columns"))
@@ -140,6 +152,10 @@ def main(argv):
                 attach()
                 print("reattached", flush=True)
             elif kind == "stop":
+                if msg.get("final") is False:  # the actor goes away; a new one will greet us
+                    episodes.clear()
+                    print(f"waiting: {msg.get('reason')}", flush=True)
+                    continue
                 print(f"stopped: {msg.get('reason')}", flush=True)
                 return
     except KeyboardInterrupt:
