@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -25,12 +26,27 @@ def make_endpoints(run_dir: Path, transport: str = "ipc", host: str = "127.0.0.1
         raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
     sock_dir = Path(run_dir).resolve() / "sockets"
     if len(str(sock_dir)) + 16 > _MAX_IPC_PATH:
-        # A deep run directory would overflow the socket path; keep the sockets private
-        # in a short temporary directory instead.
-        sock_dir = Path(tempfile.mkdtemp(prefix="mlxrl-"))
+        sock_dir = _short_socket_dir(Path(run_dir).resolve())
     sock_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(sock_dir, 0o700)
     return {name: f"ipc://{sock_dir}/{name}.sock" for name in NAMES}
+
+
+def _short_socket_dir(run_dir: Path) -> Path:
+    """A deep run directory would overflow the socket path, so its sockets live in a short
+    directory under the temporary directory, named after the run directory: a resumed run
+    binds the same addresses, and workers that outlived the orchestrator find it there.
+    A directory of that name that is not ours (another user made it first) is not used."""
+    name = "mlxrl-" + hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / name
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
+        return Path(tempfile.mkdtemp(prefix="mlxrl-"))
+    return path
 
 
 def write_endpoints(run_dir: Path, endpoints: dict[str, str]) -> None:

@@ -7,6 +7,7 @@ import random
 import re
 import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 import msgpack
@@ -700,6 +701,24 @@ def test_make_endpoints_deep_run_dir(tmp_path):
     finally:
         if not str(sock.parent).startswith(str(tmp_path)):
             shutil.rmtree(sock.parent, ignore_errors=True)
+
+
+def test_a_deep_run_dir_binds_the_same_addresses_when_resumed(tmp_path, monkeypatch):
+    """Workers that outlived the orchestrator wait on the old addresses: a resume (a new
+    make_endpoints for the same run directory) must give the same ones. A directory of that
+    name that is not ours is not used."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    deep = tmp_path.joinpath(*(["d" * 20] * 6))
+    first, again = make_endpoints(deep), make_endpoints(deep)
+    assert first == again
+    assert make_endpoints(tmp_path.joinpath(*(["e" * 20] * 6))) != first
+    sock_dir = Path(first["learner"].removeprefix("ipc://")).parent
+    shutil.rmtree(sock_dir)
+    sock_dir.symlink_to(tmp_path)  # planted by someone else: not followed
+    moved = Path(make_endpoints(deep)["learner"].removeprefix("ipc://")).parent
+    assert moved != sock_dir and moved.parent == tmp_path / "tmp"
+    assert stat.S_IMODE(os.stat(moved).st_mode) == 0o700
 
 
 def test_make_endpoints_tcp(tmp_path):
