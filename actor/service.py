@@ -262,9 +262,26 @@ class Actor:
         self.greeted = max(self.watch.connections, 1)  # the first hello goes on the first connection
         self.version, self.pending, self.groups_sent, self.groups_consumed = None, None, 0, 0
         self.strange = False
+        if not self.can_send():
+            self.greeted = 0  # the loop says why (refused: exit 4), or says hello again
+            return
         self.send(protocol.HELLO, {"role": "actor", "model": self.cfg.model.path,
                                    "tokenizer": tokenizer_fingerprint(self.tokenizer),
                                    "lora": as_dict(self.cfg.lora), "pid": os.getpid(), "slot": self.slot})
+
+    def can_send(self) -> bool:
+        """Whether the socket takes a message within the send timeout. A refused connection
+        is gone for good and a send would wait the whole timeout, so the watch is asked
+        meanwhile: refused means False at once."""
+        deadline = time.monotonic() + sockets.SEND_TIMEOUT_MS / 1000
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.sock.poll(100, zmq.POLLOUT):
+                    return True
+            self.watch.down_for()
+            if self.watch.refused:
+                return False
+        return False
 
     def run(self) -> None:
         self.greet()
