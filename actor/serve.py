@@ -72,16 +72,16 @@ class TooSlow(BadRequest):
 class Policy:
     """The model being served, its tokenizer, and the version of its adapter weights."""
 
-    def __init__(self, model, tokenizer, name: str, sampling: SamplingConfig, version: int | None,
-                 waiting: str | None = None) -> None:
-        """`waiting`: why there is nothing to serve yet (a followed run without adapters so
-        far); requests get a 503 saying it until weights arrive (`set_weights`)."""
+    def __init__(self, model, tokenizer, name: str, sampling: SamplingConfig, version: int | None) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
-        self.sampling, self.version, self.waiting = sampling, version, waiting
+        self.sampling, self.version = sampling, version
+        # Why there is nothing to serve yet (a followed run without adapters so far):
+        # requests get a 503 saying it until weights arrive (`set_weights`).
+        self.waiting: str | None = None
         args = getattr(model, "args", None)
         self.context = getattr(args, "max_position_embeddings", None)
         self.vocab = getattr(args, "vocab_size", None) or len(tokenizer.get_vocab())
-        self.seeds = itertools.count(int(time.time()) % MAX_SEED)  # a request without `seed` draws anew
+        self.seeds = itertools.count(int(time.time()))  # a request without `seed` draws anew
 
     def set_weights(self, weights: dict, version: int) -> None:
         set_adapter_weights(self.model, weights)

@@ -30,6 +30,13 @@ class DigitsEnv:
         return f"\nrepeat {self.digits[self.turn]}", reward, False
 
 
+def digit_share(prompts, completions, digits, **columns) -> list[float]:
+    """A TRL-style reward function for the same task (`orchestrator reward-worker
+    digits_env:digit_share` serves it; benchmarks/chaos.py does): the share of each whole
+    episode's characters that are the row's first digit."""
+    return [c.count(d[0]) / max(len(c), 1) for c, d in zip(completions, digits)]
+
+
 def write_prompts(path: Path, rows: int = 200, turns: int = 3, seed: int = 0) -> None:
     rng = random.Random(seed)
     with open(path, "w") as f:

@@ -2,11 +2,16 @@
 functions (in-process at once, external workers when they answer), kept or filtered by
 the algorithm (DAPO drops equal-reward groups), queued, and taken `batch_size` at a time,
 dropping those too stale to train on. Every group leaves through the ledger.
+
+The queue keeps the order the groups arrived in, whatever order their rewards come back
+in (several reward workers): a batch's rows, and so its update to the last bit, do not
+depend on which worker was quicker.
 """
 
 from __future__ import annotations
 
-import collections
+import bisect
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -24,7 +29,9 @@ class Intake:
         self.ledger = ledger
         self.unscored: list[Group] = []  # received, not yet sent to the rewards
         self.awaiting: dict[str, Group] = {}  # waiting for an external reward
-        self.queue: collections.deque[Group] = collections.deque()  # scored and kept
+        self.queue: list[tuple[int, Group]] = []  # scored and kept, by arrival
+        self.arrival: dict[int, int] = {}  # id(group) -> its place in the order of arrival
+        self.counter = itertools.count()
 
     @property
     def queued(self) -> int:
@@ -32,6 +39,8 @@ class Intake:
         return len(self.queue) + len(self.unscored) + len(self.awaiting)
 
     def add(self, groups: list[Group]) -> None:
+        for g in groups:
+            self.arrival[id(g)] = next(self.counter)
         self.unscored += groups
 
     def score(self) -> None:
@@ -63,16 +72,18 @@ class Intake:
     def next_batch(self, version: int, batch_size: int, max_staleness: int) -> list[Group] | None:
         """`batch_size` groups to train policy `version` on, dropping those more than
         `max_staleness` versions old; None until there are enough."""
-        while self.queue and version - self.queue[0].policy_version > max_staleness:
-            self.drop(self.queue.popleft(), "stale")
+        for entry in [e for e in self.queue if version - e[1].policy_version > max_staleness]:
+            self.queue.remove(entry)
+            self.drop(entry[1], "stale")
         if len(self.queue) < batch_size:
             return None
-        return [self.queue.popleft() for _ in range(batch_size)]
+        batch, self.queue = [g for _, g in self.queue[:batch_size]], self.queue[batch_size:]
+        return batch
 
     def accept(self, g: Group, scored: Scored) -> None:
         if self.keep_group(scored.total):
             g.rewards, g.rewards_by_function = scored.total, scored.by_function
-            self.queue.append(g)
+            bisect.insort(self.queue, (self.arrival.pop(id(g)), g), key=lambda entry: entry[0])
         else:
             self.drop(g, "filtered: equal rewards")
 
@@ -84,4 +95,5 @@ class Intake:
         raise RewardError(f"{error} (on {where}, prompt {str(g.prompt)[:80]!r})") from error
 
     def drop(self, g: Group, reason: str) -> None:
+        self.arrival.pop(id(g), None)
         self.ledger.drop(reason, g.sender, g.cursor, g.group_id)

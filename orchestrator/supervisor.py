@@ -288,7 +288,7 @@ class Supervisor:
         if not path.exists() or not (self.run_dir / "status.json").exists():
             return []  # the learner has not started: a resumed run's file is not trimmed yet
         rows = read_lines(path)  # a line being written does not parse yet: skipped
-        if rows and line_order(rows[-1]) < self.last_line:
+        if rows and rows[-1]["step"] < self.last_line[0]:  # a restarted learner went back
             self.say(f"continuing from the checkpoint of step {rows[-1]['step']}")
             self.last_line = line_order(rows[-1])
         new = [m for m in rows if line_order(m) > self.last_line]

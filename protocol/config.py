@@ -398,6 +398,10 @@ def validate(raw: dict[str, Any]) -> Config:
     if cfg.eval.prompts and cfg.env.environment:
         raise ConfigError("eval.prompts: evaluating episodes with an environment is not supported yet; "
                           "leave [eval] out of a run with env.environment")
+    if cfg.env.environment and cfg.actor.count > 1:
+        # Each actor would bind the one env socket of the run directory.
+        raise ConfigError(f"actor.count = {cfg.actor.count} with env.environment: one actor serves the "
+                          "environment's episodes for now; set actor.count = 1")
     if cfg.actor.remote >= cfg.actor.count:
         raise ConfigError(f"actor.remote = {cfg.actor.remote} must be below actor.count = {cfg.actor.count}: "
                           "`up` starts at least one actor")

@@ -11,7 +11,8 @@ them from joining; these keep them from ending the run:
 - every socket refuses a frame larger than the run's messages can hold (ZMQ_MAXMSGSIZE)
   before buffering it;
 - a connection that has not finished its handshake in HANDSHAKE_S is closed;
-- a bound TCP socket holds at most MAX_CONNECTIONS connections (`ConnectionCap`);
+- beyond MAX_CONNECTIONS, a bound TCP socket sheds connections that have said nothing
+  (`ConnectionCap`);
 - the process may open as many descriptors as its hard limit allows.
 """
 
@@ -49,7 +50,7 @@ HANDSHAKE_S = 5.0
 # other end holds the wrong server key (the server cannot read its hello and says nothing).
 WRONG_KEY_S = 5.0
 # Connections one bound TCP socket holds at a time: a run's actors, observers and workers
-# are a few dozen at most; beyond this a new connection is closed at once (`ConnectionCap`).
+# are a few dozen at most; beyond this the silent ones are shut down (`ConnectionCap`).
 MAX_CONNECTIONS = 128
 # A connecting peer's send waits at most this long (libzmq queues while the peer is away;
 # it blocks only when the connection was refused for good, which the watch then says).

@@ -595,3 +595,12 @@ def test_env_section_is_checked():
     assert (openenv.openenv_action_field, openenv.openenv_observation_field) == ("message", None)
     with pytest.raises(ConfigError, match="evaluating episodes with an environment is not supported yet"):
         validate({**raw, "env": {"environment": "socket"}, "eval": {"prompts": "held.jsonl"}})
+
+
+def test_several_actors_with_an_environment_are_refused():
+    """Each actor would bind the run's one env socket: say so instead of splitting the env
+    workers between actors that cannot tell."""
+    digits = TINY.parent / "digits.toml"
+    with pytest.raises(ConfigError, match=r"actor\.count = 2 with env\.environment: one actor serves the "
+                                          r"environment's episodes for now; set actor\.count = 1"):
+        load_config(digits, overrides=["actor.count=2"])

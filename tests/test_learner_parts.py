@@ -17,7 +17,7 @@ from learner.metrics import MetricsFile
 from learner.rollouts import RolloutSocket
 from protocol.config import RewardConfig
 from rewards.functions import RewardError
-from rewards.scorer import Scorer
+from rewards.scorer import Scored, Scorer
 
 A, B = b"actor-a", b"actor-b"
 
@@ -93,6 +93,24 @@ def test_the_intake_scores_filters_and_batches_dropping_stale_groups(scorer):
     batch = intake.next_batch(version=2, batch_size=2, max_staleness=1)
     assert [g.group_id for g in batch] == ["new", "newer"]
     np.testing.assert_array_equal(batch[0].rewards, [3.0, 1.0])
+
+
+def test_the_queue_keeps_the_order_of_arrival_whatever_order_rewards_come_back_in(scorer):
+    """Several reward workers answer in any order: the batch is the same either way, so a
+    resumed run repeats itself to the bit."""
+    intake = Intake(scorer("ones"), lambda r: True, Ledger())
+    groups = [group(name, lens=(1, 2)) for name in ("first", "second", "third")]
+    intake.add(groups)
+    for g in groups:  # as if an external worker holds them
+        intake.awaiting[f"{g.sender.hex()}/{g.group_id}"] = g
+    intake.unscored.clear()
+    answers = [Scored(f"{A.hex()}/{name}", np.array([1.0, 2.0])) for name in ("third", "first", "second")]
+    intake.take(answers[:1], [], [])
+    assert intake.next_batch(version=0, batch_size=2, max_staleness=0) is None
+    intake.take(answers[1:], [], [])
+    assert [g.group_id for g in intake.next_batch(version=0, batch_size=2, max_staleness=0)] == [
+        "first", "second"]
+    assert [g.group_id for g in intake.next_batch(version=0, batch_size=1, max_staleness=0)] == ["third"]
 
 
 def test_a_failing_reward_function_is_dropped_and_named_with_its_row(scorer):
