@@ -7,10 +7,14 @@ with one assistant message for chat prompts. Dataset columns are repeated per co
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import math
 import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 RewardFn = Callable[..., list]
@@ -26,15 +30,45 @@ def import_spec(spec: str, search_path: str | None, error: type[Exception],
                 what: str) -> tuple[str, str, Any]:
     """Import `module:name`, looking in `search_path` (the config's directory) first, like
     a local import. Returns (module name, name, the object or None); raises `error`
-    naming the `what` when the module does not import."""
+    naming the `what` when the module does not import.
+
+    A module found in `search_path` is loaded from its file under a name of its own, so a
+    user's `rewards.py` or `policy.py` is never taken for this project's package of that
+    name (an import by name would find the one already loaded). The directory goes on the
+    end of sys.path, so the module's own imports of its neighbours still work."""
     module_name, _, name = spec.partition(":")
     if search_path and search_path not in sys.path:
-        sys.path.insert(0, search_path)
+        sys.path.append(search_path)
     try:
-        module = importlib.import_module(module_name)
+        module = _import_from(search_path, module_name) or importlib.import_module(module_name)
     except ImportError as e:
         raise error(f"{what} {spec!r}: cannot import {module_name!r}: {e}") from None
     return module_name, name, getattr(module, name, None)
+
+
+def _import_from(directory: str | None, module_name: str) -> ModuleType | None:
+    """`module_name` loaded from its file in `directory` under a private name, or None if
+    it has no file there. A dotted name's top package is loaded so, then the rest from it."""
+    if not directory:
+        return None
+    top, _, rest = module_name.partition(".")
+    base = Path(directory).resolve() / top
+    package = base / "__init__.py"
+    path = package if package.is_file() else base.with_suffix(".py")
+    if not path.is_file():
+        return None
+    private = f"_user_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}_{top}"
+    if private not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            private, path, submodule_search_locations=[str(base)] if path == package else None)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[private] = module  # before it runs: dataclasses and pickle look it up
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[private]
+            raise
+    return importlib.import_module(f"{private}.{rest}") if rest else sys.modules[private]
 
 
 def load_reward_function(spec: str, search_path: str | None = None) -> RewardFn:

@@ -13,7 +13,7 @@ import pytest
 
 from policy.data import DataError, PromptStream, load_prompts
 from protocol.config import RewardConfig
-from rewards.functions import reward_inputs
+from rewards.functions import RewardError, reward_inputs
 from rewards.scorer import Scorer
 from tests.conftest import EXAMPLES, ROOT, write_config
 from tests.test_e2e import read_metrics, run_up
@@ -198,6 +198,34 @@ def test_weighted_rewards_leave_none_out_like_trl(tmp_path):
     np.testing.assert_allclose(scored.total, [1.0 + 1.0, 1.5, 0.5, np.nan])
     assert scored.by_function == {"two:a": [1.0, None, 0.5, None], "two:b": [2.0, 3.0, None, None]}
     assert [scorer.metric_name(k) for k in scored.by_function] == ["a", "b"]
+
+
+def test_user_modules_named_like_the_project_s_packages_load_from_their_directory(tmp_path):
+    """`policy.py`, `protocol.py` and an `actor/` package beside a config are the user's,
+    not this project's packages of those names; a module's imports of its neighbours work."""
+    from orchestrator.workers import load_env_class
+    from rewards.functions import load_reward_function
+
+    (tmp_path / "helpers.py").write_text("BONUS = 0.5\n")
+    (tmp_path / "protocol.py").write_text("from helpers import BONUS\n"
+                                          "def score(completions, **kw):\n"
+                                          "    return [BONUS] * len(completions)\n")
+    (tmp_path / "policy.py").write_text("class Echo:\n    def reset(self, **kw):\n        return 'go'\n"
+                                        "    def step(self, action):\n        return (action, 1.0, True)\n")
+    (tmp_path / "actor").mkdir()
+    (tmp_path / "actor" / "__init__.py").write_text("")
+    (tmp_path / "actor" / "scoring.py").write_text("from . import weights\n"
+                                                   "def score(completions, **kw):\n"
+                                                   "    return [weights.W] * len(completions)\n")
+    (tmp_path / "actor" / "weights.py").write_text("W = 2.0\n")
+    assert load_reward_function("protocol:score", str(tmp_path))(["a", "b"]) == [0.5, 0.5]
+    assert load_reward_function("actor.scoring:score", str(tmp_path))(["a"]) == [2.0]
+    assert load_env_class("policy:Echo", str(tmp_path))().step("x") == ("x", 1.0, True)
+    import policy
+    import protocol
+    assert hasattr(protocol, "encode") and not hasattr(policy, "Echo")  # ours are untouched
+    with pytest.raises(RewardError, match="has no function 'nope'"):
+        load_reward_function("protocol:nope", str(tmp_path))
 
 
 def test_reward_functions_of_the_same_name_in_two_modules_do_not_collide(tmp_path):

@@ -90,6 +90,16 @@ def wait_for(path: Path, timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
+def test_a_user_s_rewards_py_beside_the_config_is_theirs(tmp_path):
+    """A user's module named like one of the project's packages is loaded from the config's
+    directory, not taken for the package (it failed: "rewards has no function ...")."""
+    (tmp_path / "rewards.py").write_text("def correctness(prompts, completions, **columns):\n"
+                                         "    return [0.25] * len(completions)\n")
+    code, out = run_up(write_config(tmp_path, steps=1, reward="rewards:correctness"))
+    assert code == 0, out
+    assert read_metrics(tmp_path / "run")[0]["reward"] == 0.25
+
+
 def test_learner_survives_malformed_messages(tmp_path):
     proc = orchestrator("up", "--config", str(write_config(tmp_path, steps=4)))
     run = tmp_path / "run"
