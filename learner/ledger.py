@@ -16,6 +16,10 @@ from typing import Any
 
 log = logging.getLogger("learner")
 
+# Drops an algorithm or the staleness bound makes as a matter of course: counted, and said
+# once a step. Any other drop is said with its group.
+ROUTINE_DROPS = ("filtered: equal rewards", "stale")
+
 
 class Ledger:
     def __init__(self) -> None:
@@ -30,6 +34,7 @@ class Ledger:
         self.slot_cursors: dict[int, list[int]] = {}  # newest consumed, per slot (checkpointed)
         self.slot_received: dict[int, list[int]] = {}  # newest received, per slot
         self.received_by_slot: collections.Counter[int] = collections.Counter()
+        self.unsaid: collections.Counter[str] = collections.Counter()  # routine drops since `say_drops`
 
     def attach(self, actor: bytes, slot: int) -> None:
         """An actor's hello: its credit counts from 0 (what it sent before, under this
@@ -60,7 +65,18 @@ class Ledger:
     def drop(self, reason: str, sender: bytes, cursor: list[int] | None = None, group_id: str = "?") -> None:
         self.dropped[reason] += 1
         self.consume(sender, cursor)
-        log.warning("dropped group %s: %s", group_id, reason)
+        if reason in ROUTINE_DROPS:  # said once a step (`say_drops`): DAPO drops most groups
+            self.unsaid[reason] += 1
+            log.debug("dropped group %s: %s", group_id, reason)
+        else:
+            log.warning("dropped group %s: %s", group_id, reason)
+
+    def say_drops(self, step: int) -> None:
+        """One log line for the routine drops since the last call, if any."""
+        if self.unsaid:
+            counts = ", ".join(f"{reason} {n}" for reason, n in sorted(self.unsaid.items()))
+            log.info("step %d: dropped %d groups (%s)", step, sum(self.unsaid.values()), counts)
+            self.unsaid.clear()
 
     def train(self, senders_and_cursors: list[tuple[bytes, list[int] | None]]) -> None:
         self.trained += len(senders_and_cursors)

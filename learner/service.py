@@ -165,6 +165,7 @@ class Learner:
                 "learner_peak_mb": mx.get_peak_memory() / MB, **self.shares, **self.group_counts(),
             }
             self.record(line)
+            self.ledger.say_drops(self.step)
             if train.checkpoint_every and self.step % train.checkpoint_every == 0:
                 self.checkpoint()
             self.evaluate()

@@ -64,6 +64,22 @@ def test_a_ledger_from_a_checkpoint_counts_queued_groups_as_not_received():
     assert restored.data_cursor == [1, 0]
 
 
+def test_routine_drops_are_said_once_a_step_and_others_with_their_group(caplog):
+    """DAPO drops most groups of a run: one line a step with the counts, not one a group."""
+    ledger = Ledger()
+    with caplog.at_level("INFO", logger="learner"):
+        for i in range(5):
+            ledger.drop("filtered: equal rewards", A, group_id=f"g{i}")
+        ledger.drop("stale", A, group_id="g5")
+        ledger.drop("completion_ids out of range", B, group_id="bad")
+        ledger.say_drops(7)
+        ledger.say_drops(8)  # nothing since: nothing said
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["dropped group bad: completion_ids out of range",
+                     "step 7: dropped 6 groups (filtered: equal rewards 5, stale 1)"]
+    assert ledger.dropped == {"filtered: equal rewards": 5, "stale": 1, "completion_ids out of range": 1}
+
+
 # -- the intake --------------------------------------------------------------------------
 
 @pytest.fixture
