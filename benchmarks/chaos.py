@@ -8,8 +8,8 @@ picks one):
   external `orchestrator reward-worker`s;
 - `actors`: the tiny task with two actors, the second remote (`actor run --slot 1`), and two
   external reward workers.
-At random moments, each after the run has made progress since the last kill, it SIGKILLs
-one process of each kind of its scenario (the actor, the remote actor, the learner, a
+Every few steps (4 for episodes, 20 in the faster actors run), at a random moment within
+a step, it SIGKILLs one process of each kind of its scenario (the actor, the remote actor, the learner, a
 reward worker, an env worker, or the orchestrator itself, then resumed with `orchestrator
 up --resume`), `--kills` times each, in random order. A killed worker is started again at
 once, as a user would; the killed remote actor only once the run has made a step without
@@ -65,6 +65,7 @@ class Scenario:
     reward: str  # the reward workers' function
     env_workers: int = 0
     remote_actor: bool = False
+    steps_per_kill: int = 4  # the run's progress between two kills: its steps take their time
 
 
 SCENARIOS = {
@@ -77,7 +78,7 @@ SCENARIOS = {
         **COMMON, "sampling.max_tokens": "6", "reward.functions": '["worker"]', "actor.count": "2",
         "actor.remote": "1"},
         ("actor", "remote-actor", "learner", "reward-worker", "orchestrator"), "tiny_task:reward",
-        remote_actor=True),
+        remote_actor=True, steps_per_kill=20),
 }
 
 
@@ -218,9 +219,13 @@ class Chaos:
         plan = [k for k in self.scenario.kinds for _ in range(self.kills)]
         self.rng.shuffle(plan)
         for i, kind in enumerate(plan, 1):
-            time.sleep(self.rng.uniform(0.0, 1.0))  # a random moment within the step's cycle
+            # Kill i comes after step i * steps_per_kill, at a random moment within a step's cycle.
+            self.wait_for_progress(i * self.scenario.steps_per_kill - 1)
+            time.sleep(self.rng.uniform(0.0, 1.0))
             old = [p for p in (heartbeat_pid(self.run, r) for r in ("learner", self.actor)) if p]
             while not self.kill(kind):  # e.g. the actor is being restarted right now
+                if self.orchestrator.poll() is not None:
+                    raise RuntimeError(f"the run ended before kill {i}; see {self.work / 'orchestrator.log'}")
                 time.sleep(0.1)
             killed_at = time.monotonic()
             if kind == "orchestrator":
@@ -367,7 +372,7 @@ def play_scenario(name: str, work: Path, kills: int, seed: int, extra_steps: int
     """One scenario's chaos run and checks; prints its report, returns whether all passed."""
     scenario = SCENARIOS[name]
     work.mkdir(parents=True, exist_ok=True)
-    steps = 4 * len(scenario.kinds) * kills + 10  # room for every kill to land mid-run
+    steps = scenario.steps_per_kill * (len(scenario.kinds) * kills + 2)  # every kill lands mid-run
     chaos = Chaos(scenario, work, kills, seed)
     log(f"chaos, {name}, in {work}: {steps} steps, {kills} kills of each of {', '.join(scenario.kinds)}")
     t0 = time.monotonic()
