@@ -253,6 +253,18 @@ def _serve(make_worker, user_error: type[Exception]) -> None:
     raise typer.Exit(code)
 
 
+def run_file(run_dir: Path, name: str, why_missing: str) -> Path:
+    """`run_dir/name`, or exit 2 saying which is missing: the directory, or the file."""
+    if not (run_dir / "config.json").exists():
+        what = "does not exist" if not run_dir.exists() else "holds no run (no config.json)"
+        typer.echo(f"error: run directory {run_dir} {what}; give the run.dir of a run (--run-dir)", err=True)
+        raise typer.Exit(lifecycle.EXIT_CONFIG)
+    if not (run_dir / name).exists():
+        typer.echo(f"error: {run_dir / name} does not exist: {why_missing}", err=True)
+        raise typer.Exit(lifecycle.EXIT_CONFIG)
+    return run_dir / name
+
+
 show_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Show a run's files.")
 app.add_typer(show_app, name="show")
 
@@ -266,13 +278,15 @@ def show_completions(
     """Print the completions the learner logged (log.completions_every) as a table."""
     from pathlib import Path
 
-    from orchestrator.show import completions_table, read_lines
+    from orchestrator.show import NotLogged, completions_table, read_lines
 
-    path = Path(run_dir) / "completions.jsonl"
-    if not path.exists():
-        typer.echo(f"error: {path} does not exist (set log.completions_every to log completions)", err=True)
-        raise typer.Exit(2)
-    typer.echo(completions_table(read_lines(path), step, width))
+    path = run_file(Path(run_dir), "completions.jsonl",
+                    "the learner logs none (log.completions_every sets how often)")
+    try:
+        typer.echo(completions_table(read_lines(path), step, width))
+    except NotLogged as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(lifecycle.EXIT_CONFIG) from None
 
 
 @show_app.command("reward")
@@ -285,10 +299,7 @@ def show_reward(
 
     from orchestrator.show import read_lines, reward_change
 
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        typer.echo(f"error: {path} does not exist", err=True)
-        raise typer.Exit(2)
+    path = run_file(Path(run_dir), "metrics.jsonl", "the run has not finished a step yet")
     typer.echo(reward_change(read_lines(path), window))
 
 

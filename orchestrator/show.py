@@ -23,19 +23,24 @@ def one_line(text: str, width: int) -> str:
     return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
 
 
+class NotLogged(LookupError):
+    """What was asked for is not in the run's files; the message says what is."""
+
+
 def completions_table(rows: list[dict], step: int | None, width: int | None = None) -> str:
     """The logged completions of `step` (default: the last logged step) as a table per
-    group: its prompt, then one line per completion."""
+    group: its prompt, then one line per completion. NotLogged if that step is not logged."""
     if not rows:
-        return "no completions logged (set log.completions_every)"
+        raise NotLogged("no completions logged yet (log.completions_every sets how often)")
     steps = sorted({r["step"] for r in rows})
     step = steps[-1] if step is None else step
     if step not in steps:
-        return f"no completions logged at step {step}; logged steps: {', '.join(map(str, steps))}"
+        raise NotLogged(f"no completions logged at step {step}; logged steps: {', '.join(map(str, steps))}")
     width = width or shutil.get_terminal_size((120, 20)).columns
     out = [f"step {step}"]
     names = sorted({k for r in rows if r["step"] == step for k in r["rewards"]})
-    head = f"{'#':>2}  {'reward':>7}  {'adv':>7}  " + "".join(f"{n[:10]:>11}" for n in names) + \
+    widths = [max(len(n), 7) + 2 for n in names]  # a reward's whole name: they tell functions apart
+    head = f"{'#':>2}  {'reward':>7}  {'adv':>7}  " + "".join(f"{n:>{w}}" for n, w in zip(names, widths)) + \
         f"  {'finish':<6}  {'tok':>4}  completion"
     for group_id in dict.fromkeys(r["group_id"] for r in rows if r["step"] == step):
         group = [r for r in rows if r["step"] == step and r["group_id"] == group_id]
@@ -45,8 +50,8 @@ def completions_table(rows: list[dict], step: int | None, width: int | None = No
         out += ["", one_line(title, width), head]
         for r in group:
             reward = "-" if r["reward"] is None else f"{r['reward']:.3f}"
-            scores = "".join(f"{'-' if r['rewards'].get(n) is None else format(r['rewards'][n], '.3f'):>11}"
-                             for n in names)
+            scores = "".join(f"{'-' if r['rewards'].get(n) is None else format(r['rewards'][n], '.3f'):>{w}}"
+                             for n, w in zip(names, widths))
             cells = f"{r['index']:>2}  {reward:>7}  {r['advantage']:>+7.3f}  {scores}  " \
                     f"{r['finish_reason']:<6}  {r['tokens']:>4}  "
             out.append(cells + one_line(r["completion"], width - len(cells)))

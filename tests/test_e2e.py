@@ -323,6 +323,11 @@ def test_completions_are_logged_at_the_configured_steps_and_shown(tmp_path):
     assert shown.returncode == 0, text
     assert "step 2" in text and rows[0]["prompt"] in text
     assert rows[0]["completion"].replace("\n", " ⏎ ") in text
+    for args, said in ((["--step", "3"], "no completions logged at step 3; logged steps: 2, 4"),
+                       (["--run-dir", str(tmp_path / "nope")], "nope does not exist; give the run.dir")):
+        shown = orchestrator("show", "completions", "--run-dir", str(run), *args)
+        text, _ = shown.communicate(timeout=60)
+        assert shown.returncode == 2 and said in text, text
 
 
 def test_plot_writes_a_png_of_the_run_s_curves(default_run, tmp_path):

@@ -294,12 +294,13 @@ def test_batch_metrics_carry_trl_s_names_and_meanings():
 
 
 def test_the_completions_table_shows_each_group_under_its_prompt():
-    from orchestrator.show import completions_table
+    from orchestrator.show import NotLogged, completions_table
 
+    long = "math_rewards:correctness"  # whole: cut to 10 it read "math_rewar"
     row = {"step": 3, "policy_version": 2, "group_id": "g1", "prompt": [{"role": "user", "content": "2+2?"}],
-           "finish_reason": "stop", "tokens": 3, "rewards": {"f": 1.0, "g": None}, "advantage": 0.5}
+           "finish_reason": "stop", "tokens": 3, "rewards": {"f": 1.0, long: None}, "advantage": 0.5}
     rows = [{**row, "index": 0, "completion": "4\nok", "reward": 1.0},
-            {**row, "index": 1, "completion": "five", "reward": None, "rewards": {"f": None, "g": None}},
+            {**row, "index": 1, "completion": "five", "reward": None, "rewards": {"f": None, long: None}},
             {**row, "step": 1, "index": 0, "completion": "old", "reward": 0.0}]
     text = completions_table(rows, None, width=100)
     lines = text.splitlines()
@@ -307,7 +308,11 @@ def test_the_completions_table_shows_each_group_under_its_prompt():
     assert "4 ⏎ ok" in lines[4] and "1.000" in lines[4] and "+0.500" in lines[4]
     assert lines[5].split()[1:3] == ["-", "+0.500"]  # unscored: no reward, each function "-"
     assert "old" not in text
-    assert "logged steps: 1, 3" in completions_table(rows, 2)
+    assert lines[3].split()[3:5] == ["f", long]
+    with pytest.raises(NotLogged, match="logged steps: 1, 3"):
+        completions_table(rows, 2)
+    with pytest.raises(NotLogged, match="no completions logged yet"):
+        completions_table([], None)
 
 
 def test_a_group_that_no_reward_scored_has_no_std_and_advantage_zero():
