@@ -62,6 +62,32 @@ class Sampled:
     texts: list[str]
 
 
+class Progress:
+    """"sampling N/M prompts": rewritten in place on a terminal; into a file or a pipe, a
+    line every PROGRESS_EVERY_S and the last one (no carriage returns in a log)."""
+
+    EVERY_S = 10.0
+
+    def __init__(self, err: IO[str] | None, total: int) -> None:
+        self.err, self.total = err, total
+        self.tty = err is not None and hasattr(err, "isatty") and err.isatty()
+        self.last, self.pending = time.monotonic(), ""
+
+    def show(self, done: int, rate: float) -> None:
+        if self.err is None:
+            return
+        text = f"sampling {done}/{self.total} prompts  {rate:.0f} tok/s"
+        if self.tty:
+            print(f"\r{text}", end="", file=self.err, flush=True)
+        elif time.monotonic() - self.last >= self.EVERY_S or done == self.total:
+            print(text, file=self.err, flush=True)
+            self.last = time.monotonic()
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=self.err)
+
+
 def sample_prompts(model, tok, prompts: list[Prompt], num_samples: int, params: SamplingConfig, seed: int,
                    err: IO[str] | None = None) -> tuple[list[Sampled], float]:
     """`num_samples` completions of each prompt, about 64 rows decoding as one batch; and
@@ -69,6 +95,7 @@ def sample_prompts(model, tok, prompts: list[Prompt], num_samples: int, params: 
     depend only on the seed and the model."""
     rows, tokens, t0 = [], 0, time.perf_counter()
     per_batch = max(1, 64 // num_samples)
+    progress = Progress(err, len(prompts))
     for start in range(0, len(prompts), per_batch):
         batch = prompts[start:start + per_batch]
         groups = sample_groups(model, [p.prompt_ids for p in batch], num_samples, params,
@@ -77,12 +104,8 @@ def sample_prompts(model, tok, prompts: list[Prompt], num_samples: int, params: 
             texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
             tokens += sum(len(c.token_ids) for c in completions)
             rows.append(Sampled(p, completions, texts))
-        if err is not None:
-            rate = tokens / (time.perf_counter() - t0)
-            print(f"\rsampling {len(rows)}/{len(prompts)} prompts  {rate:.0f} tok/s", end="", file=err,
-                  flush=True)
-    if err is not None:
-        print(file=err)
+        progress.show(len(rows), tokens / (time.perf_counter() - t0))
+    progress.close()
     elapsed = time.perf_counter() - t0
     return rows, tokens / elapsed if elapsed > 0 else 0.0
 

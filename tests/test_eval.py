@@ -3,8 +3,10 @@ a real run, `actor eval`, and evaluation with an external reward worker."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
+import re
 import subprocess
 import sys
 
@@ -34,6 +36,30 @@ def test_pass_at_k_is_the_unbiased_estimator():
             for k in range(1, n + 1):
                 assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k)), (n, c, k)
     assert pass_ks(1) == [1] and pass_ks(4) == [1, 2, 4] and pass_ks(6) == [1, 2, 4, 6]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_sampling_progress_is_rewritten_on_a_terminal_and_whole_lines_elsewhere(tiny):
+    """`actor eval` into a file or a pipe: lines, no carriage returns."""
+    from policy.data import load_prompts
+    from policy.evaluation import sample_prompts
+    from protocol.config import SamplingConfig
+
+    model, tok = tiny
+    prompts = load_prompts(EXAMPLES / "tiny_prompts.jsonl", tok, 32)[:40]
+    params = SamplingConfig(max_tokens=2)
+    for err in (io.StringIO(), Terminal()):
+        sample_prompts(model, tok, prompts, 2, params, seed=0, err=err)
+        text = err.getvalue()
+        if isinstance(err, Terminal):  # 32 prompts a batch: 32, then 40, in place
+            assert text.count("\r") == 2 and text.endswith("sampling 40/40 prompts  " + text.split()[-2]
+                                                           + " tok/s\n")
+        else:  # the first batch is under 10 s: only the last line
+            assert "\r" not in text and re.fullmatch(r"sampling 40/40 prompts  \d+ tok/s\n", text), text
 
 
 def test_eval_metrics_on_a_hand_built_case():
