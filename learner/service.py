@@ -68,6 +68,7 @@ class Learner:
         self.pad_id = tokenizer.pad_token_id or 0
         self.step = 0  # optimizer steps taken: also the version of the weights (policy_version)
         self.num_tokens = 0  # prompt and completion tokens trained on (TRL's num_tokens)
+        self.checkpointed: int | None = None  # the step of the newest checkpoint written or loaded
         self.ledger = Ledger()
         self.status_failing = False
         if resume:
@@ -98,7 +99,7 @@ class Learner:
             log.info("no checkpoint to resume from; starting at step 0")
             return
         state = load_checkpoint(path, self.model, self.trainer.optimizer)
-        self.step = state["step"]
+        self.step = self.checkpointed = state["step"]
         self.ledger = Ledger.from_state(state)
         self.num_tokens = state.get("num_tokens", 0)
         self.scorer.restore_stats(state.get("reward_stats", {}))
@@ -198,6 +199,8 @@ class Learner:
             self.completions.write(row)
 
     def checkpoint(self) -> None:
+        if self.checkpointed == self.step:  # the last step's, or one that nothing followed
+            return
         state = {"step": self.step, "version": self.step, "num_tokens": self.num_tokens,
                  **self.ledger.state(), "reward_stats": self.scorer.worker_stats(),
                  "config": self.cfg.to_dict()}
@@ -214,6 +217,7 @@ class Learner:
                 log.error("cannot write the checkpoint of step %d: %s; trying again in %.0f s", self.step, e,
                           CHECKPOINT_RETRY_S)
                 time.sleep(CHECKPOINT_RETRY_S)
+        self.checkpointed = self.step
         log.info("wrote checkpoint %s (pid %d)", path.name, os.getpid())
 
     def group_counts(self) -> dict:
