@@ -1,7 +1,7 @@
-"""The arithmetic task: add or subtract two numbers of two or three digits.
+"""The arithmetic task: add or subtract two numbers from 0 to 99.
 
-    prompt      "what is 347 + 85?"
-    completion  "<answer>432</answer>"
+    prompt      "what is 47 + 85?"
+    completion  "<answer>132</answer>"
 
 The answer is checked exactly (`rewards.verifiable.answer_match`), so pass@1 means what
 it says. The problems are drawn by a seeded RNG; the held-out problems never appear in
@@ -23,7 +23,7 @@ SEED, N_TRAIN, N_HELDOUT = 1234, 5000, 200
 
 
 def problem(rng: random.Random) -> dict:
-    """One problem: operands of 2 or 3 digits; a subtraction never goes below zero."""
+    """One problem: operands from 0 to 99; a subtraction never goes below zero."""
     a, b = rng.randint(0, 99), rng.randint(0, 99)
     if rng.random() < 0.5:
         return {"prompt": f"what is {a} + {b}?", "answer": str(a + b)}

@@ -4,9 +4,12 @@ start on the arithmetic task, so that RL has something to sharpen.
 The warm start is deliberately short: it stops as soon as greedy decoding answers half of
 a validation set right. The model has learned the answer format and often the answer,
 but sampled at temperature 1 it is often wrong by a digit. GRPO then raises pass@1 on
-the held-out problems. The build is deterministic for a given seed and
-machine (MLX's kernels may round differently on another one); the committed model is the
-output of `python examples/build_arithmetic_model.py examples/arithmetic-model`.
+the held-out problems. The committed model is the output of `python
+examples/build_arithmetic_model.py examples/arithmetic-model`. A rebuild follows the same
+seeded recipe but is not bit-identical, even on the same machine (one here gave other
+weights): floating-point results depend on the BLAS and the kernels, and a difference in
+the last bits can move the step at which the warm start stops. Treat it as a model of the
+same kind, with a pass@1 close to the committed one's, not as a copy.
 """
 
 from __future__ import annotations
