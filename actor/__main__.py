@@ -118,7 +118,7 @@ def serve(
         raise typer.Exit(2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        cfg = read_run_config(run_dir) if run_dir is not None else load_config(config, set_)
+        cfg = read_run_config(run_dir) if run_dir is not None else load_config(str(config), set_)
     except (ConfigError, FileNotFoundError) as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2) from None

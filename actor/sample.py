@@ -30,12 +30,12 @@ def adapter_lora(adapter: str | Path) -> LoraConfig:
                       keys=tuple(params.get("keys") or ()))
 
 
-def wait_for_scores(scorer: Scorer, n: int, err: IO[str]) -> dict[str, object]:
+def wait_for_scores(scorer: Scorer, n: int, err: IO[str]) -> dict[str, Scored | RewardError]:
     """Poll the reward socket until n external scores (or failures) are back."""
-    results: dict[str, object] = {}
+    results: dict[str, Scored | RewardError] = {}
     said = False
     while len(results) < n:
-        if scorer.waiting_for_workers and not said:
+        if scorer.waiting_for_workers and scorer.dispatcher is not None and not said:
             print(f"\nwaiting for reward workers: orchestrator reward-worker module:function "
                   f"--connect {scorer.dispatcher.endpoint}", file=err, flush=True)
             said = True

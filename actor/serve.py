@@ -29,14 +29,14 @@ import os
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import zmq
 
 import protocol
 from policy.data import encode_prompt
-from policy.model import set_adapter_weights, tokenizer_fingerprint, weights_frame_bytes
+from policy.model import load_arrays, set_adapter_weights, tokenizer_fingerprint, weights_frame_bytes
 from policy.sampler import Completion, sample_groups
 from protocol import lifecycle, sockets
 from protocol.config import Config, SamplingConfig, as_dict
@@ -195,7 +195,7 @@ def chat_message(policy: Policy, c: Completion, text: str, tools: list | None) -
     `tool_calls`; a section cut short, or one the parser refuses, stays in the text."""
     tok = policy.tokenizer
     start, end = getattr(tok, "tool_call_start", None), getattr(tok, "tool_call_end", None)
-    message = {"role": "assistant", "content": text}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
     if not tools or not start or not getattr(tok, "has_tool_calling", False):
         return message, c.finish_reason
     eos = set(tok.eos_token_ids)
@@ -381,13 +381,13 @@ class Follower:
         newest = latest_checkpoint(run_dir)
         if newest is not None:
             step = checkpoint_step(newest)
-            policy.set_weights(mx.load(str(newest / "adapters" / "adapters.safetensors")), step)
+            policy.set_weights(load_arrays(newest / "adapters" / "adapters.safetensors"), step)
             log.info("serving the adapters of %s (policy version %d)", newest.name, step)
         else:
             policy.waiting = (f"{run_dir} has no adapters yet: no checkpoint, and no weights from its "
                               "learner (it sends them as soon as it runs; is the run started?)")
         self.ctx = zmq.Context()
-        endpoint = protocol.read_endpoints(run_dir)["learner"]
+        endpoint = protocol.read_endpoints(Path(run_dir))["learner"]
         keys = run_key_dir(run_dir, endpoint, cfg.run.insecure)
         self.sock, self.watch = sockets.connect(self.ctx, endpoint, keys,
                                                 sockets.frame_limit(weights_frame_bytes(policy.model)))
@@ -447,4 +447,4 @@ def serve(policy: Policy, host: str, port: int, follower: Follower | None = None
         server.server_close()
         if follower is not None:
             follower.close()
-    return lifecycle.signal_exit_code(signals.signum)
+    return signals.exit_code()

@@ -340,6 +340,4 @@ def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str |
         return lifecycle.EXIT_USER_ERROR  # another model or LoRA config: a restart won't help
     if actor.learner_lost:
         return lifecycle.EXIT_CRASH
-    if signals.requested:
-        return lifecycle.signal_exit_code(signals.signum)
-    return lifecycle.EXIT_OK
+    return signals.exit_code()

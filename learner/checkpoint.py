@@ -19,9 +19,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from policy.model import adapter_weights, save_adapters, set_adapter_weights
+from policy.model import adapter_weights, load_arrays, save_adapters, set_adapter_weights
 
 
 def adapters_digest(model: nn.Module) -> str:
@@ -29,7 +30,7 @@ def adapters_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, value in sorted(adapter_weights(model).items()):
         h.update(name.encode())
-        h.update(memoryview(value.astype(mx.float32)).tobytes())
+        h.update(np.asarray(value.astype(mx.float32)).tobytes())
     return h.hexdigest()[:16]
 
 
@@ -55,9 +56,9 @@ def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: optim.Optimizer,
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: optim.Optimizer) -> dict[str, Any]:
     """Restore adapters and optimizer state; return the saved state (checked digest)."""
-    set_adapter_weights(model, mx.load(str(path / "adapters" / "adapters.safetensors")))
+    set_adapter_weights(model, load_arrays(path / "adapters" / "adapters.safetensors"))
     optimizer.init(model.trainable_parameters())
-    optimizer.state = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
+    optimizer.state = tree_unflatten(list(load_arrays(path / "optimizer.safetensors").items()))
     state = json.loads((path / "state.json").read_text())
     if adapters_digest(model) != state["adapters_digest"]:
         raise RuntimeError(f"checkpoint {path} is corrupt: adapter digest differs")

@@ -63,7 +63,7 @@ def episode_metrics(groups: list[Group]) -> dict[str, float]:
     reason), and how many the actor had to start again so far."""
     if groups[0].turns is None:
         return {}
-    turns = [sum(m["role"] == "assistant" for m in t) for g in groups for t in g.turns]
+    turns = [sum(m["role"] == "assistant" for m in t) for g in groups for t in g.turns or []]
     reasons = [r for g in groups for r in g.finish_reasons]
     out = {"episodes/mean_model_turns": float(np.mean(turns)),
            "env_retries": max(g.env_retries or 0 for g in groups)}
@@ -113,6 +113,7 @@ def completion_rows(step: int, groups: list[Group], advantages: np.ndarray,
     size = len(groups[0].completion_ids)
     rows = []
     for gi, g in enumerate(groups):
+        assert g.rewards is not None  # a batch's groups are scored
         for i, text in enumerate(g.texts):
             rows.append({
                 "step": step, "policy_version": g.policy_version, "group_id": g.group_id, "index": i,

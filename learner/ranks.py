@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from learner.step import Batch, Prepared, Trainer, combine_stats
+from learner.step import Batch, Prepared, Trainer, combine_stats, scalar
 
 log = logging.getLogger("learner")
 
@@ -69,17 +69,18 @@ class Ranks:
         """Rank 0's nested dict of arrays on every rank, leaf by leaf in the order of their
         sorted names (a tree loaded from a checkpoint lists them in another order than a
         freshly initialised one); the key sets must match."""
-        names = sorted(name for name, _ in tree_flatten(tree))
+        leaves = dict(tree_flatten(tree))
+        names = sorted(leaves)
         if self.say(GO, len(names))[1] != len(names):
             raise RuntimeError(f"rank {self.rank} holds {len(names)} arrays where rank 0 holds another "
                                "number: the ranks run different models or LoRA configs")
-        leaves = dict(tree_flatten(tree))
         return tree_unflatten(list(zip(names, self.from_rank0([leaves[n] for n in names]))))
 
     def say(self, command: int = STOP, rows: int = 0, length: int = 0) -> tuple[int, int, int]:
         """Rank 0's command (and a batch's shape) to every rank; the others pass nothing."""
         got = self.from_rank0(mx.array([command, rows, length], dtype=mx.int32))
-        return tuple(int(v) for v in np.array(got))
+        command, rows, length = (int(v) for v in np.array(got))
+        return command, rows, length
 
     def share_batch(self, batch: Batch, advantages: np.ndarray) -> None:
         """Rank 0: send the batch to the other ranks."""
@@ -130,7 +131,7 @@ class Part:
         self.norm = trainer.algorithm.normalizer(np.array(batch.mask))  # the whole batch's
         self.batch = Batch(batch.tokens[rows], batch.mask[rows], batch.behavior[rows])
         self.advantages = advantages[rows]
-        self.tokens = float(self.batch.mask.sum().item())
+        self.tokens = scalar(self.batch.mask.sum())
         self.prepared: Prepared = trainer.prepare(self.batch)
         self.prepared.stats = ranks.combine(self.prepared.stats, self.tokens)
 

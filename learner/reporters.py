@@ -73,7 +73,8 @@ class WandB:
         import wandb
 
         self.run = wandb.init(project=cfg.log.project, name=run_dir.name, dir=str(run_dir),
-                              mode=os.environ.get("WANDB_MODE", "offline"), config=cfg.to_dict())
+                              mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
+                              config=cfg.to_dict())
 
     def write(self, metrics: dict[str, Any]) -> None:
         self.run.log(scalars(metrics), step=metrics["step"])

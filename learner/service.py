@@ -15,6 +15,7 @@ import os
 import time
 import uuid
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -137,7 +138,7 @@ class Learner:
         """Train on one batch: `num_iterations` optimizer steps, each published at once."""
         t0 = time.perf_counter()
         train = self.cfg.train
-        rewards = np.stack([g.rewards for g in groups])
+        rewards = np.stack([cast(np.ndarray, g.rewards) for g in groups])  # a batch's groups are scored
         advantages = self.trainer.algorithm.advantages(rewards)
         samples = [Sample(g.prompt_ids, ids, lp, fr, None if g.loss_masks is None else g.loss_masks[i])
                    for g in groups
@@ -281,7 +282,7 @@ def follower_main(run_dir: str, ranks: Ranks) -> int:
              os.getpid())
     follow(trainer, ranks)
     log.info("learner rank %d: rank 0 says stop", ranks.rank)
-    return lifecycle.signal_exit_code(signals.signum) if signals.requested else lifecycle.EXIT_OK
+    return signals.exit_code()
 
 
 def main(run_dir: str, resume: bool = False) -> int:
@@ -311,4 +312,4 @@ def main(run_dir: str, resume: bool = False) -> int:
         learner.close(reason, final)
     log.info("%s at step %d; adapters in %s", "stopped" if signals.requested else "finished",
              learner.step, learner.run_dir / "adapters")
-    return lifecycle.signal_exit_code(signals.signum) if signals.requested else lifecycle.EXIT_OK
+    return signals.exit_code()

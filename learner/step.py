@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -197,15 +198,22 @@ def prepare(model: nn.Module, batch: Batch, temperature: float, beta: float,
     if fused:
         return Prepared(None, ref, None, {}, correction)
     old = mx.concatenate(olds)
-    weights, stats = old_policy_terms(old, mx.concatenate(entropies), batch.behavior, batch.mask, correction)
+    weights, stats = old_policy_terms(old, mx.concatenate(cast(list[mx.array], entropies)), batch.behavior,
+                                      batch.mask, correction)
     mx.eval(weights, stats)
-    return Prepared(old, ref, weights, {k: float(v.item()) for k, v in stats.items()}, correction)
+    return Prepared(old, ref, weights, {k: scalar(v) for k, v in stats.items()}, correction)
+
+
+def scalar(a: mx.array) -> float:
+    """A one-element array's value as a Python float."""
+    return float(cast(float, a.item()))
 
 
 def _logprobs(model: nn.Module, tokens: mx.array, temperature: float, logits: Logits,
               entropy: bool = False) -> tuple[mx.array, mx.array | None]:
     """Logprobs (and entropy) without a graph, evaluated: by chunks when `logits` says."""
     if logits.chunked(tokens):
+        assert logits.head is not None  # chunked() says there is one
         logp, ent, _ = chunked_sequence_terms(model, logits.head, tokens, temperature, logits.chunk, entropy)
         return logp, ent
     if entropy:
@@ -255,12 +263,14 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
 
     def objective(logp: mx.array, entropy: mx.array | None, sl: slice) -> tuple[mx.array, dict]:
         """The micro-batch's loss as a function of its logprobs (what is differentiated)."""
-        mask, extra = batch.mask[sl], {}
+        mask, extra = batch.mask[sl], cast(dict, {})
         if prepared.old is None:  # fused: this forward's logprobs are the old policy's
+            assert entropy is not None  # the fused forward computes it
             old = mx.stop_gradient(logp)
             is_weight, extra = old_policy_terms(old, mx.stop_gradient(entropy), batch.behavior[sl], mask,
                                                 prepared.correction)
         else:
+            assert prepared.is_weight is not None  # prepared with the old logprobs
             old, is_weight = prepared.old[sl], prepared.is_weight[sl]
         ref = prepared.ref[sl] if prepared.ref is not None else None
         total, diag = algorithm.loss_sum(LossInputs(logp, old, ref, adv[sl], mask, is_weight))
@@ -283,8 +293,9 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
                 entropy=prepared.old is None)
         grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
         mx.eval(part_loss, diag, grads)
-        loss += float(part_loss.item())
-        parts.append(({k: float(v.item()) for k, v in diag.items()}, float(batch.mask[sl].sum().item())))
+        loss += scalar(part_loss)
+        parts.append(({k: scalar(v) for k, v in diag.items()}, scalar(batch.mask[sl].sum())))
+    assert grads is not None  # a batch has at least one row
     timing = {}
     if all_sum is not None:
         t0 = time.perf_counter()
@@ -294,8 +305,8 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
     grads, grad_norm = optim.clip_grad_norm(grads, max_grad_norm)
     optimizer.update(model, grads)
     mx.eval(model.parameters(), optimizer.state, grad_norm)
-    lr = float(mx.array(optimizer.learning_rate).item())
-    return {"loss": loss, "grad_norm": float(grad_norm.item()), "learning_rate": lr, **combine_stats(parts),
+    lr = scalar(mx.array(optimizer.learning_rate))
+    return {"loss": loss, "grad_norm": scalar(grad_norm), "learning_rate": lr, **combine_stats(parts),
             **timing}
 
 
@@ -310,6 +321,7 @@ def _chunked_value_and_grad(model: nn.Module, logits: Logits, tokens: mx.array, 
     (chunked_terms); (2) dL/dlogp, the gradient of the objective in the [rows, tokens]
     logprobs alone; (3) the model body's backward with dL/dhidden as its cotangent, which
     runs the body's forward a second time: the price of never keeping the logits."""
+    assert logits.head is not None  # only chunked logits come here
     logp, ent, jac = chunked_sequence_terms(model, logits.head, tokens, temperature, logits.chunk,
                                             entropy, jacobian=True)
     (value, diag), dlogp = mx.value_and_grad(lambda lp: objective(lp, ent))(logp)

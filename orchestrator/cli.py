@@ -38,6 +38,7 @@ def up(
         if resume is not None:
             cfg = load_run_config(resume, set_, steps)
         else:
+            assert config is not None  # one of the two, checked above
             cfg = load_config(config, set_, run_dir=run_dir, steps=steps)
     except ConfigError as e:
         typer.echo(f"config error: {e}", err=True)
@@ -193,6 +194,7 @@ def env_worker(
             check_installed()
             return EnvWorker(lambda: OpenEnvEpisode(openenv, action_field, observation_field),
                              f"the OpenEnv server at {openenv}", endpoint, actor_timeout, signals, keys)
+        assert environment is not None  # one of the two, checked above
         return EnvWorker(load_env_class(environment, search_path or os.getcwd()), environment, endpoint,
                          actor_timeout, signals, keys)
 
@@ -212,7 +214,7 @@ def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str, key_
         typer.echo("error: give exactly one of --run-dir and --connect", err=True)
         raise typer.Exit(2)
     try:
-        endpoint = connect or protocol.read_endpoints(run_dir)[socket]
+        endpoint = connect or protocol.read_endpoints(Path(str(run_dir)))[socket]
     except (OSError, KeyError, ValueError):
         typer.echo(f"error: {run_dir} has no endpoints.json with a {socket} socket; "
                    "is the run started?", err=True)

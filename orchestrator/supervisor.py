@@ -241,11 +241,13 @@ class Supervisor:
             args = ["actor", "run", "--slot", str(self.actors.index(name))]
         elif self.cfg.env.environment == "openenv":
             env = self.cfg.env
+            assert env.openenv_url is not None  # validate() requires it
             args = ["orchestrator", "env-worker", "--openenv", env.openenv_url,
                     "--action-field", env.openenv_action_field,
                     *(["--observation-field", env.openenv_observation_field] if env.openenv_observation_field
                       else [])]
         else:
+            assert self.cfg.env.environment is not None and self.cfg.reward.search_path is not None
             args = ["orchestrator", "env-worker", self.cfg.env.environment,
                     "--search-path", self.cfg.reward.search_path]
         share = self.shares_mb.get("actor" if name in self.actors else "learner" if name in self.learners
@@ -277,7 +279,7 @@ class Supervisor:
                     f"waiting for a reward worker on {reward_socket}; attach one with "
                     f"`orchestrator reward-worker module:function --run-dir {self.run_dir}`"),
                 "training": "training",
-            }.get(self.phase)
+            }.get(status["phase"])
             if label:  # the end of the run is announced by up(), after the last step
                 self.say(label)
 
@@ -402,7 +404,7 @@ class Supervisor:
             self.stop()
             self.poll_progress()  # the steps finished while stopping
             self.say(f"stopped; resume with `orchestrator up --resume {self.run_dir}`")
-            return lifecycle.signal_exit_code(self.signals.signum)
+            return self.signals.exit_code()
         self.stop()
         self.say(f"done: adapters in {self.run_dir / 'adapters'}, "
                  f"metrics in {self.run_dir / 'metrics.jsonl'}")

@@ -80,7 +80,7 @@ class SocketWorker:
             if self.signals.requested:
                 # Tell the owner at once, so what we hold goes to another worker now.
                 self.send(protocol.STOP, {"reason": f"{self.role} stopped by {self.signals.name}"})
-                return lifecycle.signal_exit_code(self.signals.signum)
+                return self.signals.exit_code()
             down = self.watch.down_for()
             if down and self.watch.refused:
                 log.error("cannot connect to the %s on %s: %s", self.owner, self.endpoint, self.watch.refused)

@@ -55,7 +55,7 @@ def load_prompts(source: str | Path, tokenizer: Any, max_prompt_tokens: int, spl
                  prompt_column: str = "prompt") -> list[Prompt]:
     """Read and tokenize every row; long prompts keep their last `max_prompt_tokens` tokens
     (the end holds the question and the generation prompt)."""
-    prompts = []
+    prompts: list[Prompt] = []
     for where, row in read_rows(source, split):
         if not isinstance(row, dict):
             raise DataError(f"{where}: each row must be an object with a {prompt_column!r} column")

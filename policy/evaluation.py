@@ -133,6 +133,8 @@ def eval_sampling(cfg: Config) -> SamplingConfig:
 
 
 def load_eval_prompts(cfg: Config, tok) -> list[Prompt]:
+    if cfg.eval.prompts is None:
+        raise ValueError("the config has no eval.prompts")
     prompts = load_prompts(cfg.eval.prompts, tok, cfg.sampling.max_prompt_tokens, cfg.data.split,
                            cfg.data.prompt_column)
     return prompts[:cfg.eval.limit or None]

@@ -62,9 +62,11 @@ def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     backwards when tied), and the head trains nothing. None otherwise: a head with LoRA,
     a final soft-cap, another layout, or a forward that is random (dropout in training)."""
     body = getattr(model, "model", None)
+    if body is None:
+        return None  # not mlx-lm's layout: no body to run without the head
     if getattr(model, "lm_head", None) is not None:
         head = model.lm_head
-    elif body is not None and hasattr(getattr(body, "embed_tokens", None), "as_linear"):
+    elif hasattr(getattr(body, "embed_tokens", None), "as_linear"):
         head = body.embed_tokens.as_linear
     else:
         return None

@@ -13,7 +13,7 @@ import os
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,24 +57,31 @@ def load_policy(model_path: str, lora: LoraConfig, adapter_path: str | None = No
     from mlx_lm import load
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    model, tokenizer = load(model_path, lazy=bool(quantize_bits))
+    model, tokenizer = load(model_path, lazy=bool(quantize_bits))[:2]
     model.freeze()
     if quantize_bits:
         quantize_base(model, quantize_bits)
     settings = lora_settings(lora, len(model.layers))
     linear_to_lora_layers(model, settings["num_layers"], settings["lora_parameters"])
     if adapter_path is not None:
-        weights = mx.load(str(Path(adapter_path) / "adapters.safetensors"))
-        set_adapter_weights(model, weights)
+        set_adapter_weights(model, load_arrays(Path(adapter_path) / "adapters.safetensors"))
     model.eval()
     mx.eval(model.parameters())
     return model, tokenizer, dict(settings, model=model_path)
 
 
+def load_arrays(path: str | Path) -> dict[str, mx.array]:
+    """The arrays of a .safetensors file by name (mx.load's one-file case)."""
+    arrays = mx.load(str(path))
+    if not isinstance(arrays, dict):
+        raise ValueError(f"{path} holds no named arrays")
+    return arrays
+
+
 def adapter_weights(model: nn.Module) -> dict[str, mx.array]:
     """The LoRA parameters by their mlx-lm names (what adapters.safetensors holds)."""
-    return {k: v for k, v in tree_flatten(model.trainable_parameters())
-            if k.rsplit(".", 1)[-1] in ADAPTER_LEAVES}
+    leaves = cast(list[tuple[str, mx.array]], tree_flatten(model.trainable_parameters()))
+    return {k: v for k, v in leaves if k.rsplit(".", 1)[-1] in ADAPTER_LEAVES}
 
 
 def set_adapter_weights(model: nn.Module, weights: Mapping[str, Any]) -> None:

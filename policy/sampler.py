@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -173,7 +174,7 @@ def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
             logits = model(sampled[:, None], cache=cache)[:, -1, :]
             nxt = _sample(logits, keys, t + 1, params)
             mx.async_eval(*nxt)
-        for i, tok, lp in zip(live, sampled.tolist(), picked.tolist()):
+        for i, tok, lp in zip(live, cast(list[int], sampled.tolist()), cast(list[float], picked.tolist())):
             if not done[i]:
                 tokens[i].append(tok)
                 lps[i].append(lp)
@@ -228,15 +229,15 @@ def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
             c.filter(repeat)
         flat = _decode(model, cache, logits[repeat], rows, params, eos_ids, seed)
     elif all(hasattr(c, "merge") for c in layers):
-        caches, logits = [], []
+        caches, firsts = [], []
         for p in prompts:
             cache = make_prompt_cache(model)
-            logits.append(prefill(mx.array(p)[None], cache))
+            firsts.append(prefill(mx.array(p)[None], cache))
             caches.append(cache)
         # One copy of its prompt's cache per row; merge left-pads to the longest prompt.
         batch = [layer.merge([c[i] for c in caches for _ in range(group_size)])
                  for i, layer in enumerate(caches[0])]
-        logits = mx.repeat(mx.concatenate(logits), group_size, axis=0)
+        logits = mx.repeat(mx.concatenate(firsts), group_size, axis=0)
         flat = _decode(model, batch, logits, rows, params, eos_ids, seed)
     else:
         # Caches mlx-lm cannot batch: decode each prompt's G rows on their own, prefilled
@@ -257,14 +258,14 @@ def reference_sample(model: nn.Module, prompt_ids: list[int], group_size: int,
     full forward over prompt + generated tokens every step), the same noise per row id."""
     out = []
     for j in range(group_size):
-        ids, lps, stop = list(prompt_ids), [], False
+        ids, lps, stop = list(prompt_ids), cast(list[float], []), False
         for t in range(params.max_tokens):
             logits = model(mx.array(ids)[None])[:, -1, :]
             scaled = tempered(logits, params.temperature)
             tok, lp = _sample_all(scaled, mx.logsumexp(scaled, axis=-1), _row_keys(seed, [row_offset + j]), t,
                                   params)
-            ids.append(tok.item())
-            lps.append(lp.item())
+            ids.append(cast(int, tok.item()))
+            lps.append(cast(float, lp.item()))
             if stop := ids[-1] in eos_ids:
                 break
         out.append(Completion(ids[len(prompt_ids):], lps, "stop" if stop else "length"))

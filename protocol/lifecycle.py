@@ -137,6 +137,10 @@ class StopSignals:
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else ""
 
+    def exit_code(self) -> int:
+        """128 + N after stop signal N, else EXIT_OK."""
+        return signal_exit_code(self.signum) if self.signum is not None else EXIT_OK
+
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum is not None:
             raise ForcedStop(signum)

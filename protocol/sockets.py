@@ -114,7 +114,7 @@ def close_context(ctx: zmq.Context) -> None:
 class Incoming:
     """One message as read: the decoded `msg`, or the `error` that made it unreadable."""
 
-    peer: bytes | None  # the sender's identity on a ROUTER; None on a DEALER
+    peer: bytes  # the sender's identity on a ROUTER; b"" on a DEALER (its one peer)
     msg: Message | None
     error: ProtocolError | None
     frames: list  # the message frames, without the identity
@@ -126,7 +126,7 @@ def incoming(sock: zmq.Socket, timeout_ms: int = 0) -> Iterator[Incoming]:
     while sock.poll(timeout_ms):
         timeout_ms = 0
         frames = [f.buffer for f in sock.recv_multipart(copy=False)]
-        peer = bytes(frames.pop(0)) if routed else None
+        peer = bytes(frames.pop(0)) if routed else b""
         try:
             msg, error = decode(frames), None
         except ProtocolError as e:

@@ -70,6 +70,13 @@ class Request:
     deadline: float = 0.0
 
 
+def holder(request: Request) -> bytes:
+    """The worker holding an assigned request (every request in `assigned` has one)."""
+    if request.worker is None:
+        raise RuntimeError(f"request {request.request_id} is assigned to no worker")
+    return request.worker
+
+
 @dataclass
 class Worker:
     pid: int
@@ -104,7 +111,7 @@ class WorkerPool:
         self.ready: collections.deque[bytes] = collections.deque()
         self.waiting: collections.deque[Request] = collections.deque()
         self.assigned: dict[str, Request] = {}
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         self.last_beat = 0.0
         self.starved_since: float | None = None  # since when requests wait with no worker ready
         self.said_starved = 0.0
@@ -257,9 +264,10 @@ class WorkerPool:
     def check_workers(self, failed: list) -> None:
         now = time.monotonic()
         for request in [r for r in self.assigned.values() if r.deadline < now]:
+            worker = holder(request)
             log.error("%s pid %d missed the %.0f s deadline for request %s; sending it elsewhere",
-                      self.name, self.workers[request.worker].pid, self.timeout_s, request.request_id)
-            self.lose(request.worker, "deadline missed", failed)
+                      self.name, self.workers[worker].pid, self.timeout_s, request.request_id)
+            self.lose(worker, "deadline missed", failed)
         for identity, w in list(self.workers.items()):
             silent = now - w.last_seen
             if silent <= HEARTBEAT_TIMEOUT_S:
@@ -312,7 +320,7 @@ class WorkerPool:
         if now - self.said_starved < STARVED_SAY_S:
             return
         self.said_starved = now
-        held = "".join(f"; pid {self.workers[r.worker].pid} holds {r.request_id} (deadline in "
+        held = "".join(f"; pid {self.workers[holder(r)].pid} holds {r.request_id} (deadline in "
                        f"{r.deadline - now:.0f} s)" for r in self.assigned.values())
         log.warning("no %s has been ready for %.0f s: %d request(s) wait, %d worker(s) attached%s", self.name,
                     now - self.starved_since, len(self.waiting), self.n_workers, held)

@@ -61,6 +61,8 @@ def _import_from(directory: str | None, module_name: str) -> ModuleType | None:
     if private not in sys.modules:
         spec = importlib.util.spec_from_file_location(
             private, path, submodule_search_locations=[str(base)] if path == package else None)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{path} cannot be loaded as a module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[private] = module  # before it runs: dataclasses and pickle look it up
         try:
@@ -86,6 +88,7 @@ def reward_inputs(prompt: Any, texts: list[str], completion_ids: list[list[int]]
     episode's is its whole text, the environment's included."""
     n = len(texts)
     chat = isinstance(prompt, list)
+    completions: list[Any]
     if chat and turns is not None:
         completions = turns
     else:

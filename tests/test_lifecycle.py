@@ -248,7 +248,7 @@ def test_a_second_run_in_a_run_directory_is_refused_unless_asked_to_overwrite(tm
     code, out = run_up(cfg)
     assert code == 0, out
     results = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.suffix not in (".log", ".lock")}
-    assert (run / "learner.log").read_text().count("wrote checkpoint step_000002") == 1  # not again at the end
+    assert (run / "learner.log").read_text().count("wrote checkpoint step_000002") == 1  # not again at end
     code, out = run_up(cfg)
     assert code == lifecycle.EXIT_CONFIG, out
     assert (f"error: {run} holds a run (metrics.jsonl, checkpoints up to step 2, adapters): continue it with "

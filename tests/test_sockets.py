@@ -45,7 +45,7 @@ def test_incoming_yields_messages_and_errors_with_the_sender(ctx, tmp_path):
     # An answer routed back by that identity reaches the dealer, which reads it the same way.
     router.send_multipart([first.peer, *protocol.encode(protocol.STOP, {"reason": "done"})])
     (answer,) = list(sockets.incoming(dealer, 5000))
-    assert answer.peer is None and answer.msg["reason"] == "done"
+    assert answer.peer == b"" and answer.msg["reason"] == "done"
     assert watch.down_for() == 0.0  # connected
     watch.close()
 
