@@ -152,7 +152,7 @@ class Actor:
                 return
             log.info("learner says stop: %s", msg["reason"])
             self.told_to_stop = True
-            self.refused = msg["reason"].startswith("incompatible")
+            self.refused = msg.header.get("code") == protocol.INCOMPATIBLE
         elif msg.kind == protocol.HELLO and msg.header.get("attached") is False:
             self.strange = True  # it took us for gone
         elif msg.kind == protocol.HELLO:

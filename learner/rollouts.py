@@ -132,7 +132,8 @@ class RolloutSocket:
         problem = self.incompatibility(msg)
         if problem:
             log.error("refused %s (pid %s): %s", msg["role"], msg["pid"], problem)
-            self.send(actor, protocol.STOP, {"reason": f"incompatible: {problem}"})
+            self.send(actor, protocol.STOP, {"reason": f"incompatible: {problem}",
+                                             "code": protocol.INCOMPATIBLE})
             return
         role, slot = msg["role"], msg.header.get("slot", 0)
         hello = {"role": "learner", "pid": os.getpid(), **self.identity, "attached": True}

@@ -1,4 +1,4 @@
-"""The wire format shared by the actor, the learner and reward processes (no MLX here)."""
+"""The wire format shared by the actors, the learner and the workers (no MLX here)."""
 
 from protocol.endpoints import make_endpoints, read_endpoints, write_endpoints
 from protocol.wire import (
@@ -6,6 +6,7 @@ from protocol.wire import (
     END,
     HEARTBEAT,
     HELLO,
+    INCOMPATIBLE,
     OBSERVATION,
     PROTOCOL_VERSION,
     READY,
@@ -23,7 +24,7 @@ from protocol.wire import (
 )
 
 __all__ = [
-    "CREDIT", "END", "HEARTBEAT", "HELLO", "OBSERVATION", "PROTOCOL_VERSION", "READY", "RESET", "ROLLOUT",
-    "SCORE", "SCORE_REPLY", "STEP", "STOP", "WEIGHTS", "Message", "ProtocolError", "decode", "encode",
-    "make_endpoints", "read_endpoints", "write_endpoints",
+    "CREDIT", "END", "HEARTBEAT", "HELLO", "INCOMPATIBLE", "OBSERVATION", "PROTOCOL_VERSION", "READY",
+    "RESET", "ROLLOUT", "SCORE", "SCORE_REPLY", "STEP", "STOP", "WEIGHTS", "Message", "ProtocolError",
+    "decode", "encode", "make_endpoints", "read_endpoints", "write_endpoints",
 ]

@@ -36,6 +36,8 @@ WEIGHTS = "weights"
 HEARTBEAT = "heartbeat"
 CREDIT = "credit"
 STOP = "stop"
+# A stop's `code`: why, for the receiver's program (`reason` is for its log).
+INCOMPATIBLE = "incompatible"  # the hello was refused: another model, tokenizer, LoRA or slot
 READY = "ready"
 SCORE = "score"
 SCORE_REPLY = "score_reply"
@@ -159,6 +161,8 @@ def decode(frames: list, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
         _check_observation(head)
     elif kind == STOP and head.get("final") is not None and not isinstance(head["final"], bool):
         raise ProtocolError("stop: field 'final' must be true or false")
+    elif kind == STOP and head.get("code") is not None and not isinstance(head["code"], str):
+        raise ProtocolError("stop: field 'code' must be a string")
     return msg
 
 

@@ -16,6 +16,7 @@ import protocol
 from orchestrator.supervisor import prepare_run_dir
 from policy.logprobs import sequence_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights, tokenizer_fingerprint
+from protocol import lifecycle
 from protocol.config import as_dict, load_config
 from tests.conftest import peer, write_config
 
@@ -117,3 +118,17 @@ def test_actor_waits_for_weights_before_sampling(tmp_path):
         assert heartbeats_only(sock, 2.5) >= 2
         sock.send_multipart([identity, *protocol.encode(protocol.STOP, {"reason": "done"})])
         assert actor.wait(30) == 0
+
+
+def test_an_actor_refused_by_its_stop_s_code_exits_4_and_a_stop_s_text_is_only_text(tmp_path):
+    """The actor acts on `code`, not on the words of `reason` (which are for logs)."""
+    cfg = load_config(write_config(tmp_path))
+    run = prepare_run_dir(cfg)
+    for header, code in (({"reason": "incompatible: another model", "code": protocol.INCOMPATIBLE},
+                          lifecycle.EXIT_USER_ERROR),
+                         ({"reason": "incompatible words, but the run is over"}, lifecycle.EXIT_OK)):
+        with peer(run, "actor") as (actor, sock):
+            identity, hello = recv(sock)
+            assert hello.kind == protocol.HELLO
+            sock.send_multipart([identity, *protocol.encode(protocol.STOP, header)])
+            assert actor.wait(30) == code, header

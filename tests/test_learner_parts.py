@@ -182,6 +182,7 @@ def test_an_actor_that_matches_gets_hello_and_weights_and_one_that_does_not_is_t
     actor.send_multipart(actor_hello(lora={"rank": 16}))
     _, (stop,) = pump(sock, actor, 1)
     assert stop.kind == protocol.STOP and stop["reason"].startswith("incompatible: LoRA config")
+    assert stop["code"] == protocol.INCOMPATIBLE  # what the actor acts on: the reason is for logs
     actor.send_multipart(actor_hello())
     _, (hello, weights, credit) = pump(sock, actor, 3)
     assert hello["instance"] == "i1" and hello["data_cursor"] == [0, 3]
@@ -191,6 +192,7 @@ def test_an_actor_that_matches_gets_hello_and_weights_and_one_that_does_not_is_t
     actor.send_multipart(actor_hello(slot=2))
     _, (stop,) = pump(sock, actor, 1)
     assert stop["reason"] == "incompatible: slot 2: this run has actor.count = 2 (slots 0 to 1)"
+    assert stop["code"] == protocol.INCOMPATIBLE
 
 
 def test_each_actor_slot_continues_after_its_own_newest_group():

@@ -292,6 +292,15 @@ def test_missing_required_field(kind, header, missing):
         decode(encode(kind, header))
 
 
+@pytest.mark.parametrize("field,value,said", [("final", "yes", "'final' must be true or false"),
+                                               ("code", 4, "'code' must be a string")])
+def test_a_stop_s_optional_fields_are_checked(field, value, said):
+    with pytest.raises(ProtocolError, match=f"stop: field {said}"):
+        decode(encode(STOP, {"reason": "r", field: value}))
+    stop = decode(encode(STOP, {"reason": "r", "code": "incompatible", "final": True}))
+    assert stop["code"] == "incompatible"
+
+
 @pytest.mark.parametrize("field", [
     "group_id", "policy_version", "prompt", "columns", "texts", "finish_reasons",
 ])
