@@ -33,6 +33,7 @@ class Evaluator:
         self.prompts = load_eval_prompts(cfg, tokenizer)
         self.params = eval_sampling(cfg)
         self.last_step: int | None = None
+        self.asked: set[str] = set()  # the keys of our requests not answered yet
 
     def due(self, step: int) -> bool:
         """Before the first step, every `eval.every` steps, and after the last."""
@@ -61,7 +62,9 @@ class Evaluator:
     def score(self, rows: list[Sampled], step: int, scorer: Scorer, pass_on: PassOn,
               stopping: Callable[[], bool]) -> dict[str, Scored] | None:
         """Each prompt's scores, keyed by its index. A reward function that fails ends the
-        run, as in training; a prompt the workers could not score is left out (and logged)."""
+        run, as in training; a prompt the workers could not score is left out (and logged).
+        A reply is ours if its key is one we asked and were not answered yet; any other
+        is training's, and passed on."""
         scores: dict[str, Scored] = {}
         waiting: dict[str, str] = {}  # request key -> prompt index
         for row in rows:
@@ -70,22 +73,25 @@ class Evaluator:
                                    [c.token_ids for c in row.completions], row.prompt.columns)
             if scored is None:
                 waiting[key] = str(row.prompt.index)
+                self.asked.add(key)
             else:
                 scores[str(row.prompt.index)] = scored
         while waiting:
             if stopping():
                 return None
             done, failed, errors = scorer.poll(200)
+            keys = [s.key for s in done] + [f[0] for f in failed] + [e[0] for e in errors]
+            mine = self.asked.intersection(keys)
+            self.asked -= mine
             for s in done:
-                if s.key in waiting:
+                if s.key in mine and s.key in waiting:
                     scores[waiting.pop(s.key)] = s
             for key, reason in failed:
-                if key in waiting:
+                if key in mine and key in waiting:
                     log.warning("eval prompt %s unscored: %s", waiting.pop(key), reason)
             for key, error in errors:
-                if key in waiting:
+                if key in mine and key in waiting:
                     raise RewardError(f"{error} (on eval prompt {waiting[key]})")
-            pass_on([s for s in done if not s.key.startswith("eval/")],
-                    [f for f in failed if not f[0].startswith("eval/")],
-                    [e for e in errors if not e[0].startswith("eval/")])
+            pass_on([s for s in done if s.key not in mine], [f for f in failed if f[0] not in mine],
+                    [e for e in errors if e[0] not in mine])
         return scores
