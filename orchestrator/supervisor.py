@@ -153,6 +153,46 @@ def line_order(m: dict) -> tuple[int, bool]:
     return m["step"], is_eval(m)
 
 
+@dataclass(frozen=True)
+class ChildSpec:
+    """How `up` starts one process of the run."""
+
+    kind: str  # "learner", "actor" or "env-worker"
+    args: list[str]  # after `python -m`
+    share: str  # its key in the memory plan's shares
+    threads: int  # BLAS threads (Linux CPU backend)
+
+
+def child_specs(cfg: Config) -> dict[str, ChildSpec]:
+    """Every process `up` starts for `cfg`, by name: the learner (or its ranks), the local
+    actors (the first count - remote slots: remote ones come last), and the env workers of
+    an `env.environment = "module:Class"` or `"openenv"`."""
+    threads = thread_count(cfg.train.max_staleness > 0)
+    ranks = cfg.learner.ranks
+    specs = {learner_name(r): ChildSpec("learner", ["learner"], "learner", max(1, threads // ranks))
+             for r in range(ranks)}  # the ranks compute at the same time: they share the threads
+    for slot in range(cfg.actor.count - cfg.actor.remote):
+        specs[actor_name(slot, cfg.actor.count)] = ChildSpec("actor", ["actor", "run", "--slot", str(slot)],
+                                                             "actor", threads)
+    env = cfg.env
+    if env.environment and env.environment != "socket":
+        for i in range(env.num_workers):
+            specs[f"env-worker-{i}"] = ChildSpec("env-worker", env_worker_args(cfg), f"env-worker-{i}", 1)
+    return specs
+
+
+def env_worker_args(cfg: Config) -> list[str]:
+    env = cfg.env
+    if env.environment == "openenv":
+        assert env.openenv_url is not None  # validate() requires it
+        field = env.openenv_observation_field
+        observation = ["--observation-field", field] if field else []
+        return ["orchestrator", "env-worker", "--openenv", env.openenv_url,
+                "--action-field", env.openenv_action_field, *observation]
+    assert env.environment is not None and cfg.reward.search_path is not None  # resolved paths
+    return ["orchestrator", "env-worker", env.environment, "--search-path", cfg.reward.search_path]
+
+
 class Supervisor:
     """Starts the learner and the actors, restarts them when they fail, reports progress.
 
@@ -189,14 +229,11 @@ class Supervisor:
         (self.run_dir / "plan.json").write_text(json.dumps({"shares_mb": self.shares_mb}) + "\n")
         self.warned: set[str] = set()
         self.children: dict[str, Child] = {}
-        env = cfg.env
-        # `env.environment = "module:Class"`: env workers are the run's processes too.
-        self.env_workers = ([f"env-worker-{i}" for i in range(env.num_workers)]
-                            if env.environment and env.environment != "socket" else [])
-        # By slot: `up` starts the first count - remote (the remote slots come last).
-        self.actors = [actor_name(i, cfg.actor.count) for i in range(cfg.actor.count - cfg.actor.remote)]
+        self.specs = child_specs(cfg)
         # By rank (learner/ranks.py): they start and restart together.
-        self.learners = [learner_name(r) for r in range(cfg.learner.ranks)]
+        self.learners = [name for name, spec in self.specs.items() if spec.kind == "learner"]
+        self.actors = [name for name, spec in self.specs.items() if spec.kind == "actor"]  # by slot
+        self.env_workers = [name for name, spec in self.specs.items() if spec.kind == "env-worker"]
         self.restarts = {name: 0 for name in (*self.learners, *self.actors, *self.env_workers)}
         # line_order of the last metrics line shown: a resumed run's lines up to its
         # checkpoint were shown by the run it continues.
@@ -234,29 +271,12 @@ class Supervisor:
             self.start_child(name, resume, {**ranks_env, "MLX_RANK": str(rank)} if ranks_env else None)
 
     def start_child(self, name: str, resume: bool = False, extra_env: dict[str, str] | None = None) -> None:
+        """`resume`: a learner continues from the newest checkpoint."""
         heartbeat_path(self.run_dir, name).unlink(missing_ok=True)
-        if name in self.learners:
-            args = ["learner", *(["--resume"] if resume else [])]
-        elif name in self.actors:
-            args = ["actor", "run", "--slot", str(self.actors.index(name))]
-        elif self.cfg.env.environment == "openenv":
-            env = self.cfg.env
-            assert env.openenv_url is not None  # validate() requires it
-            args = ["orchestrator", "env-worker", "--openenv", env.openenv_url,
-                    "--action-field", env.openenv_action_field,
-                    *(["--observation-field", env.openenv_observation_field] if env.openenv_observation_field
-                      else [])]
-        else:
-            assert self.cfg.env.environment is not None and self.cfg.reward.search_path is not None
-            args = ["orchestrator", "env-worker", self.cfg.env.environment,
-                    "--search-path", self.cfg.reward.search_path]
-        share = self.shares_mb.get("actor" if name in self.actors else "learner" if name in self.learners
-                                   else name)
-        threads = thread_count(self.cfg.train.max_staleness > 0)
-        if name in self.learners:
-            threads = max(1, threads // len(self.learners))  # the ranks compute at the same time
+        spec = self.specs[name]
+        args = [*spec.args, *(["--resume"] if resume else [])]
         child = spawn(name, args, self.run_dir, self.lifeline, self.lock_fd,
-                      share, 1 if name in self.env_workers else threads, extra_env)
+                      self.shares_mb.get(spec.share), spec.threads, extra_env)
         self.children[name] = child
         self.say(f"started {name} (pid {child.proc.pid}), log: {child.log_path}")
 
@@ -334,7 +354,7 @@ class Supervisor:
         self.restarts[name] += 1
         self.say(f"{name} {why}; restarting it ({self.restarts[name]}/{limit}). Last log lines:\n"
                  f"{child.tail(5)}")
-        if name in self.learners:
+        if self.specs[name].kind == "learner":
             if len(self.learners) > 1:
                 # The others wait for the lost rank inside a collective, where no signal
                 # reaches them: kill them. All go on together from the newest checkpoint.

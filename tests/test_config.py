@@ -604,3 +604,24 @@ def test_several_actors_with_an_environment_are_refused():
     with pytest.raises(ConfigError, match=r"actor\.count = 2 with env\.environment: one actor serves the "
                                           r"environment's episodes for now; set actor\.count = 1"):
         load_config(digits, overrides=["actor.count=2"])
+
+
+def test_up_starts_what_the_config_names_each_process_built_once(tmp_path):
+    """child_specs: the learner ranks, the local actors (remote slots come last), the env
+    workers of a module environment; each with its command, memory share and threads."""
+    from orchestrator.plan import thread_count
+    from orchestrator.supervisor import ChildSpec, child_specs
+    from tests.conftest import write_config as small_config
+
+    cfg = load_config(small_config(tmp_path, '[learner]\nranks = 2\n[actor]\ncount = 3\nremote = 1\n'))
+    specs = child_specs(cfg)
+    threads = thread_count(False)
+    assert list(specs) == ["learner", "learner-1", "actor-0", "actor-1"]
+    assert specs["learner-1"].args == ["learner"] and specs["learner-1"].threads == max(1, threads // 2)
+    assert specs["actor-1"].args == ["actor", "run", "--slot", "1"] and specs["actor-1"].share == "actor"
+    cfg = load_config(small_config(tmp_path, '[env]\nenvironment = "digits_env:DigitsEnv"\nnum_workers = 2\n'
+                                   '[sampling]\nmax_tokens = 4', reward="env"))
+    specs = child_specs(cfg)
+    assert list(specs) == ["learner", "actor", "env-worker-0", "env-worker-1"]
+    worker = ["orchestrator", "env-worker", "digits_env:DigitsEnv", "--search-path", str(tmp_path.resolve())]
+    assert specs["env-worker-1"] == ChildSpec("env-worker", worker, "env-worker-1", 1)
