@@ -125,14 +125,16 @@ class Ledger:
                            "groups_received": self.trained + sum(self.dropped.values())},
                 "dropped": dict(self.dropped)}
 
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Ledger:
-        ledger = cls()
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's book (`state()`) at start-up, in place: the intake and the
+        rollout socket hold this ledger. The groups that were queued count as not received:
+        a resumed actor samples their prompts again."""
+        if self.received:
+            raise RuntimeError("a ledger is restored before any group arrives")
         counts = state["counts"]
-        ledger.received = counts["groups_received"]
-        ledger.trained = counts["groups_trained"]
-        ledger.rejected = counts.get("messages_rejected", 0)
-        ledger.dropped.update(state["dropped"])
-        ledger.data_cursor = state["data_cursor"]
-        ledger.slot_cursors = {int(s): c for s, c in state.get("slot_cursors", {}).items()}
-        return ledger
+        self.received = counts["groups_received"]
+        self.trained = counts["groups_trained"]
+        self.rejected = counts.get("messages_rejected", 0)
+        self.dropped.update(state["dropped"])
+        self.data_cursor = state["data_cursor"]
+        self.slot_cursors = {int(s): c for s, c in state.get("slot_cursors", {}).items()}

@@ -101,7 +101,7 @@ class Learner:
             return
         state = load_checkpoint(path, self.model, self.trainer.optimizer)
         self.step = self.checkpointed = state["step"]
-        self.ledger = Ledger.from_state(state)
+        self.ledger.restore(state)
         self.num_tokens = state.get("num_tokens", 0)
         self.scorer.restore_stats(state.get("reward_stats", {}))
         log.info("resumed from %s: step %d, adapters %s", path.name, self.step, state["adapters_digest"])

@@ -58,7 +58,8 @@ def test_a_ledger_from_a_checkpoint_counts_queued_groups_as_not_received():
     ledger.train([(A, [1, 0])])
     ledger.drop("stale", A)
     ledger.reject_message()
-    restored = Ledger.from_state(json.loads(json.dumps(ledger.state())))
+    restored = Ledger()
+    restored.restore(json.loads(json.dumps(ledger.state())))
     # two groups were queued: the resumed actor samples their prompts again
     assert restored.counts(queued=0) == {**ledger.counts(queued=0), "groups_received": 2}
     assert restored.data_cursor == [1, 0]
@@ -210,7 +211,8 @@ def test_each_actor_slot_continues_after_its_own_newest_group():
     ledger.attach(b2, 1)
     assert ledger.cursor_for(1) == [0, 6] and ledger.cursor_for(0) == [0, 3]
     assert ledger.counts(1)["groups_received_by_actor"] == {"0": 2, "1": 3}
-    resumed = Ledger.from_state(ledger.state())
+    resumed = Ledger()
+    resumed.restore(ledger.state())
     assert resumed.cursor_for(1) == [0, 4] and resumed.cursor_for(0) == [0, 3]
     assert resumed.cursor_for(2) == [0, 4]  # the newest consumed of any slot
 
