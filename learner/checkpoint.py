@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from policy.model import adapter_weights, load_arrays, save_adapters, set_adapter_weights
+
+log = logging.getLogger("learner")
+
+ATTEMPTS, RETRY_S = 30, 2.0  # a checkpoint that cannot be written is tried again for a minute
 
 
 def adapters_digest(model: nn.Module) -> str:
@@ -36,6 +42,23 @@ def adapters_digest(model: nn.Module) -> str:
 
 def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: optim.Optimizer,
                     adapter_config: dict, state: dict[str, Any], keep: int) -> Path:
+    """Write `RUN/checkpoints/step_NNNNNN/` whole or not at all, keep the newest `keep`.
+    A write can fail for a while (every descriptor taken by a flood of connections, a
+    full disk): it is tried again for a minute before the run fails on it."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return _save(run_dir, model, optimizer, adapter_config, state, keep)
+        except (OSError, RuntimeError) as e:  # MLX reports a failed open as RuntimeError
+            if attempt == ATTEMPTS - 1:
+                raise
+            log.error("cannot write the checkpoint of step %d: %s; trying again in %.0f s", state["step"], e,
+                      RETRY_S)
+            time.sleep(RETRY_S)
+    raise AssertionError("unreachable")
+
+
+def _save(run_dir: Path, model: nn.Module, optimizer: optim.Optimizer, adapter_config: dict,
+          state: dict[str, Any], keep: int) -> Path:
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state['step']:06d}"

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from learner.step import Sample
 from protocol import Message
 
 
@@ -33,6 +34,12 @@ class Group:
     env_retries: int | None = None  # episodes the actor started again so far
     rewards: np.ndarray | None = None  # [G] weighted sum, set when scored
     rewards_by_function: dict[str, list] = field(default_factory=dict)
+
+    def samples(self) -> list[Sample]:
+        """Its completions as the step trains them: tokens, behavior logprobs, loss masks."""
+        masks: list[np.ndarray | None] = [*self.loss_masks] if self.loss_masks else [None] * len(self.texts)
+        return [Sample(self.prompt_ids, ids, lp, fr, mask) for ids, lp, fr, mask
+                in zip(self.completion_ids, self.logprobs, self.finish_reasons, masks)]
 
 
 def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size: int) -> Group:

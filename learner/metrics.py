@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ import numpy as np
 from learner.groups import Group
 from learner.step import Sample
 from protocol.lifecycle import write_atomic
+
+log = logging.getLogger("learner")
 
 
 def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarray, advantages: np.ndarray,
@@ -132,17 +135,62 @@ class MetricsFile:
     learner that resumes from the checkpoint of step N first drops the lines of later
     steps, so that a step never appears twice."""
 
-    def __init__(self, path: Path, resume_at: int | None = None) -> None:
+    def __init__(self, path: Path, resume_at: int | None = None, reporters: list | None = None) -> None:
+        """`reporters`: the `log.report_to` backends, which get every line too."""
         if resume_at is not None:
             keep_metrics_until(path, resume_at)
         self.file = open(path, "a")
+        self.reporters = reporters or []
 
     def write(self, metrics: dict[str, Any]) -> None:
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
+        for reporter in self.reporters:
+            reporter.write(metrics)
 
     def close(self) -> None:
         self.file.close()
+        for reporter in self.reporters:
+            reporter.close()
+
+
+class CompletionsFile(MetricsFile):
+    """`completions.jsonl`: the first `groups` groups of a batch, when one of the steps it
+    trains is a multiple of `every` (log.completions_every)."""
+
+    def __init__(self, path: Path, every: int, groups: int, resume_at: int | None = None) -> None:
+        super().__init__(path, resume_at)
+        self.every, self.groups = every, groups
+
+    def write_batch(self, first_step: int, iterations: int, groups: list[Group], advantages: np.ndarray,
+                    metric_name: Callable[[str], str]) -> None:
+        if any(s % self.every == 0 for s in range(first_step, first_step + iterations)):
+            for row in completion_rows(first_step, groups[:self.groups], advantages, metric_name):
+                self.write(row)
+
+
+class StatusFile:
+    """`status.json`: where the learner stands, for `up` and other watchers. A write that
+    fails (no descriptor left in a flood, a full disk) is said once; the next may succeed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.failing = path, False
+
+    def write(self, status: dict[str, Any]) -> None:
+        try:
+            write_atomic(self.path, json.dumps(status) + "\n")
+            self.failing = False
+        except OSError as e:
+            if not self.failing:
+                log.error("cannot write status.json: %s; trying again with the next status", e)
+            self.failing = True
+
+
+def plan_shares(run_dir: Path) -> dict[str, float]:
+    """The memory plan's share of each process (`up` writes plan.json), as metrics."""
+    plan = run_dir / "plan.json"
+    shares = json.loads(plan.read_text())["shares_mb"] if plan.exists() else {}
+    return {f"{k}_share_mb": v for k, v in shares.items()}
 
 
 def keep_metrics_until(path: Path, step: int) -> None:

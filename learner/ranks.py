@@ -18,13 +18,21 @@ follows, so a stop between steps never leaves a rank waiting in a collective.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from learner.step import Batch, Prepared, Trainer, combine_stats, scalar
+from policy.memory import apply_memory_share
+from policy.model import load_policy
+from protocol import lifecycle
+from protocol.config import Config, read_run_config
+from protocol.heartbeat import learner_name, start_heartbeat
 
 log = logging.getLogger("learner")
 
@@ -151,3 +159,32 @@ def follow(trainer: Trainer, ranks: Ranks) -> None:
             if ranks.say()[0] == STOP:
                 break
             part.step()
+
+
+def load_trainer(cfg: Config) -> tuple[nn.Module, Any, dict, Trainer]:
+    """The policy with its adapters, ready to train, its tokenizer, its adapter config, and
+    its Trainer: the same on every rank."""
+    mx.random.seed(cfg.train.seed)
+    log.info("loading %s", cfg.model.path)
+    model, tokenizer, adapter_config = load_policy(cfg.model.path, cfg.lora)
+    model.train()
+    if cfg.train.grad_checkpoint:
+        from mlx_lm.tuner.trainer import grad_checkpoint
+
+        grad_checkpoint(model.layers[0])
+    trainer = Trainer(model, cfg.algorithm, cfg.train, cfg.sampling, cfg.completion_tokens)
+    return model, tokenizer, adapter_config, trainer
+
+
+def follower_main(run_dir: str, ranks: Ranks) -> int:
+    """A learner rank above 0: no sockets, files or checkpoints; only its rows of each batch."""
+    signals = lifecycle.StopSignals().install()
+    lifecycle.watch_lifeline()
+    start_heartbeat(run_dir, learner_name(ranks.rank))
+    apply_memory_share()
+    _, _, _, trainer = load_trainer(read_run_config(run_dir))
+    log.info("learner rank %d of %d (pid %d): training its rows of rank 0's batches", ranks.rank, ranks.size,
+             os.getpid())
+    follow(trainer, ranks)
+    log.info("learner rank %d: rank 0 says stop", ranks.rank)
+    return signals.exit_code()

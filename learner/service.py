@@ -9,7 +9,6 @@ flowing. The ledger knows where every group is: trained, dropped with a reason, 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -27,24 +26,22 @@ from learner.evaluation import Evaluator
 from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
-from learner.metrics import MetricsFile, batch_metrics, batch_tokens, completion_rows
-from learner.ranks import GO, STOP, Part, Ranks, follow
+from learner.metrics import CompletionsFile, MetricsFile, StatusFile, batch_metrics, batch_tokens, plan_shares
+from learner.ranks import GO, STOP, Part, Ranks, follower_main, load_trainer
 from learner.reporters import open_reporters
 from learner.rollouts import MB, RolloutSocket
-from learner.step import Sample, Trainer, make_batch
+from learner.step import make_batch
 from policy.memory import apply_memory_share
-from policy.model import adapter_weights_numpy, load_policy, tokenizer_fingerprint
+from policy.model import adapter_weights_numpy, tokenizer_fingerprint
 from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
-from protocol.heartbeat import learner_name, start_heartbeat
+from protocol.heartbeat import start_heartbeat
 from protocol.keys import run_key_dir
 from protocol.rundir import latest_checkpoint
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
 
 log = logging.getLogger("learner")
-
-CHECKPOINT_ATTEMPTS, CHECKPOINT_RETRY_S = 30, 2.0
 
 
 class Learner:
@@ -71,14 +68,15 @@ class Learner:
         self.num_tokens = 0  # prompt and completion tokens trained on (TRL's num_tokens)
         self.checkpointed: int | None = None  # the step of the newest checkpoint written or loaded
         self.ledger = Ledger()
-        self.status_failing = False
+        self.status = StatusFile(self.run_dir / "status.json")
         if resume:
             self.resume()
         self.ranks.sync_state(self.trainer)
-        self.metrics = MetricsFile(self.run_dir / "metrics.jsonl", self.step if resume else None)
-        self.completions = (MetricsFile(self.run_dir / "completions.jsonl", self.step if resume else None)
+        self.metrics = MetricsFile(self.run_dir / "metrics.jsonl", self.step if resume else None,
+                                   open_reporters(self.run_dir, cfg))
+        self.completions = (CompletionsFile(self.run_dir / "completions.jsonl", cfg.log.completions_every,
+                                            cfg.log.completions_groups, self.step if resume else None)
                             if cfg.log.completions_every else None)
-        self.reporters = open_reporters(self.run_dir, cfg)
         self.intake = Intake(self.scorer, self.trainer.algorithm.keep_group, self.ledger)
         identity = {"model": cfg.model.path, "tokenizer": tokenizer_fingerprint(tokenizer),
                     "lora": as_dict(cfg.lora), "instance": instance}
@@ -89,9 +87,7 @@ class Learner:
             lambda: adapter_weights_numpy(self.model), keys, cfg.actor.count,
             sockets.frame_limit(cfg.rollout_array_bytes),
             in_flight=(cfg.train.max_staleness + 1) * cfg.train.batch_size)
-        plan = self.run_dir / "plan.json"
-        shares = json.loads(plan.read_text())["shares_mb"] if plan.exists() else {}
-        self.shares = {f"{k}_share_mb": v for k, v in shares.items()}
+        self.shares = plan_shares(self.run_dir)
 
     def resume(self) -> None:
         """Continue from the newest checkpoint (the metrics file then drops later steps)."""
@@ -140,15 +136,15 @@ class Learner:
         train = self.cfg.train
         rewards = np.stack([cast(np.ndarray, g.rewards) for g in groups])  # a batch's groups are scored
         advantages = self.trainer.algorithm.advantages(rewards)
-        samples = [Sample(g.prompt_ids, ids, lp, fr, None if g.loss_masks is None else g.loss_masks[i])
-                   for g in groups
-                   for i, (ids, lp, fr) in enumerate(zip(g.completion_ids, g.logprobs, g.finish_reasons))]
+        samples = [sample for g in groups for sample in g.samples()]
         batch = make_batch(samples, self.pad_id)
         self.ranks.share_batch(batch, advantages)
         part = Part(self.trainer, self.ranks, batch, advantages)  # this rank's rows: all, alone
         prepared = part.prepared
         self.num_tokens += batch_tokens(samples)
-        self.log_completions(groups, advantages)
+        if self.completions is not None:
+            self.completions.write_batch(self.step + 1, self.trainer.num_iterations, groups, advantages,
+                                         self.scorer.metric_name)
         shared = {**batch_metrics(groups, samples, rewards, advantages, self.step, self.scorer.metric_name),
                   **prepared.stats, "num_tokens": self.num_tokens}
         for iteration in range(self.trainer.num_iterations):
@@ -166,7 +162,7 @@ class Learner:
                 "step_s": time.perf_counter() - t0, **self.rollouts.weight_sync,
                 "learner_peak_mb": mx.get_peak_memory() / MB, **self.shares, **self.group_counts(),
             }
-            self.record(line)
+            self.metrics.write(line)
             self.ledger.say_drops(self.step)
             if train.checkpoint_every and self.step % train.checkpoint_every == 0:
                 self.checkpoint()
@@ -181,23 +177,7 @@ class Learner:
         line = self.evaluator.run(self.model, self.step, self.scorer, self.intake.take,
                                   lambda: self.signals.requested)
         if line is not None:
-            self.record(line)
-
-    def record(self, line: dict) -> None:
-        """A metrics line, to metrics.jsonl and to every `log.report_to` backend."""
-        self.metrics.write(line)
-        for reporter in self.reporters:
-            reporter.write(line)
-
-    def log_completions(self, groups: list[Group], advantages: np.ndarray) -> None:
-        """Write a sample of the batch to completions.jsonl when one of its steps is due."""
-        every, first = self.cfg.log.completions_every, self.step + 1
-        if self.completions is None or not any(s % every == 0
-                                               for s in range(first, first + self.trainer.num_iterations)):
-            return
-        picked = groups[:self.cfg.log.completions_groups]
-        for row in completion_rows(first, picked, advantages, self.scorer.metric_name):
-            self.completions.write(row)
+            self.metrics.write(line)
 
     def checkpoint(self) -> None:
         if self.checkpointed == self.step:  # the last step's, or one that nothing followed
@@ -205,19 +185,8 @@ class Learner:
         state = {"step": self.step, "version": self.step, "num_tokens": self.num_tokens,
                  **self.ledger.state(), "reward_stats": self.scorer.worker_stats(),
                  "config": self.cfg.to_dict()}
-        # A write can fail for a while (every descriptor taken by a flood of connections,
-        # a full disk): try again for a minute before the run fails on it.
-        for attempt in range(CHECKPOINT_ATTEMPTS):
-            try:
-                path = save_checkpoint(self.run_dir, self.model, self.trainer.optimizer, self.adapter_config,
-                                       state, self.cfg.train.keep_checkpoints)
-                break
-            except (OSError, RuntimeError) as e:  # MLX reports a failed open as RuntimeError
-                if attempt == CHECKPOINT_ATTEMPTS - 1:
-                    raise
-                log.error("cannot write the checkpoint of step %d: %s; trying again in %.0f s", self.step, e,
-                          CHECKPOINT_RETRY_S)
-                time.sleep(CHECKPOINT_RETRY_S)
+        path = save_checkpoint(self.run_dir, self.model, self.trainer.optimizer, self.adapter_config, state,
+                               self.cfg.train.keep_checkpoints)
         self.checkpointed = self.step
         log.info("wrote checkpoint %s (pid %d)", path.name, os.getpid())
 
@@ -232,15 +201,8 @@ class Learner:
         return "training"
 
     def write_status(self, phase: str) -> None:
-        status = {"phase": phase, "step": self.step, "steps": self.cfg.train.steps,
-                  "actors": len(self.rollouts.actors), "time": time.time(), **self.group_counts()}
-        try:
-            lifecycle.write_atomic(self.run_dir / "status.json", json.dumps(status) + "\n")
-            self.status_failing = False
-        except OSError as e:  # status.json is for watchers; the next one may go through
-            if not self.status_failing:
-                log.error("cannot write status.json: %s; trying again with the next status", e)
-            self.status_failing = True
+        self.status.write({"phase": phase, "step": self.step, "steps": self.cfg.train.steps,
+                           "actors": len(self.rollouts.actors), "time": time.time(), **self.group_counts()})
 
     def close(self, reason: str = "training finished", final: bool = True) -> None:
         """Stop the ranks and the sockets; `final`: the run is over, so actors and reward
@@ -250,39 +212,8 @@ class Learner:
         self.metrics.close()
         if self.completions is not None:
             self.completions.close()
-        for reporter in self.reporters:
-            reporter.close()
         self.scorer.close(reason, final)
         sockets.close_context(self.ctx)
-
-
-def load_trainer(cfg) -> tuple:
-    """The policy with its adapters, ready to train, and its Trainer: the same on every rank."""
-    mx.random.seed(cfg.train.seed)
-    log.info("loading %s", cfg.model.path)
-    model, tokenizer, adapter_config = load_policy(cfg.model.path, cfg.lora)
-    model.train()
-    if cfg.train.grad_checkpoint:
-        from mlx_lm.tuner.trainer import grad_checkpoint
-
-        grad_checkpoint(model.layers[0])
-    return model, tokenizer, adapter_config, Trainer(model, cfg.algorithm, cfg.train, cfg.sampling,
-                                                     cfg.completion_tokens)
-
-
-def follower_main(run_dir: str, ranks: Ranks) -> int:
-    """A learner rank above 0: no sockets, files or checkpoints; only its rows of each batch."""
-    signals = lifecycle.StopSignals().install()
-    lifecycle.watch_lifeline()
-    start_heartbeat(run_dir, learner_name(ranks.rank))
-    apply_memory_share()
-    cfg = read_run_config(run_dir)
-    trainer = load_trainer(cfg)[3]
-    log.info("learner rank %d of %d (pid %d): training its rows of rank 0's batches", ranks.rank, ranks.size,
-             os.getpid())
-    follow(trainer, ranks)
-    log.info("learner rank %d: rank 0 says stop", ranks.rank)
-    return signals.exit_code()
 
 
 def main(run_dir: str, resume: bool = False) -> int:
