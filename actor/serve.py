@@ -409,11 +409,10 @@ class Follower:
             if msg is None:
                 log.error("dropped a malformed message: %s", incoming.error)
             elif msg.kind == protocol.WEIGHTS:
-                newest = msg if newest is None or msg["version"] >= newest["version"] else newest
+                newest = protocol.newer_weights(newest, msg)
             elif msg.kind == protocol.STOP and msg.header.get("final") is not False:
                 self.stopped = msg["reason"]
-        version = self.policy.version
-        if newest is not None and (version is None or newest["version"] >= version):
+        if newest is not None:
             try:
                 self.policy.set_weights(newest.arrays, newest["version"])
             except ValueError as e:

@@ -134,7 +134,7 @@ class Actor:
             log.error("dropped a malformed message: %s", incoming.error)
             return
         if msg.kind == protocol.WEIGHTS:
-            if self.pending is None or msg["version"] >= self.pending["version"]:
+            if protocol.newer_weights(self.pending, msg) is msg:
                 self.pending = msg
                 sent_at = msg.header.get("sent_at")
                 # Same machine, same clock: sent -> received and decoded.

@@ -166,6 +166,14 @@ def decode(frames: list, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     return msg
 
 
+def newer_weights(held: Message | None, msg: Message) -> Message:
+    """Of the `weights` held (not applied yet) and one that arrived, the one to apply: the
+    higher version, or the later of two equal ones. The version applied before does not
+    count: a learner that restarted from a checkpoint sends an older one, and it is the
+    run's policy now."""
+    return msg if held is None or msg["version"] >= held["version"] else held
+
+
 def _check_fields(kind: str, head: dict, schema: dict | None = None) -> None:
     for name, typ in (schema or _SCHEMA[kind]).items():
         if name not in head:

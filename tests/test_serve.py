@@ -276,3 +276,39 @@ def test_a_finished_run_is_served_with_its_last_adapters(default_run):
         assert out.policy_version == 60 and out.choices[0].text == "33333333"
     finally:
         stop(proc)
+
+
+def test_a_follower_serves_the_learner_s_weights_also_when_a_restart_goes_back(tmp_path, tiny):
+    """A learner that restarts from a checkpoint sends an older version: that is the run's
+    policy now, and the server takes it (it kept serving the discarded newer one)."""
+    import zmq
+
+    import protocol
+    from actor.serve import Follower, Policy
+    from orchestrator.supervisor import prepare_run_dir
+    from policy.model import adapter_weights_numpy
+    from protocol.config import load_config
+
+    model, tok = tiny
+    cfg = load_config(write_config(tmp_path))
+    run = prepare_run_dir(cfg)
+    ctx = zmq.Context()
+    learner = ctx.socket(zmq.ROUTER)
+    learner.bind(protocol.read_endpoints(run)["learner"])
+    follower = Follower(str(run), cfg, Policy(model, tok, "tiny", cfg.sampling, None))
+    try:
+        identity, *hello = learner.recv_multipart()
+        assert protocol.decode(hello)["role"] == "observer"
+        weights = adapter_weights_numpy(model)
+        for version in (3, 1):
+            message = protocol.encode(protocol.WEIGHTS, {"version": version}, weights)
+            learner.send_multipart([identity, *message])
+            deadline = time.monotonic() + 10
+            while follower.policy.version != version and time.monotonic() < deadline:
+                follower.poll()
+                time.sleep(0.02)
+            assert follower.policy.version == version
+    finally:
+        follower.close()
+        learner.close(linger=0)
+        ctx.term()
