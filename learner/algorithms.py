@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, get_args
 
 import mlx.core as mx
 import numpy as np
 
+from protocol.config import ALGORITHM_NAMES, AlgorithmName, ScaleRewards
+
 STD_EPS = 1e-4
-SCALE_REWARDS = ("group", "batch", "none")
+SCALE_REWARDS: tuple[str, ...] = get_args(ScaleRewards)
 
 
 @dataclass(frozen=True)
@@ -209,11 +211,13 @@ class RLOO(GRPO):
                              neginf=0.0).reshape(-1)
 
 
-ALGORITHMS = {"grpo": GRPO, "bnpo": BNPO, "dapo": DAPO, "dr_grpo": DrGRPO, "gspo": GSPO, "rloo": RLOO}
+ALGORITHMS: dict[AlgorithmName, type[GRPO]] = {"grpo": GRPO, "bnpo": BNPO, "dapo": DAPO, "dr_grpo": DrGRPO,
+                                         "gspo": GSPO, "rloo": RLOO}
+assert tuple(ALGORITHMS) == ALGORITHM_NAMES, "protocol/config.py names the objectives"
 
 
 def make_algorithm(name: str, *, beta: float = 0.0, epsilon: float | None = None,
-                   epsilon_high: float | None = None, scale_rewards: str | None = None,
+                   epsilon_high: float | None = None, scale_rewards: ScaleRewards | None = None,
                    max_tokens: int = 1) -> Algorithm:
     """Build an objective; unset knobs keep the objective's own defaults."""
     if name not in ALGORITHMS:

@@ -27,7 +27,14 @@ from policy.logprobs import (
     sequence_logprobs_and_entropy,
 )
 from policy.model import adapters_disabled
-from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig, logit_chunk_positions
+from protocol.config import (
+    AlgorithmConfig,
+    CorrectionLevel,
+    CorrectionMode,
+    SamplingConfig,
+    TrainConfig,
+    logit_chunk_positions,
+)
 
 # exp() of a sequence's summed log-ratio overflows float32 beyond ~88.
 MAX_LOG_WEIGHT = 80.0
@@ -84,8 +91,8 @@ class Correction:
     ratios) instead of one per token.
     """
 
-    mode: str = "none"
-    level: str = "token"
+    mode: CorrectionMode = "none"
+    level: CorrectionLevel = "token"
     cap: float = 2.0
 
 

@@ -24,14 +24,20 @@ import typing
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from protocol.lifecycle import write_atomic
 
 # The orchestrator hands each process its memory share (MB) in this variable.
 MEMORY_SHARE_ENV = "MLXRL_MEMORY_LIMIT_MB"
 
-ALGORITHM_NAMES = ("grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo")
+# The choices of [algorithm], named once: the learner's objectives (learner/algorithms.py)
+# and its correction (learner/step.py) take these types.
+AlgorithmName = Literal["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo"]
+ScaleRewards = Literal["group", "batch", "none"]
+CorrectionMode = Literal["none", "truncate", "mask"]
+CorrectionLevel = Literal["token", "sequence"]
+ALGORITHM_NAMES: tuple[str, ...] = get_args(AlgorithmName)
 
 
 class ConfigError(ValueError):
@@ -157,7 +163,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    name: str = key("grpo", "`grpo`, `bnpo`, `dapo`, `dr_grpo`, `gspo` or `rloo` (see below)",
+    name: AlgorithmName = key("grpo", "`grpo`, `bnpo`, `dapo`, `dr_grpo`, `gspo` or `rloo` (see below)",
                     _one_of(*ALGORITHM_NAMES))
     beta: float = key(0.0, "KL penalty weight (k3 estimator against the adapters-off model); 0 skips "
                       "the reference pass", _range(0))
@@ -165,14 +171,15 @@ class AlgorithmConfig:
                                 _range(0, 1, lo_open=True, hi_open=True), shown="objective's")
     epsilon_high: float | None = key(None, "upper clip range: `epsilon`, DAPO 0.28, GSPO 4e-4",
                                      _range(0, lo_open=True), shown="objective's")
-    scale_rewards: str | None = key(None, "`group` (GRPO, BNPO, DAPO, GSPO), `batch`, or `none` "
-                                    "(Dr. GRPO, RLOO)", _one_of("group", "batch", "none"),
+    scale_rewards: ScaleRewards | None = key(None, "`group` (GRPO, BNPO, DAPO, GSPO), `batch`, or `none` "
+                                    "(Dr. GRPO, RLOO)", _one_of(*get_args(ScaleRewards)),
                                     shown="objective's")
     num_iterations: int = key(1, "optimizer steps per batch (TRL's mu), old-policy logprobs frozen "
                               "across them", _range(1))
-    is_correction: str = key("none", "behavior-policy correction: `none`, `truncate` or `mask` "
-                             "(see below)", _one_of("none", "truncate", "mask"))
-    is_level: str = key("token", "`token` or `sequence` importance weights", _one_of("token", "sequence"))
+    is_correction: CorrectionMode = key("none", "behavior-policy correction: `none`, `truncate` or `mask` "
+                             "(see below)", _one_of(*get_args(CorrectionMode)))
+    is_level: CorrectionLevel = key("token", "`token` or `sequence` importance weights",
+                                    _one_of(*get_args(CorrectionLevel)))
     is_cap: float = key(2.0, "C: truncate at C, or mask outside [1/C, C]", _range(1, lo_open=True))
 
 
@@ -341,6 +348,8 @@ def _typed(name: str, typ: Any, value: Any) -> Any:
         if value is None:
             return None
         (typ,) = [t for t in typing.get_args(typ) if t is not type(None)]
+    if typing.get_origin(typ) is Literal:  # the type of its choices; the key's check names them
+        typ = type(typing.get_args(typ)[0])
     if typing.get_origin(typ) is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name} must be a list, got {value!r}")
