@@ -6,6 +6,9 @@ import logging
 
 import typer
 
+from protocol import lifecycle
+from protocol.config import config_errors
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="The MLX rollout actor: samples completions with behavior logprobs.")
 
@@ -25,7 +28,6 @@ def run(run_dir: str = typer.Option(..., help="Run directory written by `orchest
     data file does not parse, a prompt does not fit the model, the learner refused our
     model, LoRA config or key), 128 + N stopped by signal N, 1 anything unexpected."""
     from policy.data import DataError
-    from protocol import lifecycle
     from protocol.keys import KeysError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -48,21 +50,17 @@ def sample(
     set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value."),
 ) -> None:
     """Sample and score without a learner, for evaluation."""
-    from protocol.config import ConfigError, load_config
+    from protocol.config import load_config
 
-    try:
+    with config_errors():
         cfg = load_config(config, set_)
-    except ConfigError as e:
-        typer.echo(f"config error: {e}", err=True)
-        raise typer.Exit(2) from None
     from actor.sample import run_sample
     from policy.data import DataError
 
     try:
         summary = run_sample(cfg, prompts or cfg.data.prompts, num_samples, out, adapter, seed, limit)
     except (DataError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        lifecycle.fail(f"error: {e}")
     show_summary({**summary, "samples": out})
 
 
@@ -75,21 +73,17 @@ def eval_(
     """Evaluate on the held-out prompts: the eval/* numbers a training run logs."""
     from protocol.config import ConfigError, load_config
 
-    try:
+    with config_errors():
         cfg = load_config(config, set_)
         if not cfg.eval.prompts:
             raise ConfigError("eval.prompts is not set (the held-out prompt rows)")
-    except ConfigError as e:
-        typer.echo(f"config error: {e}", err=True)
-        raise typer.Exit(2) from None
     from actor.sample import run_eval
     from policy.data import DataError
 
     try:
         summary = run_eval(cfg, adapter)
     except (DataError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        lifecycle.fail(f"error: {e}")
     show_summary(summary)
 
 
@@ -108,20 +102,15 @@ def serve(
     /v1/models); every response also holds token ids, logprobs and the policy version."""
     from pathlib import Path
 
-    from protocol.config import ConfigError, load_config, read_run_config
+    from protocol.config import load_config, read_run_config
 
     if (config is None) == (run_dir is None):
-        typer.echo("error: give --config (a fixed adapter) or --run-dir (follow a training run)", err=True)
-        raise typer.Exit(2)
+        lifecycle.fail("error: give --config (a fixed adapter) or --run-dir (follow a training run)")
     if run_dir is not None and adapter is not None:
-        typer.echo("error: --adapter goes with --config; a followed run's comes from its learner", err=True)
-        raise typer.Exit(2)
+        lifecycle.fail("error: --adapter goes with --config; a followed run's comes from its learner")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
+    with config_errors(FileNotFoundError):
         cfg = read_run_config(run_dir) if run_dir is not None else load_config(str(config), set_)
-    except (ConfigError, FileNotFoundError) as e:
-        typer.echo(f"config error: {e}", err=True)
-        raise typer.Exit(2) from None
     if host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo(f"warning: listening on {host}: anyone who can reach it can use the model", err=True)
     from actor.sample import load_model

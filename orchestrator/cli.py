@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from protocol import lifecycle
-from protocol.config import Config, ConfigError, load_config, load_run_config
+from protocol.config import Config, ConfigError, config_errors, load_config, load_run_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run RL post-training as an MLX actor and learner over ZeroMQ.")
@@ -29,25 +29,19 @@ def up(
 ) -> None:
     """Validate the config, check the memory plan, start learner and actor, train, stop."""
     if (config is None) == (resume is None):
-        typer.echo("error: give --config to start a run, or --resume RUN_DIR to continue one", err=True)
-        raise typer.Exit(2)
+        lifecycle.fail("error: give --config to start a run, or --resume RUN_DIR to continue one")
     if overwrite and resume is not None:
-        typer.echo("error: --overwrite starts a run over; --resume continues one: give one of them", err=True)
-        raise typer.Exit(2)
-    try:
+        lifecycle.fail("error: --overwrite starts a run over; --resume continues one: give one of them")
+    with config_errors():
         if resume is not None:
             cfg = load_run_config(resume, set_, steps)
         else:
             assert config is not None  # one of the two, checked above
             cfg = load_config(config, set_, run_dir=run_dir, steps=steps)
-    except ConfigError as e:
-        typer.echo(f"config error: {e}", err=True)
-        raise typer.Exit(2) from None
     from learner.reporters import missing_backends
 
     for problem in missing_backends(cfg.log.report_to):
-        typer.echo(f"config error: {problem}", err=True)
-        raise typer.Exit(2)
+        lifecycle.fail(f"config error: {problem}")
     shares = check_plan(cfg, available_memory_gb)
     from orchestrator.supervisor import up as run_up
 
@@ -63,15 +57,12 @@ def check_plan(cfg: Config, available_gb: float | None, show: bool = False) -> d
     try:
         plan, model, shape = plan_for(cfg, available_gb)
     except DataError as e:
-        typer.echo(f"data error: {e}", err=True)
-        raise typer.Exit(lifecycle.EXIT_USER_ERROR) from None
+        lifecycle.fail(f"data error: {e}", lifecycle.EXIT_USER_ERROR)
     except ConfigError as e:
-        typer.echo(f"config error: {e}", err=True)
-        raise typer.Exit(lifecycle.EXIT_CONFIG) from None
+        lifecycle.fail(f"config error: {e}")
     except PlanError as e:
         if show:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
+            lifecycle.fail(f"error: {e}")
         # A hub model not downloaded yet: mlx-lm fetches it when the processes start, so
         # the run can go on; it just cannot be planned (or held to shares) beforehand.
         typer.echo(f"warning: no memory check: {e}. Run `orchestrator plan` once it is "
@@ -80,9 +71,9 @@ def check_plan(cfg: Config, available_gb: float | None, show: bool = False) -> d
     if show or not plan.fits:
         typer.echo(render(plan))
     if not plan.fits:
-        typer.echo(f"does not fit: needs {plan.total / MB:.0f} MB (+10% margin) of "
-                   f"{plan.budget / MB:.0f} MB. Try: {suggestion(model, shape, plan.budget)}", err=True)
-        raise typer.Exit(3)
+        needs = f"needs {plan.total / MB:.0f} MB (+10% margin) of {plan.budget / MB:.0f} MB"
+        lifecycle.fail(f"does not fit: {needs}. Try: {suggestion(model, shape, plan.budget)}",
+                       lifecycle.EXIT_NO_FIT)
     shares = {k: v / MB for k, v in plan.shares().items()}
     if show:
         typer.echo(f"fits: actor share {shares['actor']:.0f} MB, learner share {shares['learner']:.0f} MB")
@@ -97,11 +88,8 @@ def plan(
 ) -> None:
     """Estimate each process's memory, check it against the budget, and name the knob to
     turn when it does not fit (exit 3). Loads no model weights."""
-    try:
+    with config_errors():
         cfg = load_config(config, set_)
-    except ConfigError as e:
-        typer.echo(f"config error: {e}", err=True)
-        raise typer.Exit(2) from None
     check_plan(cfg, available_memory_gb, show=True)
 
 
@@ -115,11 +103,8 @@ def prepare(
     """Check a config and write its run directory (config.json, endpoints.json, keys for
     TCP) without starting anything: for processes you start yourself, such as learner
     ranks on several Macs under `mlx.launch --hostfile` (README)."""
-    try:
+    with config_errors():
         cfg = load_config(config, set_, run_dir=run_dir)
-    except ConfigError as e:
-        typer.echo(f"config error: {e}", err=True)
-        raise typer.Exit(2) from None
     check_plan(cfg, None)
     from orchestrator.supervisor import prepare_run_dir
     from protocol.rundir import RunExists
@@ -127,8 +112,7 @@ def prepare(
     try:
         run = prepare_run_dir(cfg, overwrite=overwrite)
     except RunExists as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        lifecycle.fail(f"error: {e}")
     typer.echo(f"wrote {run}: start the learner (or its ranks) with `python -m learner --run-dir {run}` and "
                f"each actor with `actor run --run-dir {run} --slot I`")
 
@@ -183,8 +167,7 @@ def env_worker(
 
     lifecycle.watch_lifeline()  # started by `orchestrator up`: end with it
     if (environment is None) == (openenv is None):
-        typer.echo("error: give exactly one of module:Class and --openenv URL", err=True)
-        raise typer.Exit(2)
+        lifecycle.fail("error: give exactly one of module:Class and --openenv URL")
     endpoint, keys = _worker_endpoint(run_dir, connect, "env", key_dir, insecure)
 
     def make(signals: lifecycle.StopSignals) -> EnvWorker:
@@ -211,14 +194,12 @@ def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str, key_
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if (run_dir is None) == (connect is None):
-        typer.echo("error: give exactly one of --run-dir and --connect", err=True)
-        raise typer.Exit(2)
+        lifecycle.fail("error: give exactly one of --run-dir and --connect")
     try:
         endpoint = connect or protocol.read_endpoints(Path(str(run_dir)))[socket]
     except (OSError, KeyError, ValueError):
-        typer.echo(f"error: {run_dir} has no endpoints.json with a {socket} socket; "
-                   "is the run started?", err=True)
-        raise typer.Exit(2) from None
+        lifecycle.fail(f"error: {run_dir} has no endpoints.json with a {socket} socket; "
+                   "is the run started?")
     try:
         if key_dir is None and run_dir is not None:
             # The run's config says whether it is insecure; without one, it is not.
@@ -226,8 +207,7 @@ def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str, key_
             return endpoint, run_key_dir(run_dir, endpoint, insecure)
         return endpoint, key_dir_for(endpoint, key_dir, insecure)
     except KeysError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        lifecycle.fail(f"error: {e}")
 
 
 def _run_is_insecure(run_dir: str) -> bool:
@@ -248,8 +228,7 @@ def _serve(make_worker, user_error: type[Exception]) -> None:
     try:
         code = serve(make_worker(signals))
     except user_error as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        lifecycle.fail(f"error: {e}")
     except lifecycle.ForcedStop as e:
         code = lifecycle.signal_exit_code(e.signum)
     raise typer.Exit(code)
@@ -259,11 +238,9 @@ def run_file(run_dir: Path, name: str, why_missing: str) -> Path:
     """`run_dir/name`, or exit 2 saying which is missing: the directory, or the file."""
     if not (run_dir / "config.json").exists():
         what = "does not exist" if not run_dir.exists() else "holds no run (no config.json)"
-        typer.echo(f"error: run directory {run_dir} {what}; give the run.dir of a run (--run-dir)", err=True)
-        raise typer.Exit(lifecycle.EXIT_CONFIG)
+        lifecycle.fail(f"error: run directory {run_dir} {what}; give the run.dir of a run (--run-dir)")
     if not (run_dir / name).exists():
-        typer.echo(f"error: {run_dir / name} does not exist: {why_missing}", err=True)
-        raise typer.Exit(lifecycle.EXIT_CONFIG)
+        lifecycle.fail(f"error: {run_dir / name} does not exist: {why_missing}")
     return run_dir / name
 
 
@@ -287,8 +264,7 @@ def show_completions(
     try:
         typer.echo(completions_table(read_lines(path), step, width))
     except NotLogged as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(lifecycle.EXIT_CONFIG) from None
+        lifecycle.fail(f"error: {e}")
 
 
 @show_app.command("reward")
@@ -316,13 +292,11 @@ def plot(
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
-        typer.echo(f"error: {path} does not exist", err=True)
-        raise typer.Exit(2)
+        lifecycle.fail(f"error: {path} does not exist")
     try:
         written = plot_metrics(read_lines(path), Path(out or Path(run_dir) / "curves.png"), str(run_dir))
     except RuntimeError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        lifecycle.fail(f"error: {e}")
     typer.echo(f"wrote {written}")
 
 
@@ -344,8 +318,7 @@ def keys_add_peer(
     try:
         out = add_peer(run_dir, name)
     except KeysError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        lifecycle.fail(f"error: {e}")
     typer.echo(f"wrote {out} (owner-only; it holds a secret key: copy it over ssh, e.g. "
                f"scp -r {out} OTHER-MAC:)")
 

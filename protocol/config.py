@@ -13,6 +13,7 @@ No MLX here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -21,12 +22,12 @@ import sys
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from protocol.lifecycle import write_atomic
+from protocol.lifecycle import fail, write_atomic
 
 # The orchestrator hands each process its memory share (MB) in this variable.
 MEMORY_SHARE_ENV = "MLXRL_MEMORY_LIMIT_MB"
@@ -42,6 +43,16 @@ ALGORITHM_NAMES: tuple[str, ...] = get_args(AlgorithmName)
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
+
+
+@contextlib.contextmanager
+def config_errors(*also: type[Exception]) -> Iterator[None]:
+    """In a command: a bad config (ConfigError, or `also`) ends it with `config error: ...`
+    on stderr and exit code 2 (EXIT_CONFIG)."""
+    try:
+        yield
+    except (ConfigError, *also) as e:  # type: ignore[misc]  # mypy cannot see a tuple of classes
+        fail(f"config error: {e}")
 
 
 Check = Callable[[Any], "str | None"]

@@ -102,6 +102,13 @@ def write_atomic(path: str | Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def fail(message: str, code: int = EXIT_CONFIG) -> NoReturn:
+    """End a command: `message` on stderr, and exit `code` (default: a bad command line or
+    config)."""
+    print(message, file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
 def signal_exit_code(signum: int) -> int:
     """The shell's convention for "ended by signal N": 128 + N (130 for SIGINT)."""
     return 128 + signum
