@@ -10,8 +10,8 @@ belongs to the environment's tokens: the prompt is rendered without it.
 
 Turns go in lockstep: once every environment has answered, all live episodes are sampled
 in one batch (each whole context prefilled again: simple, and cheap beside decoding at
-these lengths); then each sends its
-action to the env worker that holds it (`step`) and waits for the observation. The
+these lengths); then each sends its action to the env worker that holds it (`step`) and
+waits for the observation. The
 environment ends an episode with `done` (`env_done`) or an error (`env_error`); the
 per-episode token budget ends it too (`length`), and so does the environment's answer to
 the `env.max_turns`-th model turn (`max_turns`; that answer's reward counts).

@@ -10,10 +10,10 @@ size B and N live actors, each keeps at most ceil((k + 1) * B / N) groups in fli
 window; an actor that dies gives its share to the others), and samples every
 `actor.count`-th prompt of the run's data stream (its `--slot`). The actor beats from a
 thread of its own, so the learner hears it through long batches. With k = 0 it samples
-only for the batch being filled:
-when the learner trains, it sends the new weights before the credit, so every batch is
-sampled by the weights the previous batch produced; when the learner drops groups (DAPO's
-filter, a reward error), the actor replaces exactly those, with unchanged weights.
+only for the batch being filled: when the learner trains, it sends the new weights before
+the credit, so every batch is sampled by the weights the previous batch produced; when
+the learner drops groups (DAPO's filter, a reward error), the actor replaces exactly
+those, with unchanged weights.
 """
 
 from __future__ import annotations

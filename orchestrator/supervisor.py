@@ -1,4 +1,5 @@
-"""Start the learner and the actor as OS processes, watch them, show progress, stop them.
+"""Start the run's processes (the learner or its ranks, the local actors, the env workers
+of a module environment), watch them, show progress, stop them.
 
 The learner writes `status.json` and `metrics.jsonl`; the supervisor only reads those
 files and the processes' exit codes, so a slow terminal can never stall training.

@@ -54,8 +54,8 @@ RUN_LOCK_ENV = "MLXRL_RUN_LOCK_FD"
 LIFELINE_GRACE_S = 10.0
 _supervised = False  # this process was started by an orchestrator (it handed us a lifeline)
 
-# Reward socket liveness (PROTOCOL.md, "Liveness"): a worker beats every HEARTBEAT_S and
-# is taken for gone after HEARTBEAT_TIMEOUT_S of silence.
+# Worker liveness on the reward and env sockets (PROTOCOL.md, "Liveness"): a worker beats
+# every HEARTBEAT_S and is taken for gone after HEARTBEAT_TIMEOUT_S of silence.
 HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT_S = 3.0
 # A peer whose learner has been unreachable this long stops waiting for it: long enough

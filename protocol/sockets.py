@@ -1,7 +1,8 @@
 """The sockets every process opens, and the one way each reads them.
 
-The learner binds ROUTER sockets (rollouts, rewards); actors and reward workers connect a
-DEALER with a `ConnectionWatch`, which tells them when the learner is gone for good. Each
+A socket's owner binds a ROUTER: the learner its rollout and reward sockets, the actor the
+env socket. Its peers (actors and observers, reward workers, env workers) connect a
+DEALER with a `ConnectionWatch`, which tells them when the owner is gone for good. Each
 socket lingers on close, so a last `stop` still leaves. Reading is the same everywhere:
 `incoming` polls, receives and decodes, and hands a malformed message to the caller as a
 ProtocolError instead of raising: a process never crashes on a peer's bad message.
