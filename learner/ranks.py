@@ -17,6 +17,7 @@ follows, so a stop between steps never leaves a rank waiting in a collective.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from dataclasses import dataclass
@@ -36,7 +37,12 @@ from protocol.heartbeat import learner_name, start_heartbeat
 
 log = logging.getLogger("learner")
 
-STOP, GO = 0, 1
+class Command(enum.IntEnum):
+    """What rank 0 tells the other ranks before each collective they take part in."""
+
+    STOP = 0  # no more batches (or iterations): end
+    GO = 1  # a batch follows (with its rows and length), or the next iteration of one
+    COUNT = 2  # a tree of this many arrays follows (start-up)
 
 
 @dataclass
@@ -79,28 +85,29 @@ class Ranks:
         freshly initialised one); the key sets must match."""
         leaves = dict(tree_flatten(tree))
         names = sorted(leaves)
-        if self.say(GO, len(names))[1] != len(names):
+        if self.broadcast(Command.COUNT, len(names))[1] != len(names):
             raise RuntimeError(f"rank {self.rank} holds {len(names)} arrays where rank 0 holds another "
                                "number: the ranks run different models or LoRA configs")
         return tree_unflatten(list(zip(names, self.from_rank0([leaves[n] for n in names]))))
 
-    def say(self, command: int = STOP, rows: int = 0, length: int = 0) -> tuple[int, int, int]:
-        """Rank 0's command (and a batch's shape) to every rank; the others pass nothing."""
-        got = self.from_rank0(mx.array([command, rows, length], dtype=mx.int32))
-        command, rows, length = (int(v) for v in np.array(got))
-        return command, rows, length
+    def broadcast(self, command: Command = Command.STOP, a: int = 0, b: int = 0) -> tuple[Command, int, int]:
+        """Rank 0's command and its two numbers (a batch's rows and length, or a count) on
+        every rank; the others pass nothing."""
+        got = self.from_rank0(mx.array([command, a, b], dtype=mx.int32))
+        code, a, b = (int(v) for v in np.array(got))
+        return Command(code), a, b
 
     def share_batch(self, batch: Batch, advantages: np.ndarray) -> None:
         """Rank 0: send the batch to the other ranks."""
         if self.group is not None:
-            self.say(GO, *batch.tokens.shape)
+            self.broadcast(Command.GO, *batch.tokens.shape)
             adv = mx.array(advantages.astype(np.float32))
             self.from_rank0([batch.tokens, batch.mask, batch.behavior, adv])
 
     def receive_batch(self) -> tuple[Batch, np.ndarray] | None:
         """A rank above 0: the next batch from rank 0, or None when it says stop."""
-        command, rows, length = self.say()
-        if command == STOP:
+        command, rows, length = self.broadcast()
+        if command == Command.STOP:
             return None
         tokens, mask, behavior, adv = self.from_rank0([
             mx.zeros((rows, length), mx.int32), mx.zeros((rows, length - 1)), mx.zeros((rows, length - 1)),
@@ -156,7 +163,7 @@ def follow(trainer: Trainer, ranks: Ranks) -> None:
     while (got := ranks.receive_batch()) is not None:
         part = Part(trainer, ranks, *got)
         for _ in range(trainer.num_iterations):
-            if ranks.say()[0] == STOP:
+            if ranks.broadcast()[0] == Command.STOP:
                 break
             part.step()
 

@@ -27,7 +27,7 @@ from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
 from learner.metrics import CompletionsFile, MetricsFile, StatusFile, batch_metrics, batch_tokens, plan_shares
-from learner.ranks import GO, STOP, Part, Ranks, follower_main, load_trainer
+from learner.ranks import Command, Part, Ranks, follower_main, load_trainer
 from learner.reporters import open_reporters
 from learner.rollouts import MB, RolloutSocket
 from learner.step import make_batch
@@ -149,7 +149,7 @@ class Learner:
                   **prepared.stats, "num_tokens": self.num_tokens}
         for iteration in range(self.trainer.num_iterations):
             go = iteration == 0 or not (self.step >= train.steps or self.signals.requested)
-            self.ranks.say(GO if go else STOP)  # the other ranks step (or not) with us
+            self.ranks.broadcast(Command.GO if go else Command.STOP)  # the other ranks step (or not) with us
             if not go:
                 break
             stats = part.step()
@@ -207,7 +207,7 @@ class Learner:
     def close(self, reason: str = "training finished", final: bool = True) -> None:
         """Stop the ranks and the sockets; `final`: the run is over, so actors and reward
         workers exit (else they wait for this learner to come back)."""
-        self.ranks.say(STOP)  # the other ranks, waiting for a batch, end
+        self.ranks.broadcast(Command.STOP)  # the other ranks, waiting for a batch, end
         self.rollouts.close(reason, final)
         self.metrics.close()
         if self.completions is not None:
