@@ -77,6 +77,10 @@ def holder(request: Request) -> bytes:
     return request.worker
 
 
+# A pool's worker role: the socket it serves (endpoints.json's name) and what logs call it.
+POOLS = {"reward_worker": ("reward", "reward worker"), "env_worker": ("env", "env worker")}
+
+
 @dataclass
 class Worker:
     pid: int
@@ -100,10 +104,10 @@ class WorkerPool:
         """`role`: the hello role workers must have; `reply_kind`: the kind they answer
         with; `owner_role`: the role this side's hello carries; `keys`: the run's CURVE
         key directory, for TCP."""
-        self.sock = sockets.listen(ctx, endpoint, keys, role.split("_")[0])
+        socket, self.name = POOLS[role]
+        self.sock = sockets.listen(ctx, endpoint, keys, socket)
         self.endpoint = endpoint
         self.role, self.reply_kind, self.owner_role = role, reply_kind, owner_role
-        self.name = role.replace("_", " ")  # "reward worker", for logs
         self.instance = instance or uuid.uuid4().hex[:12]
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
         self.workers: dict[bytes, Worker] = {}  # the attached workers
@@ -115,6 +119,9 @@ class WorkerPool:
         self.last_beat = 0.0
         self.starved_since: float | None = None  # since when requests wait with no worker ready
         self.said_starved = 0.0
+        # What this poll found, returned by it: replies, and requests that failed (id, why).
+        self.done: list[Reply] = []
+        self.failed: list[tuple[str, str]] = []
 
     @property
     def n_workers(self) -> int:
@@ -149,25 +156,24 @@ class WorkerPool:
 
     def poll(self, timeout_ms: int = 0) -> tuple[list[Reply], list[tuple[str, str]]]:
         """Handle worker messages, deadlines, silence and dispatch. Returns (replies, failures)."""
-        done: list[Reply] = []
-        failed: list[tuple[str, str]] = []
         for incoming in sockets.incoming(self.sock, timeout_ms):
             if incoming.peer in self.workers:
                 self.workers[incoming.peer].last_seen = time.monotonic()
             if incoming.msg is None:
                 if incoming.peer in self.workers:
-                    self.reject(incoming.peer, f"malformed message: {incoming.error}", failed)
+                    self.reject(incoming.peer, f"malformed message: {incoming.error}")
                 continue
-            self.handle(incoming.peer, incoming.msg, done, failed)
-        self.check_workers(failed)
-        self.dispatch(failed)
+            self.handle(incoming.peer, incoming.msg)
+        self.check_workers()
+        self.dispatch()
         self.say_if_starved()
         self.beat()
+        done, failed, self.done, self.failed = self.done, self.failed, [], []
         return done, failed
 
-    def handle(self, identity: bytes, msg: protocol.Message, done: list, failed: list) -> None:
+    def handle(self, identity: bytes, msg: protocol.Message) -> None:
         if msg.kind == protocol.HELLO:
-            self.attach(identity, msg, failed)
+            self.attach(identity, msg)
             return
         worker = self.workers.get(identity)
         if worker is None:
@@ -176,19 +182,19 @@ class WorkerPool:
         if msg.kind == protocol.READY:
             self.mark_ready(identity)
         elif msg.kind == self.reply_kind:
-            self.take_reply(identity, msg, done, failed)
+            self.take_reply(identity, msg)
         elif msg.kind == protocol.STOP:
             log.info("%s pid %d leaves: %s", self.name, worker.pid, msg["reason"])
-            self.lose(identity, "the worker left", failed)
+            self.lose(identity, "the worker left")
         # A heartbeat is only for last_seen; other kinds mean nothing here.
 
-    def attach(self, identity: bytes, msg: protocol.Message, failed: list) -> None:
+    def attach(self, identity: bytes, msg: protocol.Message) -> None:
         if msg["role"] != self.role:
             log.error("refused a %s on the %s socket", msg["role"], self.name)
             self.send(identity, protocol.STOP, {"reason": f"only {self.name}s attach here", "final": True})
             return
         if identity in self.workers:  # said hello again: it forgot what it held
-            self.lose(identity, "the worker said hello again", failed)
+            self.lose(identity, "the worker said hello again")
         self.greeted.discard(identity)
         promise = msg.header.get("beats_while_working", msg.header.get("beats_while_scoring"))
         self.workers[identity] = Worker(msg["pid"], promise is True, time.monotonic(), next(_sessions))
@@ -207,67 +213,67 @@ class WorkerPool:
                      msg.kind)
             self.send(identity, protocol.HELLO, self.hello(attached=False))
 
-    def take_reply(self, identity: bytes, msg: protocol.Message, done: list, failed: list) -> None:
+    def take_reply(self, identity: bytes, msg: protocol.Message) -> None:
         request = self.assigned.get(msg["request_id"])
         if request is None or request.worker != identity:
             held = self.holding(identity)
             if held is not None:
                 self.reject(identity, f"reply names request {msg['request_id']!r}, "
-                            f"the worker holds {held.request_id!r}", failed)
+                            f"the worker holds {held.request_id!r}")
                 return
             self.stats["late_replies"] += 1
             log.warning("ignored a reply to request %s: it was never that worker's", msg["request_id"])
             return
         problem = request.check(msg.header) if request.check is not None else None
         if problem is not None:
-            self.reject(identity, problem, failed)
+            self.reject(identity, problem)
             return
         del self.assigned[request.request_id]
         self.mark_ready(identity)
         worker = self.workers[identity]
-        done.append(Reply(request.request_id, (identity, worker.session), worker.pid, msg.header))
+        self.done.append(Reply(request.request_id, (identity, worker.session), worker.pid, msg.header))
 
     def holding(self, identity: bytes) -> Request | None:
         return next((r for r in self.assigned.values() if r.worker == identity), None)
 
-    def reject(self, identity: bytes, reason: str, failed: list) -> None:
+    def reject(self, identity: bytes, reason: str) -> None:
         """A reply that cannot be used: log it and lose the worker (what it holds may be
         anything now)."""
         self.stats["rejected_replies"] += 1
         log.error("bad reply from %s pid %d: %s", self.name, self.workers[identity].pid, reason)
-        self.lose(identity, f"bad reply: {reason}", failed)
+        self.lose(identity, f"bad reply: {reason}")
 
-    def lose(self, identity: bytes, why: str, failed: list) -> None:
+    def lose(self, identity: bytes, why: str) -> None:
         """Forget the worker: hand on the request it holds, fail those pinned to it. If it
         speaks again it is greeted as a stranger."""
         del self.workers[identity]
         self.stats["lost_workers"] += 1
         if identity in self.ready:
             self.ready.remove(identity)
-        self.requeue(identity, why, failed)
+        self.requeue(identity, why)
         for request in [r for r in self.waiting if r.pinned is not None and r.pinned[0] == identity]:
             self.waiting.remove(request)
-            failed.append((request.request_id, f"{self.name}: {why}"))
+            self.failed.append((request.request_id, f"{self.name}: {why}"))
 
-    def requeue(self, identity: bytes, reason: str, failed: list) -> None:
+    def requeue(self, identity: bytes, reason: str) -> None:
         request = self.holding(identity)
         if request is None:
             return
         del self.assigned[request.request_id]
         request.worker = None
         if request.pinned is not None or request.attempts >= self.max_attempts:
-            failed.append((request.request_id, f"{self.name}: {reason}"))
+            self.failed.append((request.request_id, f"{self.name}: {reason}"))
             return
         self.stats["retries"] += 1
         self.waiting.appendleft(request)
 
-    def check_workers(self, failed: list) -> None:
+    def check_workers(self) -> None:
         now = time.monotonic()
         for request in [r for r in self.assigned.values() if r.deadline < now]:
             worker = holder(request)
             log.error("%s pid %d missed the %.0f s deadline for request %s; sending it elsewhere",
                       self.name, self.workers[worker].pid, self.timeout_s, request.request_id)
-            self.lose(worker, "deadline missed", failed)
+            self.lose(worker, "deadline missed")
         for identity, w in list(self.workers.items()):
             silent = now - w.last_seen
             if silent <= HEARTBEAT_TIMEOUT_S:
@@ -276,24 +282,25 @@ class WorkerPool:
             if held is None or w.beats_while_working:
                 log.error("%s pid %d sent nothing for %.1f s: taking it for gone%s", self.name,
                           w.pid, silent, f"; request {held.request_id} goes elsewhere" if held else "")
-                self.lose(identity, "the worker fell silent", failed)
+                self.lose(identity, "the worker fell silent")
 
     def mark_ready(self, identity: bytes) -> None:
         if identity not in self.ready and self.holding(identity) is None:
             self.ready.append(identity)
 
-    def dispatch(self, failed: list) -> None:
+    def dispatch(self) -> None:
         """Give waiting requests to ready workers, in order; a pinned request waits for its
         own worker, and fails when that worker is gone."""
         for request in list(self.waiting):
             if request.pinned is not None and not self.holds(request.pinned):
                 self.waiting.remove(request)
-                failed.append((request.request_id, f"{self.name}: the worker holding it is gone"))
+                self.failed.append((request.request_id, f"{self.name}: the worker holding it is gone"))
                 continue
             if len(request.frames[0]) > MAX_HEADER_BYTES:  # workers refuse it unread
                 self.waiting.remove(request)
-                failed.append((request.request_id, f"{self.name}: the request's {len(request.frames[0])} "
-                               f"bytes exceed the protocol's limit of {MAX_HEADER_BYTES}"))
+                size = len(request.frames[0])
+                self.failed.append((request.request_id, f"{self.name}: the request's {size} bytes exceed "
+                                    f"the protocol's limit of {MAX_HEADER_BYTES}"))
                 continue
             if request.pinned is None and self.ready:
                 identity = self.ready.popleft()
