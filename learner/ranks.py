@@ -148,7 +148,7 @@ class Part:
         self.advantages = advantages[rows]
         self.tokens = scalar(self.batch.mask.sum())
         self.prepared: Prepared = trainer.prepare(self.batch)
-        self.prepared.stats = ranks.combine(self.prepared.stats, self.tokens)
+        self.stats = ranks.combine(self.prepared.stats, self.tokens)  # the whole batch's
 
     def step(self) -> dict[str, float]:
         """One optimizer step on every rank; the whole batch's metrics."""

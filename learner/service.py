@@ -140,13 +140,12 @@ class Learner:
         batch = make_batch(samples, self.pad_id)
         self.ranks.share_batch(batch, advantages)
         part = Part(self.trainer, self.ranks, batch, advantages)  # this rank's rows: all, alone
-        prepared = part.prepared
         self.num_tokens += batch_tokens(samples)
         if self.completions is not None:
             self.completions.write_batch(self.step + 1, self.trainer.num_iterations, groups, advantages,
                                          self.scorer.metric_name)
         shared = {**batch_metrics(groups, samples, rewards, advantages, self.step, self.scorer.metric_name),
-                  **prepared.stats, "num_tokens": self.num_tokens}
+                  **part.stats, "num_tokens": self.num_tokens}
         for iteration in range(self.trainer.num_iterations):
             go = iteration == 0 or not (self.step >= train.steps or self.signals.requested)
             self.ranks.broadcast(Command.GO if go else Command.STOP)  # the other ranks step (or not) with us

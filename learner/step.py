@@ -107,6 +107,11 @@ class Prepared:
     stats: dict[str, float]
     correction: Correction
 
+    @property
+    def fused(self) -> bool:
+        """The step's own forward gives the old-policy logprobs (a single step on the batch)."""
+        return self.old is None
+
 
 def make_batch(samples: list[Sample], pad_id: int) -> Batch:
     """Right-pad prompt+completion rows. Causal attention means padding after a row's
@@ -271,13 +276,12 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
     def objective(logp: mx.array, entropy: mx.array | None, sl: slice) -> tuple[mx.array, dict]:
         """The micro-batch's loss as a function of its logprobs (what is differentiated)."""
         mask, extra = batch.mask[sl], cast(dict, {})
-        if prepared.old is None:  # fused: this forward's logprobs are the old policy's
+        if prepared.old is None or prepared.is_weight is None:  # fused: this forward gives the old logprobs
             assert entropy is not None  # the fused forward computes it
             old = mx.stop_gradient(logp)
             is_weight, extra = old_policy_terms(old, mx.stop_gradient(entropy), batch.behavior[sl], mask,
                                                 prepared.correction)
         else:
-            assert prepared.is_weight is not None  # prepared with the old logprobs
             old, is_weight = prepared.old[sl], prepared.is_weight[sl]
         ref = prepared.ref[sl] if prepared.ref is not None else None
         total, diag = algorithm.loss_sum(LossInputs(logp, old, ref, adv[sl], mask, is_weight))
@@ -285,7 +289,7 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
         return total / norm, {**diag, **extra}
 
     def whole_logits(model: nn.Module, sl: slice) -> tuple[mx.array, dict]:
-        if prepared.old is None:
+        if prepared.fused:
             return objective(*sequence_logprobs_and_entropy(model, batch.tokens[sl], temperature), sl)
         return objective(sequence_logprobs(model, batch.tokens[sl], temperature), None, sl)
 
@@ -297,7 +301,7 @@ def optimizer_step(model: nn.Module, optimizer: optim.Optimizer, algorithm: Algo
         else:
             (part_loss, diag), part_grads = _chunked_value_and_grad(
                 model, logits, batch.tokens[sl], temperature, lambda lp, ent, sl=sl: objective(lp, ent, sl),
-                entropy=prepared.old is None)
+                entropy=prepared.fused)
         grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
         mx.eval(part_loss, diag, grads)
         loss += scalar(part_loss)
