@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class Intake:
                 scored = self.scorer.submit(key, g.prompt, g.texts, g.completion_ids, g.columns, g.turns,
                                             g.env_rewards)
             except RewardError as e:
-                self.reward_failed(g, e)
+                self.reward_failed(g, e)  # raises: the run ends
             if scored is None:
                 self.awaiting[key] = g
             else:
@@ -87,7 +88,7 @@ class Intake:
         else:
             self.drop(g, "filtered: equal rewards")
 
-    def reward_failed(self, g: Group, error: RewardError) -> None:
+    def reward_failed(self, g: Group, error: RewardError) -> NoReturn:
         """A reward function that raises (or returns garbage) on a group will do so again:
         count the group as dropped and end the run, naming the function and the row."""
         self.drop(g, "reward error")
