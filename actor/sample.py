@@ -35,9 +35,9 @@ def wait_for_scores(scorer: Scorer, n: int, err: IO[str]) -> dict[str, Scored | 
     results: dict[str, Scored | RewardError] = {}
     said = False
     while len(results) < n:
-        if scorer.waiting_for_workers and scorer.dispatcher is not None and not said:
+        if scorer.waiting_for_workers and scorer.pool is not None and not said:
             print(f"\nwaiting for reward workers: orchestrator reward-worker module:function "
-                  f"--connect {scorer.dispatcher.endpoint}", file=err, flush=True)
+                  f"--connect {scorer.pool.endpoint}", file=err, flush=True)
             said = True
         done, failed, errors = scorer.poll(200)
         results.update({s.key: s for s in done})

@@ -172,7 +172,7 @@ class SocketWorker:
 class RewardWorker(SocketWorker):
     role = "reward_worker"
     owner = "learner"
-    hello_fields = {"beats_while_scoring": True}
+    hello_fields = {"beats_while_working": True}
     kinds = requests = (protocol.SCORE,)
 
     def __init__(self, spec: str, endpoint: str, search_path: str | None = None,

@@ -196,6 +196,7 @@ class WorkerPool:
         if identity in self.workers:  # said hello again: it forgot what it held
             self.lose(identity, "the worker said hello again")
         self.greeted.discard(identity)
+        # beats_while_scoring: the reward socket's older name for the same promise.
         promise = msg.header.get("beats_while_working", msg.header.get("beats_while_scoring"))
         self.workers[identity] = Worker(msg["pid"], promise is True, time.monotonic(), next(_sessions))
         log.info("%s pid %s attached (%d attached)", self.name, msg["pid"], self.n_workers)

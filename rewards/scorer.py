@@ -49,11 +49,11 @@ class Scorer:
         self.entries = [(s, None if s in (WORKER, ENV) else load_reward_function(s, reward.search_path), w)
                         for s, w in zip(specs, weights)]
         self.names = short_names(specs)
-        self.dispatcher = None
+        self.pool = None
         if WORKER in specs:
             if ctx is None or endpoint is None:
                 raise ValueError("a 'worker' reward needs a reward socket")
-            self.dispatcher = WorkerPool(ctx, endpoint, "reward_worker", protocol.SCORE_REPLY,
+            self.pool = WorkerPool(ctx, endpoint, "reward_worker", protocol.SCORE_REPLY,
                                          reward.timeout_s, reward.max_attempts, instance, keys=keys)
         self.partial: dict[str, dict[str, list]] = {}
 
@@ -63,21 +63,21 @@ class Scorer:
 
     @property
     def waiting_for_workers(self) -> bool:
-        d = self.dispatcher
+        d = self.pool
         return d is not None and d.pending > 0 and d.n_workers == 0
 
     def worker_stats(self) -> dict[str, int]:
         """The reward socket's counters for the metrics: retries, rejected and late
         replies, workers taken for gone."""
-        if self.dispatcher is None:
+        if self.pool is None:
             return {}
-        stats = self.dispatcher.stats
+        stats = self.pool.stats
         return {f"reward_{k}": stats[k] for k in WORKER_STATS}
 
     def restore_stats(self, saved: dict[str, int]) -> None:
         """Continue the counters of a checkpoint (a restarted learner's metrics go on)."""
-        if self.dispatcher is not None:
-            self.dispatcher.stats.update({k: saved.get(f"reward_{k}", 0) for k in WORKER_STATS})
+        if self.pool is not None:
+            self.pool.stats.update({k: saved.get(f"reward_{k}", 0) for k in WORKER_STATS})
 
     def submit(self, key: str, prompt: Any, texts: list[str], completion_ids: list,
                columns: dict[str, Any], turns: list[list[dict]] | None = None,
@@ -89,19 +89,19 @@ class Scorer:
         by_fn = {name: call_reward(fn, inputs, name) for name, fn, _ in self.entries if fn is not None}
         if any(name == ENV for name, _, _ in self.entries):
             by_fn[ENV] = list(env_rewards) if env_rewards is not None else [None] * len(texts)
-        if self.dispatcher is None:
+        if self.pool is None:
             return self.combine(key, by_fn)
         self.partial[key] = by_fn
-        self.dispatcher.submit(key, inputs_for_wire(inputs), protocol.SCORE, reply_check(len(texts)))
+        self.pool.submit(key, inputs_for_wire(inputs), protocol.SCORE, reply_check(len(texts)))
         return None
 
     def poll(self, timeout_ms: int = 0) -> tuple[list[Scored], list[tuple[str, str]], list[tuple[str, str]]]:
         """External replies that completed a group; groups that could not be scored (key,
         reason: drop them); groups whose worker's function failed (key, error: a user
         error, as when an in-process function raises)."""
-        if self.dispatcher is None:
+        if self.pool is None:
             return [], [], []
-        replies, failures = self.dispatcher.poll(timeout_ms)
+        replies, failures = self.pool.poll(timeout_ms)
         done, errors = [], []
         for r in replies:
             by_fn = self.partial.pop(r.request_id)
@@ -127,8 +127,8 @@ class Scorer:
     def close(self, reason: str = "run finished", final: bool = True) -> None:
         """Tell attached workers why the socket closes, and whether to exit (`final`) or to
         wait for the learner to come back; close the reward socket."""
-        if self.dispatcher is not None:
-            self.dispatcher.close(reason, final)
+        if self.pool is not None:
+            self.pool.close(reason, final)
 
 
 def reply_check(n: int):

@@ -1,5 +1,5 @@
 """The reward socket's rules (PROTOCOL.md, "Liveness" and "What the learner does with
-your messages"), driven message by message: the real dispatcher on a real ROUTER, the
+your messages"), driven message by message: the real pool on a real ROUTER, the
 test as the workers on real DEALERs."""
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ from protocol.workers import WorkerPool
 @pytest.fixture
 def socket_pair(tmp_path):
     ctx = zmq.Context()
-    dispatcher = WorkerPool(ctx, f"ipc://{tmp_path}/reward.sock", "reward_worker", protocol.SCORE_REPLY,
+    pool = WorkerPool(ctx, f"ipc://{tmp_path}/reward.sock", "reward_worker", protocol.SCORE_REPLY,
                             timeout_s=60, max_attempts=5)
     workers = []
 
     def worker() -> zmq.Socket:
         sock = ctx.socket(zmq.DEALER)
-        sock.connect(dispatcher.endpoint)
+        sock.connect(pool.endpoint)
         workers.append(sock)
         return sock
 
-    yield dispatcher, worker
+    yield pool, worker
     for w in workers:
         w.close(linger=0)
-    dispatcher.sock.close(linger=0)
+    pool.sock.close(linger=0)
     ctx.term()
 
 
@@ -38,12 +38,12 @@ def send(sock: zmq.Socket, kind: str, **header) -> None:
     sock.send_multipart(protocol.encode(kind, header))
 
 
-def receive(sock: zmq.Socket, dispatcher: WorkerPool, kind: str,
+def receive(sock: zmq.Socket, pool: WorkerPool, kind: str,
             timeout: float = 5.0) -> protocol.Message:
-    """Pump the dispatcher until `sock` receives a message of `kind` (others are skipped)."""
+    """Pump the pool until `sock` receives a message of `kind` (others are skipped)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        dispatcher.poll(10)
+        pool.poll(10)
         while sock.poll(0):
             msg = protocol.decode(sock.recv_multipart())
             if msg.kind == kind:
@@ -51,48 +51,48 @@ def receive(sock: zmq.Socket, dispatcher: WorkerPool, kind: str,
     raise AssertionError(f"no {kind} within {timeout} s")
 
 
-def attach(sock: zmq.Socket, dispatcher: WorkerPool) -> protocol.Message:
+def attach(sock: zmq.Socket, pool: WorkerPool) -> protocol.Message:
     send(sock, protocol.HELLO, role="reward_worker", pid=1)
     send(sock, protocol.READY)
-    return receive(sock, dispatcher, protocol.HELLO)
+    return receive(sock, pool, protocol.HELLO)
 
 
-def request(dispatcher: WorkerPool, rid: str) -> None:
-    dispatcher.submit(rid, {"prompts": ["p"], "completions": ["c"], "completion_ids": [[1]],
+def request(pool: WorkerPool, rid: str) -> None:
+    pool.submit(rid, {"prompts": ["p"], "completions": ["c"], "completion_ids": [[1]],
                             "columns": {}}, protocol.SCORE)
 
 
 def test_the_answer_to_a_hello_says_attached_and_a_stranger_is_told_it_is_not(socket_pair):
-    dispatcher, worker = socket_pair
+    pool, worker = socket_pair
     a = worker()
-    hello = attach(a, dispatcher)
-    assert hello["attached"] is True and hello["instance"] == dispatcher.instance
+    hello = attach(a, pool)
+    assert hello["attached"] is True and hello["instance"] == pool.instance
     assert hello["heartbeat_s"] == 1.0 and "model" not in hello.header
     stranger = worker()  # e.g. a worker of the learner before a restart
     send(stranger, protocol.HEARTBEAT, role="reward_worker", time=1.0)
     send(stranger, protocol.READY)
-    assert receive(stranger, dispatcher, protocol.HELLO)["attached"] is False
-    dispatcher.poll(50)
+    assert receive(stranger, pool, protocol.HELLO)["attached"] is False
+    pool.poll(50)
     assert not stranger.poll(100), "the greeting is sent once"
-    request(dispatcher, "r1")
-    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"  # never to the stranger
+    request(pool, "r1")
+    assert receive(a, pool, protocol.SCORE)["request_id"] == "r1"  # never to the stranger
 
 
 def test_a_worker_that_says_stop_hands_on_its_request_at_once(socket_pair):
-    dispatcher, worker = socket_pair
+    pool, worker = socket_pair
     a, b = worker(), worker()
-    attach(a, dispatcher)
-    request(dispatcher, "r1")
-    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"
-    attach(b, dispatcher)
+    attach(a, pool)
+    request(pool, "r1")
+    assert receive(a, pool, protocol.SCORE)["request_id"] == "r1"
+    attach(b, pool)
     send(a, protocol.STOP, reason="leaving")
     t0 = time.monotonic()
-    assert receive(b, dispatcher, protocol.SCORE)["request_id"] == "r1"
+    assert receive(b, pool, protocol.SCORE)["request_id"] == "r1"
     assert time.monotonic() - t0 < 1
     send(b, protocol.SCORE_REPLY, request_id="r1", rewards=[0.5])
     done, failed = [], []
     while not done:
-        replies, failures = dispatcher.poll(10)
+        replies, failures = pool.poll(10)
         done += replies
         failed += failures
     assert [r.request_id for r in done] == ["r1"] and not failed
@@ -101,50 +101,50 @@ def test_a_worker_that_says_stop_hands_on_its_request_at_once(socket_pair):
 def test_a_worker_taken_for_gone_is_greeted_as_a_stranger_and_attaches_again(socket_pair):
     """A worker that fell silent is forgotten; when it speaks again it is told it is not
     attached (`hello`, `attached: false`), and once it says hello and ready it works."""
-    dispatcher, worker = socket_pair
+    pool, worker = socket_pair
     a = worker()
-    attach(a, dispatcher)
+    attach(a, pool)
     deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S + 3
-    while dispatcher.n_workers and time.monotonic() < deadline:  # silent: no heartbeats
-        dispatcher.poll(50)
-    assert dispatcher.n_workers == 0 and dispatcher.stats["lost_workers"] == 1
+    while pool.n_workers and time.monotonic() < deadline:  # silent: no heartbeats
+        pool.poll(50)
+    assert pool.n_workers == 0 and pool.stats["lost_workers"] == 1
     send(a, protocol.HEARTBEAT, role="reward_worker", time=1.0)  # it was only slow to beat
-    assert receive(a, dispatcher, protocol.HELLO)["attached"] is False
-    request(dispatcher, "r1")
-    assert attach(a, dispatcher)["attached"] is True
-    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"
+    assert receive(a, pool, protocol.HELLO)["attached"] is False
+    request(pool, "r1")
+    assert attach(a, pool)["attached"] is True
+    assert receive(a, pool, protocol.SCORE)["request_id"] == "r1"
 
 
 def test_a_pinned_request_waits_for_its_worker_and_fails_when_that_worker_leaves(socket_pair):
     """The env socket's rule: a step goes only to the worker that holds the episode, in the
     attachment that took the episode: once that worker left (or said hello again), its
     pinned requests fail, and so does one pinned to the attachment it left."""
-    dispatcher, worker = socket_pair
+    pool, worker = socket_pair
     a, b = worker(), worker()
-    attach(a, dispatcher)
-    request(dispatcher, "r1")
-    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"  # a is busy now
-    attach(b, dispatcher)
+    attach(a, pool)
+    request(pool, "r1")
+    assert receive(a, pool, protocol.SCORE)["request_id"] == "r1"  # a is busy now
+    attach(b, pool)
     send(a, protocol.SCORE_REPLY, request_id="r1", rewards=[0.0])
-    identity, attached = next(iter(dispatcher.workers.items()))  # a attached first
+    identity, attached = next(iter(pool.workers.items()))  # a attached first
     holder = (identity, attached.session)
     header = {"prompts": ["p"], "completions": ["c"], "completion_ids": [[1]], "columns": {}}
-    dispatcher.submit("r2", header, protocol.SCORE, pinned=holder)
-    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r2"
-    dispatcher.submit("r3", header, protocol.SCORE, pinned=holder)
+    pool.submit("r2", header, protocol.SCORE, pinned=holder)
+    assert receive(a, pool, protocol.SCORE)["request_id"] == "r2"
+    pool.submit("r3", header, protocol.SCORE, pinned=holder)
     for _ in range(20):  # b is ready, a is busy: r3 waits for a
-        dispatcher.poll(10)
+        pool.poll(10)
     while b.poll(0):
         assert protocol.decode(b.recv_multipart()).kind != protocol.SCORE
     send(a, protocol.STOP, reason="leaving")
     failed = []
     while len(failed) < 2:
-        failed += dispatcher.poll(10)[1]
+        failed += pool.poll(10)[1]
     assert sorted(rid for rid, _ in failed) == ["r2", "r3"]  # pinned: never handed on
     assert all("the worker left" in why for _, why in failed)
-    attach(a, dispatcher)  # back, afresh: what was pinned to its old attachment is not for it
-    dispatcher.submit("r4", header, protocol.SCORE, pinned=holder)
-    assert dispatcher.poll(10)[1] == [("r4", "reward worker: the worker holding it is gone")]
+    attach(a, pool)  # back, afresh: what was pinned to its old attachment is not for it
+    pool.submit("r4", header, protocol.SCORE, pinned=holder)
+    assert pool.poll(10)[1] == [("r4", "reward worker: the worker holding it is gone")]
 
 
 def test_a_request_over_the_protocol_s_limit_fails_instead_of_being_sent(socket_pair):
@@ -153,19 +153,19 @@ def test_a_request_over_the_protocol_s_limit_fails_instead_of_being_sent(socket_
     goes out as usual."""
     from protocol.wire import MAX_HEADER_BYTES
 
-    dispatcher, worker = socket_pair
+    pool, worker = socket_pair
     w = worker()
-    attach(w, dispatcher)
+    attach(w, pool)
     huge = {"prompts": ["x"], "completions": ["y"], "completion_ids": [[1]],
             "columns": {"blob": ["z" * (MAX_HEADER_BYTES + 1)]}}
-    dispatcher.submit("huge", huge)
-    _, failed = dispatcher.poll(10)
+    pool.submit("huge", huge)
+    _, failed = pool.poll(10)
     size = len(protocol.encode(protocol.SCORE, {"request_id": "huge", **huge})[0])
     assert size > MAX_HEADER_BYTES
     assert failed == [("huge", f"reward worker: the request's {size} bytes exceed the protocol's limit of "
                                f"{MAX_HEADER_BYTES}")]
-    request(dispatcher, "r1")
-    assert receive(w, dispatcher, protocol.SCORE)["request_id"] == "r1"
+    request(pool, "r1")
+    assert receive(w, pool, protocol.SCORE)["request_id"] == "r1"
 
 
 def test_a_worker_that_dropped_a_request_is_ready_again_after_the_deadline(socket_pair, caplog, monkeypatch):
@@ -176,23 +176,23 @@ def test_a_worker_that_dropped_a_request_is_ready_again_after_the_deadline(socke
     said in the log."""
     import protocol.workers as workers_module
 
-    dispatcher, worker = socket_pair
-    dispatcher.timeout_s = 0.5
+    pool, worker = socket_pair
+    pool.timeout_s = 0.5
     a = worker()
-    assert attach(a, dispatcher)["timeout_s"] == 0.5
-    request(dispatcher, "r1")
-    assert receive(a, dispatcher, protocol.SCORE)["request_id"] == "r1"  # and dropped, unread
+    assert attach(a, pool)["timeout_s"] == 0.5
+    request(pool, "r1")
+    assert receive(a, pool, protocol.SCORE)["request_id"] == "r1"  # and dropped, unread
     deadline = time.monotonic() + 5
-    while dispatcher.stats["lost_workers"] == 0 and time.monotonic() < deadline:
+    while pool.stats["lost_workers"] == 0 and time.monotonic() < deadline:
         send(a, protocol.HEARTBEAT, role="reward_worker", time=1.0)
-        dispatcher.poll(50)
+        pool.poll(50)
     monkeypatch.setattr(workers_module, "STARVED_SAY_S", 0.0)
     with caplog.at_level("WARNING", logger="workers"):
-        dispatcher.poll(50)
+        pool.poll(50)
     assert "no reward worker has been ready for" in caplog.text
     assert "1 request(s) wait, 0 worker(s) attached" in caplog.text
     send(a, protocol.HEARTBEAT, role="reward_worker", time=1.0)  # still there: told to attach again
-    assert receive(a, dispatcher, protocol.HELLO)["attached"] is False
-    attach(a, dispatcher)
-    again = receive(a, dispatcher, protocol.SCORE)
-    assert again["request_id"] == "r1" and dispatcher.stats["retries"] == 1
+    assert receive(a, pool, protocol.HELLO)["attached"] is False
+    attach(a, pool)
+    again = receive(a, pool, protocol.SCORE)
+    assert again["request_id"] == "r1" and pool.stats["retries"] == 1
