@@ -67,9 +67,8 @@ class Actor:
                                data.prompt_column)
         env = self.cfg.env
         check_context(prompts, getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
-                      self.cfg.completion_tokens)
-        self.shard = (slot, self.cfg.actor.count)
-        self.stream = PromptStream(prompts, data.shuffle, data.seed, shard=self.shard)
+                      self.cfg.max_completion_tokens)
+        self.stream = PromptStream(prompts, data.shuffle, data.seed, slot=slot, slots=self.cfg.actor.count)
         self.version: int | None = None
         self.pending: protocol.Message | None = None  # newest weights not yet applied
         self.groups_sent = 0
@@ -161,8 +160,9 @@ class Actor:
             if isinstance(cursor, list) and len(cursor) == 2:
                 # A restarted actor, or a resumed run: continue the data where the
                 # learner's consumed groups end.
-                self.stream = PromptStream(self.stream.prompts, self.stream.shuffle,
-                                           self.stream.seed, (cursor[0], cursor[1]), self.shard)
+                s = self.stream
+                self.stream = PromptStream(s.prompts, s.shuffle, s.seed, (cursor[0], cursor[1]), s.slot,
+                                           s.slots)
                 log.info("data cursor from the learner: epoch %d, position %d", *cursor)
 
     def apply_pending(self) -> None:

@@ -179,7 +179,7 @@ def load_trainer(cfg: Config) -> tuple[nn.Module, Any, dict, Trainer]:
         from mlx_lm.tuner.trainer import grad_checkpoint
 
         grad_checkpoint(model.layers[0])
-    trainer = Trainer(model, cfg.algorithm, cfg.train, cfg.sampling, cfg.completion_tokens)
+    trainer = Trainer(model, cfg.algorithm, cfg.train, cfg.sampling, cfg.max_completion_tokens)
     return model, tokenizer, adapter_config, trainer
 
 

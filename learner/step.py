@@ -347,14 +347,14 @@ class Trainer:
     a batch is prepared once, then each `step` is one optimizer update and its metrics."""
 
     def __init__(self, model: nn.Module, algorithm: AlgorithmConfig, train: TrainConfig,
-                 sampling: SamplingConfig, completion_tokens: int | None = None) -> None:
-        """`completion_tokens`: the longest completion, Dr. GRPO's constant normaliser;
+                 sampling: SamplingConfig, max_completion_tokens: int | None = None) -> None:
+        """`max_completion_tokens`: the longest completion, Dr. GRPO's constant normaliser;
         `sampling.max_tokens` unless episodes are longer (`env.max_episode_tokens`)."""
         self.model = model
         self.algorithm = make_algorithm(
             algorithm.name, beta=algorithm.beta, epsilon=algorithm.epsilon,
             epsilon_high=algorithm.epsilon_high, scale_rewards=algorithm.scale_rewards,
-            max_tokens=completion_tokens or sampling.max_tokens)
+            max_tokens=max_completion_tokens or sampling.max_tokens)
         self.correction = Correction(algorithm.is_correction, algorithm.is_level, algorithm.is_cap)
         self.optimizer = optim.Adam(learning_rate=train.learning_rate)
         self.beta, self.num_iterations = algorithm.beta, algorithm.num_iterations

@@ -287,7 +287,7 @@ def detect_budget() -> tuple[float, str]:
 
 def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
     s, t, lora = cfg.sampling, cfg.train, cfg.lora
-    return Shape(s.group_size, t.batch_size, prompt_tokens, cfg.completion_tokens, t.micro_batch_size,
+    return Shape(s.group_size, t.batch_size, prompt_tokens, cfg.max_completion_tokens, t.micro_batch_size,
                  t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, cfg.actor.quantize_bits,
                  t.logit_chunk_mb, t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1,
                  cfg.actor.count, cfg.actor.count - cfg.actor.remote, cfg.learner.ranks)
@@ -348,7 +348,7 @@ def prompt_tokens(cfg: Config, context: int | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir(cfg.model.path)))
     d = cfg.data
     prompts = load_prompts(d.prompts, tokenizer, cfg.sampling.max_prompt_tokens, d.split, d.prompt_column)
-    check_context(prompts, context, cfg.completion_tokens)
+    check_context(prompts, context, cfg.max_completion_tokens)
     if cfg.eval.prompts:
         held_out = load_prompts(cfg.eval.prompts, tokenizer, cfg.sampling.max_prompt_tokens, d.split,
                                 d.prompt_column)

@@ -176,16 +176,16 @@ class PromptStream:
     """Endless iteration over prompts, reshuffled each epoch with a seeded RNG.
 
     `cursor` (epoch, position) is all a resumed run needs to continue where it stopped.
-    With several actors, actor `slot` of `count` takes every count-th prompt of the one
-    stream the run reads (its shard): the i-th prompt of the stream goes to actor
-    i mod count, whatever the epoch, so actors never sample the same prompt twice.
+    With several actors, actor `slot` of `slots` takes every slots-th prompt of the one
+    stream the run reads: the i-th prompt of the stream goes to the actor of slot
+    i mod slots, whatever the epoch, so actors never sample the same prompt twice.
     """
 
     def __init__(self, prompts: list[Prompt], shuffle: bool, seed: int,
-                 cursor: tuple[int, int] = (0, 0), shard: tuple[int, int] = (0, 1)) -> None:
+                 cursor: tuple[int, int] = (0, 0), slot: int = 0, slots: int = 1) -> None:
         self.prompts, self.shuffle, self.seed = prompts, shuffle, seed
         self.epoch, self.position = cursor
-        self.shard = shard
+        self.slot, self.slots = slot, slots
         self.index = -1  # the stream index of the prompt last returned
         self._order = self._epoch_order()
 
@@ -203,13 +203,12 @@ class PromptStream:
         return self
 
     def __next__(self) -> Prompt:
-        slot, count = self.shard
         while True:
             if self.position >= len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._epoch_order()
             index = self.epoch * len(self._order) + self.position
             self.position += 1
-            if index % count == slot:
+            if index % self.slots == self.slot:
                 self.index = index
                 return self.prompts[self._order[self.position - 1]]

@@ -316,7 +316,7 @@ class Config:
     run: RunConfig = RunConfig()
 
     @property
-    def completion_tokens(self) -> int:
+    def max_completion_tokens(self) -> int:
         """The longest completion: `sampling.max_tokens`, or for episodes (model and
         environment tokens together) `env.max_episode_tokens`."""
         return self.env.max_episode_tokens if self.env.environment else self.sampling.max_tokens
@@ -326,7 +326,7 @@ class Config:
         """The largest array frame a rollout of this run carries: 4 bytes (int32, float32)
         per token of the group's completions, or of the prompt. The rollout socket refuses
         larger frames (protocol.sockets)."""
-        return 4 * max(self.sampling.group_size * self.completion_tokens, self.sampling.max_prompt_tokens)
+        return 4 * max(self.sampling.group_size * self.max_completion_tokens, self.sampling.max_prompt_tokens)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain JSON data: what config.json holds (lists, null for unset)."""

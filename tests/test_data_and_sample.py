@@ -161,20 +161,20 @@ def test_prompt_stream_shuffles_by_seed_and_resumes_from_its_cursor(tiny):
 
 
 def test_actor_slots_split_the_one_stream_and_resume_within_their_share(tiny):
-    """Three actors' shards of the stream: together each of its prompts exactly once, in
-    the single stream's order; a resumed shard continues where its own cursor was."""
+    """Three actors' slots of the stream: together each of its prompts exactly once, in
+    the single stream's order; a resumed slot continues where its own cursor was."""
     prompts = load_prompts(EXAMPLES / "tiny_prompts.jsonl", tiny[1], 64)[:10]
     whole = PromptStream(prompts, True, seed=3)
     order = [next(whole).index for _ in range(30)]
-    shards = [PromptStream(prompts, True, seed=3, shard=(s, 3)) for s in range(3)]
-    taken = {s: [(next(shards[s]), shards[s].index)[1] for _ in range(10)] for s in range(3)}
+    streams = [PromptStream(prompts, True, seed=3, slot=s, slots=3) for s in range(3)]
+    taken = {s: [(next(streams[s]), streams[s].index)[1] for _ in range(10)] for s in range(3)}
     assert taken[1] == list(range(1, 30, 3)) and sorted(sum(taken.values(), [])) == list(range(30))
-    again = PromptStream(prompts, True, seed=3, shard=(1, 3))
+    again = PromptStream(prompts, True, seed=3, slot=1, slots=3)
     assert [next(again).index for _ in range(10)] == [order[i] for i in taken[1]]
-    half = PromptStream(prompts, True, seed=3, shard=(2, 3))
+    half = PromptStream(prompts, True, seed=3, slot=2, slots=3)
     for _ in range(4):
         next(half)
-    resumed = PromptStream(prompts, True, seed=3, cursor=half.cursor, shard=(2, 3))
+    resumed = PromptStream(prompts, True, seed=3, cursor=half.cursor, slot=2, slots=3)
     assert [(next(resumed), resumed.index)[1] for _ in range(6)] == taken[2][4:]
 
 
