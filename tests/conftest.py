@@ -1,11 +1,10 @@
-"""Shared fixtures: the committed tiny model, small run configs for end-to-end tests, and
-the guard that fails a test if any process it started outlives it."""
+"""Shared fixtures: the committed tiny model, the README's default run, and the guard that
+fails a test if any process it started outlives it. Shared functions are in helpers.py."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
-TINY_MODEL = EXAMPLES / "tiny-model"
+from tests.helpers import EXAMPLES, ROOT, TINY_MODEL
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -67,11 +64,6 @@ def processes_of_session(marker: str) -> list[int]:
     return pids
 
 
-def alive(pid: int) -> bool:
-    """Whether `pid` runs. A zombie (exited, not yet reaped by a parent such as a
-    container's init) counts as dead."""
-    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout
-    return bool(out.strip()) and not out.strip().startswith("Z")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -113,77 +105,10 @@ def tiny():
     return model, tokenizer
 
 
-@contextlib.contextmanager
-def peer(run: Path, role: str):
-    """A real `role` process ("actor" or "learner") for `run`, with this test's socket at
-    the other end of the rollout socket: a ROUTER bound where the learner would be (the
-    test plays the learner) or a DEALER connected to it (the test plays an actor). Yields
-    (process, socket); the process is killed if still running, the socket closed."""
-    import zmq
-
-    import protocol
-
-    ctx = zmq.Context()
-    endpoint = protocol.read_endpoints(run)["learner"]
-    if role == "actor":
-        sock = ctx.socket(zmq.ROUTER)
-        sock.bind(endpoint)
-    else:
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(endpoint)
-    args = ["actor", "run"] if role == "actor" else ["learner"]
-    proc = subprocess.Popen([sys.executable, "-m", *args, "--run-dir", str(run)], cwd=ROOT,
-                            stdout=open(run / f"{role}.log", "w"), stderr=subprocess.STDOUT)
-    try:
-        yield proc, sock
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        sock.close(linger=0)
-        ctx.term()
 
 
-def write_config(tmp_path: Path, extra: str = "", steps: int = 3, reward: str = "tiny_task:reward") -> Path:
-    """A small copy of examples/tiny.toml whose run directory is inside tmp_path."""
-    text = f"""
-[model]
-path = "{TINY_MODEL}"
-[data]
-prompts = "{EXAMPLES / 'tiny_prompts.jsonl'}"
-[sampling]
-group_size = 4
-max_tokens = 6
-[train]
-steps = {steps}
-batch_size = 2
-learning_rate = 3e-4
-checkpoint_every = 0
-[reward]
-functions = ["{reward}"]
-[run]
-dir = "{tmp_path / 'run'}"
-"""
-    # Reward modules are imported from beside the config, as a user's would be.
-    shutil.copy(EXAMPLES / "tiny_task.py", tmp_path / "tiny_task.py")
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(merge_toml(text, extra))
-    return cfg
 
 
-def merge_toml(base: str, extra: str) -> str:
-    """Put each `[section]` block of `extra` under the same section of `base`; a key that
-    both set takes `extra`'s value."""
-    sections: dict[str, dict[str, str]] = {}
-    for text in (base, extra):
-        current = ""
-        for line in text.strip().splitlines():
-            if line.startswith("["):
-                current = line.strip()
-                sections.setdefault(current, {})
-            elif line.strip():
-                sections[current][line.split("=")[0].strip()] = line
-    return "\n".join(f"{s}\n" + "\n".join(lines.values()) for s, lines in sections.items()) + "\n"
 
 
 @pytest.fixture(scope="session")

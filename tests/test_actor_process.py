@@ -18,7 +18,7 @@ from policy.logprobs import sequence_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights, tokenizer_fingerprint
 from protocol import lifecycle
 from protocol.config import as_dict, load_config
-from tests.conftest import peer, write_config
+from tests.helpers import peer, write_config
 
 
 def recv(sock, timeout_s: float = 60) -> tuple[bytes, protocol.Message]:

@@ -9,8 +9,7 @@ import sys
 
 import numpy as np
 
-from tests.conftest import EXAMPLES, ROOT
-from tests.test_e2e import read_metrics, run_up
+from tests.helpers import EXAMPLES, ROOT, read_metrics, run_up
 
 sys.path.insert(0, str(EXAMPLES))
 import arithmetic_task  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 KINDS = {"episodes": ("actor", "learner", "reward-worker", "env-worker", "orchestrator"),
          "actors": ("actor", "remote-actor", "learner", "reward-worker", "orchestrator")}

@@ -611,7 +611,7 @@ def test_up_starts_what_the_config_names_each_process_built_once(tmp_path):
     workers of a module environment; each with its command, memory share and threads."""
     from orchestrator.plan import thread_count
     from orchestrator.supervisor import ChildSpec, child_specs
-    from tests.conftest import write_config as small_config
+    from tests.helpers import write_config as small_config
 
     cfg = load_config(small_config(tmp_path, '[learner]\nranks = 2\n[actor]\ncount = 3\nremote = 1\n'))
     specs = child_specs(cfg)

@@ -15,8 +15,7 @@ from policy.data import DataError, PromptStream, load_prompts
 from protocol.config import RewardConfig
 from rewards.functions import RewardError, reward_inputs
 from rewards.scorer import Scorer
-from tests.conftest import EXAMPLES, ROOT, write_config
-from tests.test_e2e import read_metrics, run_up
+from tests.helpers import EXAMPLES, ROOT, read_metrics, run_up, write_config
 
 
 def write_jsonl(path, rows):

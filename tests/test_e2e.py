@@ -19,7 +19,7 @@ import zmq.auth
 
 import protocol
 from orchestrator.supervisor import free_ports
-from tests.conftest import ROOT, write_config
+from tests.helpers import ROOT, orchestrator, read_metrics, run_up, wait_for, write_config
 
 REQUIRED_METRICS = {
     "step", "policy_version", "reward", "reward_std", "loss", "kl", "clip_ratio/region_mean", "mismatch_kl",
@@ -27,19 +27,10 @@ REQUIRED_METRICS = {
 }
 
 
-def orchestrator(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
 
 
-def run_up(cfg: Path, *args: str, timeout: float = 300) -> tuple[int, str]:
-    proc = orchestrator("up", "--config", str(cfg), *args)
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_up_trains_end_to_end(tmp_path):
@@ -83,11 +74,6 @@ def test_default_run_raises_the_reward(default_run):
     assert np.mean(rewards[-5:]) - np.mean(rewards[:5]) >= 0.2, rewards
 
 
-def wait_for(path: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.1)
 
 
 def test_a_user_s_rewards_py_beside_the_config_is_theirs(tmp_path):

@@ -27,18 +27,22 @@ from policy.data import Prompt
 from policy.model import load_policy
 from protocol.config import EnvConfig, LoraConfig, SamplingConfig
 from protocol.workers import WorkerPool
-from tests.conftest import EXAMPLES, ROOT, TINY_MODEL, write_config
-from tests.test_e2e import orchestrator, read_metrics, run_up, wait_for
-from tests.test_reward_workers import Lines, assert_nothing_lost, finish
-from tests.test_supervision import pid_of, wait_for_step
-
-ENV_WORKER = Path(__file__).parent / "workers" / "env_worker.py"
-
-
-def raw_worker(endpoint: str, *args: str) -> subprocess.Popen:
-    """The env worker written from PROTOCOL.md alone (pyzmq and msgpack, no project code)."""
-    return subprocess.Popen([sys.executable, str(ENV_WORKER), endpoint, *args], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+from tests.helpers import (
+    EXAMPLES,
+    ROOT,
+    TINY_MODEL,
+    Lines,
+    assert_nothing_lost,
+    finish,
+    orchestrator,
+    pid_of,
+    raw_worker,
+    read_metrics,
+    run_up,
+    wait_for,
+    wait_for_step,
+    write_config,
+)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
 import re
 import subprocess
 import sys
@@ -15,9 +14,19 @@ import pytest
 
 from policy.evaluation import eval_metrics, pass_at_k, pass_ks
 from protocol.config import ConfigError, load_config
-from tests.conftest import EXAMPLES, ROOT, write_config
-from tests.test_e2e import orchestrator, read_metrics, run_up
-from tests.test_reward_workers import WORKER_CONFIG, assert_nothing_lost, finish, start_worker
+from tests.helpers import (
+    EXAMPLES,
+    ROOT,
+    WORKER_CONFIG,
+    assert_nothing_lost,
+    finish,
+    held_out_config,
+    orchestrator,
+    read_metrics,
+    run_up,
+    start_worker,
+    write_config,
+)
 
 
 def brute_pass_at_k(n: int, c: int, k: int) -> float:
@@ -84,22 +93,8 @@ def test_eval_every_needs_eval_prompts(tmp_path):
 
 # Training rows have no `ok` column and are scored as the tiny task; the held-out rows say
 # whether every completion of theirs passes, so pass@k is known whatever the model writes.
-JUDGED = """
-from tiny_task import reward as tiny
-
-def judged(prompts, completions, completion_ids, target, ok=None, **kw):
-    if ok is None:
-        return tiny(prompts, completions, completion_ids, target)
-    return [1.0 if o else 0.0 for o in ok]
-"""
 
 
-def held_out_config(tmp_path, extra: str = "", steps: int = 5, reward: str = "judged:judged"):
-    (tmp_path / "judged.py").write_text(JUDGED)
-    rows = [{"prompt": f"repeat {i}", "target": str(i), "ok": i in (1, 4, 6)} for i in range(8)]
-    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return write_config(tmp_path, f'[eval]\nprompts = "{tmp_path / "held_out.jsonl"}"\nevery = 2\n'
-                                  f'num_samples = 4\n{extra}', steps=steps, reward=reward)
 
 
 def eval_lines(metrics: list[dict]) -> list[dict]:

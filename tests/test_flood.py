@@ -11,10 +11,16 @@ import time
 from pathlib import Path
 
 from orchestrator.supervisor import free_ports
-from tests.conftest import EXAMPLES, write_config
-from tests.test_e2e import orchestrator, read_metrics, wait_for
-from tests.test_reward_workers import Lines, assert_nothing_lost
-from tests.test_supervision import pid_of
+from tests.helpers import (
+    EXAMPLES,
+    Lines,
+    assert_nothing_lost,
+    orchestrator,
+    pid_of,
+    read_metrics,
+    wait_for,
+    write_config,
+)
 
 FLOOD = Path(__file__).parent / "flood.py"
 STEPS, BATCH = 8, 2

@@ -19,7 +19,7 @@ from orchestrator.supervisor import free_ports
 from protocol import sockets
 from protocol.config import load_config, write_run_config
 from protocol.keys import KeysError, add_peer, create_run_keys, key_dir_for
-from tests.conftest import EXAMPLES, ROOT, write_config
+from tests.helpers import EXAMPLES, ROOT, write_config
 
 
 def delivered(router: zmq.Socket, dealer: zmq.Socket, watch: sockets.ConnectionWatch) -> bool:

@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 
 from protocol import lifecycle
-from tests.conftest import ROOT, alive, write_config
-from tests.test_e2e import orchestrator, read_metrics, run_up
-from tests.test_supervision import pid_of, wait_for_step
+from tests.helpers import ROOT, alive, orchestrator, pid_of, read_metrics, run_up, wait_for_step, write_config
 
 ENDLESS = 100000
 

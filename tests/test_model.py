@@ -21,7 +21,7 @@ from policy.model import (
 )
 from policy.tiny import build_tiny_model
 from protocol.config import QUANT_GROUP, LoraConfig
-from tests.conftest import TINY_MODEL
+from tests.helpers import TINY_MODEL
 
 LORA = LoraConfig(rank=4, scale=10.0)
 

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_config
-from tests.test_e2e import read_metrics, run_up
-from tests.test_reward_workers import assert_nothing_lost
+from tests.helpers import assert_nothing_lost, read_metrics, run_up, write_config
 
 # Looked up, not imported: openenv-core imports gradio and more, seconds this process never needs.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("openenv") is None, reason="needs the openenv extra")

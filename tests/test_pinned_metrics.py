@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLES, ROOT
+from tests.helpers import EXAMPLES, ROOT
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_metrics.json"
 # examples/tiny.toml, short, with the KL term and top-p truncation switched on so the

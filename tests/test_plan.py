@@ -25,8 +25,7 @@ from orchestrator.plan import (
 from policy.logprobs import output_head
 from policy.model import load_policy
 from protocol.config import LoraConfig
-from tests.conftest import EXAMPLES, ROOT, TINY_MODEL
-from tests.test_e2e import read_metrics
+from tests.helpers import EXAMPLES, ROOT, TINY_MODEL, read_metrics
 
 
 def shape(**kw) -> Shape:

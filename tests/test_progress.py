@@ -13,8 +13,7 @@ import sys
 import termios
 
 from orchestrator.progress import format_eval, format_step, health
-from tests.conftest import ROOT, write_config
-from tests.test_e2e import run_up
+from tests.helpers import ROOT, run_up, write_config
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 STEP = {"step": 7, "reward": 0.61234, "reward_std": 0.2, "kl": 0.00123, "clip_ratio/region_mean": 0.05,

@@ -11,7 +11,7 @@ import orchestrator
 from orchestrator.run import import_path, toml_value
 from protocol.config import ConfigError
 from protocol.lifecycle import EXIT_OK, signal_exit_code
-from tests.conftest import write_config
+from tests.helpers import write_config
 
 REWARDS = """
 def half(completions, **columns):

@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 
 from learner.reporters import BACKENDS, missing_backends, scalars
-from tests.conftest import write_config
-from tests.test_e2e import orchestrator, read_metrics, run_up
-from tests.test_eval import held_out_config
+from tests.helpers import held_out_config, orchestrator, read_metrics, run_up, write_config
 
 INSTALLED = [name for name, (module, _) in BACKENDS.items() if importlib.util.find_spec(module)]
 CHECKED = ("reward", "reward_std", "kl", "completions/mean_length", "num_tokens", "learning_rate")

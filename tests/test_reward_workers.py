@@ -6,69 +6,36 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 import protocol
-from tests.conftest import ROOT, write_config
-from tests.test_e2e import orchestrator, read_metrics, wait_for
-from tests.test_supervision import pid_of, wait_for_step
+from tests.helpers import (
+    ROOT,
+    WORKER_CONFIG,
+    Lines,
+    assert_nothing_lost,
+    finish,
+    orchestrator,
+    pid_of,
+    read_metrics,
+    start_worker,
+    wait_for,
+    wait_for_step,
+    write_config,
+)
 
-PLAIN_WORKER = Path(__file__).parent / "workers" / "plain_worker.py"
 CONFORMANCE_WORKER = Path(__file__).parent / "workers" / "conformance_worker.py"
-WORKER_CONFIG = "[reward]\ntimeout_s = 3.0\nmax_attempts = 10"
 
 
-def start_worker(run: Path, *args: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
-    wait_for(run / "endpoints.json")
-    endpoint = protocol.read_endpoints(run)["reward"]
-    return subprocess.Popen([sys.executable, str(PLAIN_WORKER), endpoint, *args], text=True,
-                            stdout=stdout, stderr=subprocess.STDOUT)
 
 
-def finish(proc: subprocess.Popen, workers: list[subprocess.Popen]) -> str:
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-            w.wait()
-    assert proc.returncode == 0, out
-    return out
 
 
-def assert_nothing_lost(metrics: list[dict], steps: int, batch: int) -> None:
-    last = metrics[-1]
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    assert last["groups_trained"] == steps * batch
-    for m in metrics:
-        assert m["groups_received"] == m["groups_trained"] + m["groups_dropped"] + m["groups_queued"]
 
 
-class Lines:
-    """A process's stdout lines with the time each arrived, read by a thread."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.lines: list[tuple[float, str]] = []
-        self.thread = threading.Thread(target=self.read, args=(proc,), daemon=True)
-        self.thread.start()
-
-    def read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            self.lines.append((time.monotonic(), line.strip()))
-
-    def wait_for(self, prefix: str, timeout: float = 120) -> tuple[float, str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for t, line in list(self.lines):
-                if line.startswith(prefix):
-                    return t, line
-            time.sleep(0.02)
-        raise AssertionError(f"no line {prefix!r} within {timeout} s: {self.lines}")
 
 
 def test_a_worker_from_protocol_md_alone_trains_a_run(tmp_path):

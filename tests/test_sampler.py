@@ -11,7 +11,7 @@ from policy.logprobs import sequence_logprobs, token_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
 from policy.sampler import _row_keys, _sample, reference_sample, sample_groups, truncate
 from protocol.config import LoraConfig, SamplingConfig
-from tests.conftest import TINY_MODEL
+from tests.helpers import TINY_MODEL
 
 PROBS = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
 LOGPROBS = mx.array(np.log(PROBS), dtype=mx.float32)[None]

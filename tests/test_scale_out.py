@@ -11,9 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_config
-from tests.test_e2e import orchestrator, read_metrics
-from tests.test_supervision import assert_steps_once_and_nothing_lost, pid_of, wait_for_step
+from tests.helpers import (
+    assert_steps_once_and_nothing_lost,
+    orchestrator,
+    pid_of,
+    read_metrics,
+    wait_for_step,
+    write_config,
+)
 
 
 def test_two_actors_share_the_data_and_a_killed_one_rejoins(tmp_path):
@@ -57,7 +62,7 @@ def test_an_actor_from_another_machine_joins_over_curve_tcp(tmp_path):
 
     from orchestrator.supervisor import free_ports
     from protocol.config import load_config, write_run_config
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     port = free_ports(1)[0]
     cfg = write_config(tmp_path, f"[actor]\ncount = 2\nremote = 1\n[run]\ntransport = \"tcp\"\nport = {port}",
@@ -119,7 +124,7 @@ def test_two_learner_ranks_under_mlx_launch_train_the_adapter_one_rank_trains(tm
     import numpy as np
 
     from orchestrator.supervisor import free_ports
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     def start(name: str, learner: list[str]) -> tuple[Path, list]:
         (tmp_path / name).mkdir()
@@ -203,7 +208,7 @@ def start_remote_run(tmp_path: Path, extra: str, steps: int, connect: str | None
     import sys
     import time
 
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
 
     cfg = write_config(tmp_path, REMOTE + extra, steps=steps, reward="worker")
     run = tmp_path / "run"

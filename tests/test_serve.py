@@ -9,8 +9,6 @@ import random
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,28 +16,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.conftest import EXAMPLES, ROOT, TINY_MODEL, write_config
-from tests.test_e2e import orchestrator, wait_for
+from tests.helpers import EXAMPLES, TINY_MODEL, orchestrator, start_server, stop, wait_for, write_config
 
 openai = pytest.importorskip("openai")
 
 
-def start_server(*args: str) -> tuple[subprocess.Popen, str]:
-    """`actor serve ... --port 0`, and its base URL once it listens."""
-    proc = subprocess.Popen([sys.executable, "-m", "actor", "serve", "--port", "0", *args], cwd=ROOT,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    line = proc.stdout.readline()
-    found = re.search(r"on (http://\S+/v1)", line)
-    if not found:
-        proc.kill()
-        raise AssertionError(f"no address: {line!r}")
-    return proc, found.group(1)
 
 
-def stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    return proc.wait(timeout=30)
 
 
 def reference_logprobs(adapter: Path, prompt_ids: list[int], ids: list[int]) -> np.ndarray:

@@ -11,8 +11,7 @@ import protocol
 from orchestrator.supervisor import prepare_run_dir
 from policy.model import tokenizer_fingerprint
 from protocol.config import as_dict, load_config
-from tests.conftest import peer, write_config
-from tests.test_e2e import read_metrics, run_up
+from tests.helpers import peer, read_metrics, run_up, write_config
 
 
 def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):

@@ -23,7 +23,7 @@ from policy.logprobs import output_head
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
 from policy.sampler import sample_groups
 from protocol.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
-from tests.conftest import TINY_MODEL
+from tests.helpers import TINY_MODEL
 
 LORA = LoraConfig(rank=4, scale=10.0)
 

@@ -15,32 +15,23 @@ import numpy as np
 import pytest
 
 import protocol
-from tests.conftest import write_config
-from tests.test_e2e import orchestrator, read_metrics, wait_for
+from tests.helpers import (
+    assert_steps_once_and_nothing_lost,
+    orchestrator,
+    pid_of,
+    read_metrics,
+    wait_for,
+    wait_for_step,
+    write_config,
+)
 
 CHECKPOINTS = "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100\n[run]\nhang_timeout_s = 60.0"
 
 
-def wait_for_step(run: Path, step: int, proc, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    path = run / "metrics.jsonl"
-    while True:
-        if path.exists() and any(json.loads(line)["step"] >= step
-                                 for line in path.read_text().splitlines() if line.strip()):
-            return
-        assert time.monotonic() < deadline and proc.poll() is None, "the run did not reach the step"
-        time.sleep(0.05)
 
 
-def pid_of(run: Path, name: str) -> int:
-    return int(re.findall(r"\d+", (run / f"heartbeat.{name}").read_text())[0])
 
 
-def assert_steps_once_and_nothing_lost(metrics: list[dict], steps: int) -> None:
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))  # no step repeats or gaps
-    for m in metrics:
-        assert m["groups_received"] == m["groups_trained"] + m["groups_dropped"] + m["groups_queued"]
-    assert metrics[-1]["groups_trained"] == steps * 2
 
 
 def kill_mid_run(tmp_path: Path, role: str, at_step: int, steps: int) -> tuple[Path, str]:
@@ -169,7 +160,7 @@ checkpoint_every = 2
 def external_workers(run: Path) -> list[subprocess.Popen]:
     """A reward worker (this project's) and an env worker written from PROTOCOL.md alone,
     started by hand: nothing restarts them."""
-    from tests.test_episodes import raw_worker
+    from tests.helpers import raw_worker
 
     reward = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
                                "--run-dir", str(run)], cwd=run.parent, text=True, stdout=subprocess.PIPE,
@@ -182,7 +173,7 @@ def test_workers_outlive_a_killed_orchestrator_and_serve_the_resumed_run(tmp_pat
     lifeline) and tell the workers to wait, not to exit; `up --resume` brings the run
     back, and the same two workers, never restarted, serve it to the end, which tells them
     to exit."""
-    from tests.test_reward_workers import Lines
+    from tests.helpers import Lines
 
     steps = 6
     proc = orchestrator("up", "--config", str(write_config(tmp_path, EXTERNAL_WORKERS, steps=steps)))

@@ -16,8 +16,7 @@ from policy.model import load_policy
 from policy.sampler import Completion
 from policy.tiny import CHARS, EOS, MODEL_CONFIG, SPECIAL_TOKENS, save_model
 from protocol.config import LoraConfig, SamplingConfig
-from tests.conftest import EXAMPLES
-from tests.test_serve import start_server, stop
+from tests.helpers import EXAMPLES, start_server, stop
 
 openai = pytest.importorskip("openai")
 
