@@ -8,11 +8,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.helpers import EXAMPLES, ROOT, read_metrics, run_up
 
 sys.path.insert(0, str(EXAMPLES))
 import arithmetic_task  # noqa: E402
+
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
 
 
 def rows(path) -> list[dict]:

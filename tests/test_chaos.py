@@ -11,6 +11,8 @@ import pytest
 
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 KINDS = {"episodes": ("actor", "learner", "reward-worker", "env-worker", "orchestrator"),
          "actors": ("actor", "remote-actor", "learner", "reward-worker", "orchestrator")}
 

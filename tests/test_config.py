@@ -304,6 +304,7 @@ def test_missing_prompts_file(tmp_path):
     assert str(tmp_path.resolve() / "nope.jsonl") in msg
 
 
+@pytest.mark.slow
 def test_prompts_may_be_a_folder_or_a_dataset_name_but_not_a_missing_file(tmp_path, tiny):
     """A folder is a `datasets` save_to_disk folder, read when the data loads (a folder that
     is none is a data error then); a bare name is a dataset of the Hugging Face cache."""

@@ -205,8 +205,8 @@ def test_user_modules_named_like_the_project_s_packages_load_from_their_director
     from orchestrator.workers import load_env_class
     from rewards.functions import load_reward_function
 
-    (tmp_path / "helpers.py").write_text("BONUS = 0.5\n")
-    (tmp_path / "protocol.py").write_text("from helpers import BONUS\n"
+    (tmp_path / "bonus_of_theirs.py").write_text("BONUS = 0.5\n")
+    (tmp_path / "protocol.py").write_text("from bonus_of_theirs import BONUS\n"
                                           "def score(completions, **kw):\n"
                                           "    return [BONUS] * len(completions)\n")
     (tmp_path / "policy.py").write_text("class Echo:\n    def reset(self, **kw):\n        return 'go'\n"
@@ -242,6 +242,7 @@ def test_reward_functions_of_the_same_name_in_two_modules_do_not_collide(tmp_pat
                                                                    "code_rewards:correct"}
 
 
+@pytest.mark.slow
 def test_chat_prompts_train_end_to_end_and_rewards_read_the_answer_column(tmp_path):
     (tmp_path / "recording.py").write_text(
         "import json, pathlib\n"
@@ -279,6 +280,7 @@ def actor_sample(tmp_path, name, *args):
     return out, summary
 
 
+@pytest.mark.slow
 def test_actor_sample_shows_the_trained_adapter_is_better(tmp_path, default_run):
     base_out, base = actor_sample(tmp_path, "base")
     tuned_out, tuned = actor_sample(tmp_path, "tuned", "--adapter", str(default_run / "adapters"))
@@ -291,6 +293,7 @@ def test_actor_sample_shows_the_trained_adapter_is_better(tmp_path, default_run)
     assert float(tuned["tokens_per_s"]) > 0
 
 
+@pytest.mark.slow
 def test_actor_sample_is_reproducible_by_seed(tmp_path):
     a, _ = actor_sample(tmp_path, "a", "--seed", "5")
     b, _ = actor_sample(tmp_path, "b", "--seed", "5")
@@ -299,6 +302,7 @@ def test_actor_sample_is_reproducible_by_seed(tmp_path):
     assert a.read_bytes() != c.read_bytes()
 
 
+@pytest.mark.slow
 def test_pass_at_k_for_binary_rewards(tmp_path):
     (tmp_path / "binary.py").write_text(
         "def exact(completions, target, **kw):\n"

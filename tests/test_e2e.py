@@ -21,6 +21,8 @@ import protocol
 from orchestrator.supervisor import free_ports
 from tests.helpers import ROOT, orchestrator, read_metrics, run_up, wait_for, write_config
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 REQUIRED_METRICS = {
     "step", "policy_version", "reward", "reward_std", "loss", "kl", "clip_ratio/region_mean", "mismatch_kl",
     "completions/mean_length", "rollout_tokens_per_s", "step_s", "learner_peak_mb", "actor_peak_mb",

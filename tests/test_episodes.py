@@ -44,6 +44,8 @@ from tests.helpers import (
     write_config,
 )
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

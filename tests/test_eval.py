@@ -28,6 +28,8 @@ from tests.helpers import (
     write_config,
 )
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 
 def brute_pass_at_k(n: int, c: int, k: int) -> float:
     """The share of all k-subsets of n outcomes (c of them passing) holding a pass."""

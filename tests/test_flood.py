@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from orchestrator.supervisor import free_ports
 from tests.helpers import (
     EXAMPLES,
@@ -21,6 +23,8 @@ from tests.helpers import (
     wait_for,
     write_config,
 )
+
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
 
 FLOOD = Path(__file__).parent / "flood.py"
 STEPS, BATCH = 8, 2

@@ -42,6 +42,7 @@ def ctx():
     sockets.close_context(context)
 
 
+@pytest.mark.slow
 def test_run_keys_are_owner_only_and_peers_get_in_while_strangers_are_refused(tmp_path, ctx, caplog):
     run = tmp_path / "run"
     keys = create_run_keys(run)
@@ -108,6 +109,7 @@ def test_tcp_without_keys_needs_insecure(tmp_path):
     assert key_dir_for("tcp://127.0.0.1:5555", keys, insecure=False) == keys
 
 
+@pytest.mark.slow
 def test_a_worker_refuses_tcp_without_keys_or_insecure_and_add_peer_writes_a_key_dir(tmp_path):
     cmd = [sys.executable, "-m", "orchestrator"]
     done = subprocess.run([*cmd, "reward-worker", "tiny_task:reward", "--connect", "tcp://127.0.0.1:1"],
@@ -147,6 +149,7 @@ def test_a_bad_file_in_the_allow_list_is_skipped_and_said_and_the_others_still_g
         close_all(router, opened)
 
 
+@pytest.mark.slow
 def test_keys_are_written_whole(tmp_path):
     """A reader of keys/authorized (the ZAP handler, at any handshake) never finds a key
     file half written: every key lands by a rename."""
@@ -176,6 +179,7 @@ def test_keys_are_written_whole(tmp_path):
     assert not [p for p in keys.rglob("*") if p.name.startswith(".")]  # no temporary left over
 
 
+@pytest.mark.slow
 def test_a_refused_key_sees_one_failure_and_no_retry(tmp_path, ctx):
     """What PROTOCOL.md tells a peer: with libzmq 4.3 a refused key gets one
     HANDSHAKE_FAILED_AUTH (ZAP status 400) and its connection is never tried again."""
@@ -258,6 +262,7 @@ def stranger_keys(tmp_path, keys) -> Path:
     return stranger
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,spec", [
     ("reward-worker", ["tiny_task:reward"]),
     ("env-worker", ["digits_env:DigitsEnv", "--search-path", str(EXAMPLES)]),
@@ -278,6 +283,7 @@ def test_a_refused_worker_exits_4_within_10_s_saying_why(tmp_path, ctx, kind, sp
     assert "it refused our CURVE key" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_worker_of_a_secure_tcp_run_without_its_keys_refuses_to_connect(tmp_path):
     """A copy of a secure TCP run's directory without keys/ (the README's "Mac B" before the
     key directory is copied): the worker never falls back to plain TCP; it stops, naming
@@ -294,6 +300,7 @@ def test_a_worker_of_a_secure_tcp_run_without_its_keys_refuses_to_connect(tmp_pa
     assert "orchestrator keys add-peer NAME --run-dir RUN" in done.stderr
 
 
+@pytest.mark.slow
 def test_an_actor_set_insecure_facing_a_curve_learner_exits_4_saying_why(tmp_path, ctx):
     """The actor's copy of the config says run.insecure = true, the learner uses CURVE: one
     failed handshake, which libzmq never retries. The actor stops at once (not after its

@@ -16,6 +16,8 @@ import pytest
 from protocol import lifecycle
 from tests.helpers import ROOT, alive, orchestrator, pid_of, read_metrics, run_up, wait_for_step, write_config
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 ENDLESS = 100000
 
 

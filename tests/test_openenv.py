@@ -17,7 +17,8 @@ import pytest
 from tests.helpers import assert_nothing_lost, read_metrics, run_up, write_config
 
 # Looked up, not imported: openenv-core imports gradio and more, seconds this process never needs.
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("openenv") is None, reason="needs the openenv extra")
+NO_OPENENV = importlib.util.find_spec("openenv") is None
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(NO_OPENENV, reason="needs the openenv extra")]
 
 SERVER = Path(__file__).parent / "workers" / "openenv_echo.py"
 

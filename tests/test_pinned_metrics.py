@@ -18,6 +18,8 @@ import pytest
 
 from tests.helpers import EXAMPLES, ROOT
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_metrics.json"
 # examples/tiny.toml, short, with the KL term and top-p truncation switched on so the
 # reference pass and the sampler's truncation are covered too.

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import termios
 
+import pytest
+
 from orchestrator.progress import format_eval, format_step, health
 from tests.helpers import ROOT, run_up, write_config
 
@@ -33,6 +35,7 @@ def test_the_lines_say_what_tells_a_run_is_healthy():
     assert line == "eval at step 25: pass@1 0.461  pass@4 0.835  reward 0.500  (200 prompts, 4.5 s)"
 
 
+@pytest.mark.slow
 def test_piped_output_is_plain_lines(tmp_path):
     code, out = run_up(write_config(tmp_path, steps=3))
     assert code == 0, out
@@ -61,6 +64,7 @@ def terminal_env() -> dict[str, str]:
     return {**env, "TERM": "xterm"}
 
 
+@pytest.mark.slow
 def test_a_terminal_gets_a_live_bar_above_which_the_lines_scroll(tmp_path):
     cfg = write_config(tmp_path, steps=3)
     master, slave = pty.openpty()

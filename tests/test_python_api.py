@@ -13,6 +13,8 @@ from protocol.config import ConfigError
 from protocol.lifecycle import EXIT_OK, signal_exit_code
 from tests.helpers import write_config
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 REWARDS = """
 def half(completions, **columns):
     return [0.5] * len(completions)

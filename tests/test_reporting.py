@@ -58,6 +58,7 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return found
 
 
+@pytest.mark.slow
 def test_tensorboard_gets_every_line(reported_run):
     pytest.importorskip("tensorboardX")
     run, metrics = reported_run

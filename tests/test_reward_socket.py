@@ -98,6 +98,7 @@ def test_a_worker_that_says_stop_hands_on_its_request_at_once(socket_pair):
     assert [r.request_id for r in done] == ["r1"] and not failed
 
 
+@pytest.mark.slow
 def test_a_worker_taken_for_gone_is_greeted_as_a_stranger_and_attaches_again(socket_pair):
     """A worker that fell silent is forgotten; when it speaks again it is told it is not
     attached (`hello`, `attached: false`), and once it says hello and ready it works."""

@@ -27,6 +27,8 @@ from tests.helpers import (
     write_config,
 )
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 CONFORMANCE_WORKER = Path(__file__).parent / "workers" / "conformance_worker.py"
 
 

@@ -20,6 +20,8 @@ from tests.helpers import (
     write_config,
 )
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 
 def test_two_actors_share_the_data_and_a_killed_one_rejoins(tmp_path):
     """actor.count = 2: each actor samples its half of the data stream; SIGKILL one

@@ -18,6 +18,8 @@ import pytest
 
 from tests.helpers import EXAMPLES, TINY_MODEL, orchestrator, start_server, stop, wait_for, write_config
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 openai = pytest.importorskip("openai")
 
 

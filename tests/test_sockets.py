@@ -92,6 +92,7 @@ def closed_by_peer(conn: socket.socket) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_a_bound_tcp_socket_sheds_silent_connections_beyond_its_cap(ctx):
     """400 idle connections to a socket whose cap is 128: those beyond the cap that have
     said nothing for GRACE_S are shut down, long before libzmq's handshake timeout. A real

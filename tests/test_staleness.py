@@ -6,12 +6,15 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 import protocol
 from orchestrator.supervisor import prepare_run_dir
 from policy.model import tokenizer_fingerprint
 from protocol.config import as_dict, load_config
 from tests.helpers import peer, read_metrics, run_up, write_config
+
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
 
 
 def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):

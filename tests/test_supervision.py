@@ -25,6 +25,8 @@ from tests.helpers import (
     write_config,
 )
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 CHECKPOINTS = "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100\n[run]\nhang_timeout_s = 60.0"
 
 

@@ -18,6 +18,8 @@ from policy.tiny import CHARS, EOS, MODEL_CONFIG, SPECIAL_TOKENS, save_model
 from protocol.config import LoraConfig, SamplingConfig
 from tests.helpers import EXAMPLES, start_server, stop
 
+pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
+
 openai = pytest.importorskip("openai")
 
 TEMPLATE = (
