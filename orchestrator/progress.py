@@ -84,6 +84,9 @@ class Live(Lines):
                             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                             TextColumn("{task.fields[health]}"), console=self.console)
         self.task = self.bar.add_task("train", total=steps, health="starting")
+        # What the step, bar, elapsed and eta columns take; the health text gets the rest,
+        # cut short, so that a narrow terminal keeps the bar whole rather than its left side.
+        self.room = self.console.width - (48 + 2 * len(str(steps)) + 2 * len("0:00:00"))
         self.bar.start()
 
     def say(self, text: str) -> None:
@@ -92,7 +95,10 @@ class Live(Lines):
     def metrics(self, m: dict) -> None:
         super().metrics(m)
         if not is_eval(m):
-            self.bar.update(self.task, completed=m["step"], health=health(m))
+            figures = health(m)
+            if len(figures) > self.room:
+                figures = figures[:max(self.room - 1, 0)] + "…"
+            self.bar.update(self.task, completed=m["step"], health=figures)
 
     def close(self) -> None:
         self.bar.stop()

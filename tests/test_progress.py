@@ -65,10 +65,13 @@ def terminal_env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_a_terminal_gets_a_live_bar_above_which_the_lines_scroll(tmp_path):
+@pytest.mark.parametrize("columns", [200, 80])
+def test_a_terminal_gets_a_live_bar_above_which_the_lines_scroll(tmp_path, columns):
+    """On 80 columns too the bar keeps its left side (step, bar, eta); the figures after it
+    are cut short instead."""
     cfg = write_config(tmp_path, steps=3)
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--config", str(cfg)], cwd=ROOT,
                             stdin=slave, stdout=slave, stderr=slave, env=terminal_env())
     os.close(slave)
@@ -84,4 +87,9 @@ def test_a_terminal_gets_a_live_bar_above_which_the_lines_scroll(tmp_path):
         assert f"step    {n}/3  reward" in text  # every step's line is kept, above the bar
     bar = [line for line in text.replace("\r", "\n").splitlines() if "3/3" in line and "eta" in line]
     assert bar, text
-    assert re.search(r"reward \d\.\d{3}  \d+ tok/s  staleness \d\.\d  learner \d+/\d+ MB", bar[-1]), bar[-1]
+    assert re.search(r"step 3/3 .+ eta", bar[-1]) and len(bar[-1].rstrip()) <= columns, bar[-1]
+    figures = r"reward \d\.\d{3}  \d+ tok/s  staleness \d\.\d  learner \d+/\d+ MB"
+    if columns == 200:
+        assert re.search(figures, bar[-1]), bar[-1]
+    else:
+        assert "reward" in bar[-1] and bar[-1].rstrip().endswith("…"), bar[-1]
