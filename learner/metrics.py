@@ -38,6 +38,9 @@ def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarra
     return {
         "reward": nanmean(scored.ravel()),
         "reward_std": nanstd(scored.ravel()),
+        # The range the rewards took: `orchestrator plot` keeps the ± std band inside it.
+        "reward_min": nanmin(scored.ravel()),
+        "reward_max": nanmax(scored.ravel()),
         **function_rewards(groups, metric_name),
         # TRL: is the group's std close to 0 (torch.isclose), per completion, i.e. per group here
         "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
@@ -83,6 +86,16 @@ def batch_tokens(samples: list[Sample]) -> int:
 def nanmean(x: np.ndarray) -> float | None:
     x = x[~np.isnan(x)]
     return float(x.mean()) if x.size else None
+
+
+def nanmin(x: np.ndarray) -> float | None:
+    x = x[~np.isnan(x)]
+    return float(x.min()) if x.size else None
+
+
+def nanmax(x: np.ndarray) -> float | None:
+    x = x[~np.isnan(x)]
+    return float(x.max()) if x.size else None
 
 
 def nanstd(x: np.ndarray) -> float | None:

@@ -82,6 +82,18 @@ CURVES = [
 ]
 
 
+def band(rows: list[dict], key: str, std: str) -> tuple[list[float], list[float]]:
+    """Mean ± std at each step, kept inside the range the values took where it is logged
+    (`reward_min`, `reward_max`): rewards in [0, 1] never draw a band past 1."""
+    low, high = [], []
+    for r in rows:
+        lo, hi = r[key] - r[std], r[key] + r[std]
+        floor, ceiling = r.get(f"{key}_min"), r.get(f"{key}_max")
+        low.append(lo if floor is None else max(lo, floor))
+        high.append(hi if ceiling is None else min(hi, ceiling))
+    return low, high
+
+
 def plot_metrics(rows: list[dict], out: Path, title: str) -> Path:
     """A PNG of the main curves against the step (matplotlib, the `plot` extra)."""
     try:
@@ -93,14 +105,12 @@ def plot_metrics(rows: list[dict], out: Path, title: str) -> Path:
 
     fig, axes = plt.subplots(2, 4, figsize=(17, 6.5), constrained_layout=True)
     for ax, (name, key, std) in zip(axes.flat, CURVES):
-        points = [(r["step"], r[key], r.get(std) if std else None) for r in rows if r.get(key) is not None]
+        points = [r for r in rows if r.get(key) is not None]
         if points:
-            steps, values, spread = zip(*points)
+            steps, values = [r["step"] for r in points], [r[key] for r in points]
             ax.plot(steps, values, lw=1.5)
-            if std and all(s is not None for s in spread):
-                low = [v - s for v, s in zip(values, spread)]
-                high = [v + s for v, s in zip(values, spread)]
-                ax.fill_between(steps, low, high, alpha=0.2)
+            if std and all(r.get(std) is not None for r in points):
+                ax.fill_between(steps, *band(points, key, std), alpha=0.2)
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(name)

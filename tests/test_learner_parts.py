@@ -283,6 +283,7 @@ def test_batch_metrics_carry_trl_s_names_and_meanings():
     totals = np.array([1.0, 0.0, 1.5, 1.5, 1.5])  # the five scored completions' weighted sums
     assert m["reward"] == pytest.approx(totals.mean())
     assert m["reward_std"] == pytest.approx(np.std(totals, ddof=1))
+    assert (m["reward_min"], m["reward_max"]) == (0.0, 1.5)  # the unscored NaN left out
     assert m["rewards/f/mean"] == pytest.approx(0.8) and m["rewards/f/std"] == pytest.approx(np.std(
         [1, 0, 1, 1, 1], ddof=1))
     assert m["rewards/g/mean"] == pytest.approx(0.6) and m["rewards/g/std"] == pytest.approx(np.std(
@@ -337,3 +338,15 @@ def test_a_group_that_no_reward_scored_has_no_std_and_advantage_zero():
     m = batch_metrics([a, b], samples, rewards, advantages, 1, lambda k: k)
     assert m["frac_reward_zero_std"] == 0.0  # a's std is 0.71, b has none
     assert m["reward"] == pytest.approx(0.5)
+
+
+def test_the_plot_s_reward_band_stays_inside_the_range_the_rewards_took():
+    """Rewards in [0, 1] at mean 0.9 and std 0.3: the band is 0.6 to 1.0, not 1.2; a line
+    without the range (an older run) keeps mean ± std."""
+    from orchestrator.show import band
+
+    rows = [{"step": 1, "reward": 0.9, "reward_std": 0.3, "reward_min": 0.0, "reward_max": 1.0},
+            {"step": 2, "reward": 0.1, "reward_std": 0.2, "reward_min": 0.0, "reward_max": 1.0},
+            {"step": 3, "reward": 0.5, "reward_std": 0.25}]
+    low, high = band(rows, "reward", "reward_std")
+    assert low == pytest.approx([0.6, 0.0, 0.25]) and high == pytest.approx([1.0, 0.3, 0.75])
