@@ -33,6 +33,7 @@ checks, and exits 1 if a check fails. `--kills 1` is the short version the test 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -368,9 +369,12 @@ def report(name: str, chaos: Chaos, steps: int, checks: dict[str, tuple[bool, st
     return "\n".join(lines)
 
 
-def play_scenario(name: str, work: Path, kills: int, seed: int, extra_steps: int) -> bool:
+def play_scenario(name: str, work: Path, kills: int, seed: int, extra_steps: int,
+                  steps_per_kill: int | None = None) -> bool:
     """One scenario's chaos run and checks; prints its report, returns whether all passed."""
     scenario = SCENARIOS[name]
+    if steps_per_kill is not None:
+        scenario = dataclasses.replace(scenario, steps_per_kill=steps_per_kill)
     work.mkdir(parents=True, exist_ok=True)
     steps = scenario.steps_per_kill * (len(scenario.kinds) * kills + 2)  # every kill lands mid-run
     chaos = Chaos(scenario, work, kills, seed)
@@ -404,11 +408,14 @@ def main() -> int:
     parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
     parser.add_argument("--seed", type=int, default=0, help="order and moments of the kills")
     parser.add_argument("--extra-steps", type=int, default=4, help="steps after the resume-twice checkpoint")
+    parser.add_argument("--steps-per-kill", type=int,
+                        help="steps between two kills (default: 4 for episodes, 20 for actors)")
     parser.add_argument("--work-dir", help="keep the runs and logs here (default: a temporary directory)")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mlxrl-chaos-")).resolve()
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
-    passed = [play_scenario(n, work / n, args.kills, args.seed, args.extra_steps) for n in names]
+    passed = [play_scenario(n, work / n, args.kills, args.seed, args.extra_steps, args.steps_per_kill)
+              for n in names]
     return 0 if all(passed) else 1
 
 

@@ -236,3 +236,23 @@ def raw_worker(endpoint: str, *args: str) -> subprocess.Popen:
     """The env worker written from PROTOCOL.md alone (pyzmq and msgpack, no project code)."""
     return subprocess.Popen([sys.executable, str(ENV_WORKER), endpoint, *args], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+CHAOS_KINDS = {"episodes": ("actor", "learner", "reward-worker", "env-worker", "orchestrator"),
+               "actors": ("actor", "remote-actor", "learner", "reward-worker", "orchestrator")}
+
+
+def check_chaos(tmp_path: Path, scenario: str) -> None:
+    """`benchmarks.chaos`, short: one SIGKILL of each kind of `scenario`, then all its checks pass."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.chaos", "--kills", "1", "--seed", "1",
+                           "--scenario", scenario, "--steps-per-kill", "4", "--work-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert f"chaos, {scenario}:" in out, out
+    for kind in CHAOS_KINDS[scenario]:
+        assert f"| {kind} | 1 |" in out, out
+    for check in ("every step exactly once", "ledger on every line", "no stall over 30 s",
+                  "workers and remote actor stayed to the end", "final adapters load",
+                  "resume twice, identical adapters", "no process left"):
+        assert f"| {check} | PASS |" in out, out
