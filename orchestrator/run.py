@@ -31,10 +31,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from orchestrator.progress import is_eval
+from orchestrator.show import MetricsFollower
 from protocol import lifecycle
 from protocol.config import ConfigError
-from protocol.rundir import checkpoint_step, latest_checkpoint
 
 
 def start(config: str | Path | None = None, settings: Mapping[str, Any] | None = None, *,
@@ -86,21 +85,10 @@ class Run:
         """Each line of metrics.jsonl (training steps, and evaluations) as it is written,
         until the run ends. Lines are never repeated: a resumed run's, or a restarted
         learner's, earlier steps are not given again (the steps it trains again are)."""
-        path = self.dir / "metrics.jsonl"
-        offset, last = 0, None
-        if self.resumed:
-            checkpoint = latest_checkpoint(self.dir)
-            last = (checkpoint_step(checkpoint), True) if checkpoint else None
+        follower = MetricsFollower(self.dir, self.resumed)
         while True:
             running = self.proc.poll() is None
-            if path.exists() and path.stat().st_size < offset:  # trimmed to a checkpoint
-                offset, last = 0, newest_line(path)
-            lines, offset = read_new(path, offset)
-            for line in lines:
-                order = (line["step"], is_eval(line))
-                if last is None or order > last:
-                    last = order
-                    yield line
+            yield from follower.new()
             if not running:
                 return
             time.sleep(poll_s)
@@ -159,22 +147,3 @@ def import_path(fn: Callable) -> str:
     if target is not fn:
         raise ConfigError(f"reward function {module}.{name} is not reachable by that name in its module")
     return f"{module}:{name}"
-
-
-def read_new(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    """The complete lines after byte `offset`, and the offset after them."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return [], offset
-    end = data.rfind(b"\n") + 1  # a line being written waits for its newline
-    lines = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-    return lines, offset + end
-
-
-def newest_line(path: Path) -> tuple[int, bool] | None:
-    """The place of the newest line in the file (a step, and whether it is an evaluation)."""
-    lines, _ = read_new(path, 0)
-    return max(((m["step"], is_eval(m)) for m in lines), default=None)

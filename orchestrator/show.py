@@ -6,6 +6,9 @@ import json
 import shutil
 from pathlib import Path
 
+from orchestrator.progress import is_eval
+from protocol.rundir import checkpoint_step, latest_checkpoint
+
 
 def read_lines(path: Path) -> list[dict]:
     """A run's JSON-lines file; a last line cut short by a kill is skipped."""
@@ -25,6 +28,41 @@ def one_line(text: str, width: int) -> str:
 
 class NotLogged(LookupError):
     """What was asked for is not in the run's files; the message says what is."""
+
+
+def line_order(m: dict) -> tuple[int, bool]:
+    """Where a metrics line falls: a step's evaluation comes after its training line."""
+    return m["step"], is_eval(m)
+
+
+class MetricsFollower:
+    """The lines of a run's metrics.jsonl not given yet, in order, for whoever watches the
+    run (`up`'s display, `orchestrator.start`'s `metrics()`). A resumed run's lines up to
+    its checkpoint were given by the run it continues. A restarted learner trims the file
+    back to its checkpoint, so the file is re-read rather than tailed, and the steps it
+    trains again are given again."""
+
+    def __init__(self, run_dir: Path, resume: bool) -> None:
+        self.run_dir = run_dir
+        newest = latest_checkpoint(run_dir) if resume else None
+        self.resumed_at = checkpoint_step(newest) if newest else 0
+        self.last = (self.resumed_at, True) if newest else (0, False)
+        self.went_back: int | None = None  # the step a restarted learner went back to, at the last `new`
+
+    def new(self) -> list[dict]:
+        """Whole lines past the last one given."""
+        path = self.run_dir / "metrics.jsonl"
+        self.went_back = None
+        if not path.exists() or not (self.run_dir / "status.json").exists():
+            return []  # the learner has not started: a resumed run's file is not trimmed yet
+        rows = read_lines(path)  # a line being written does not parse yet: skipped
+        if rows and rows[-1]["step"] < self.last[0]:
+            self.went_back = rows[-1]["step"]
+            self.last = line_order(rows[-1])
+        new = [m for m in rows if line_order(m) > self.last]
+        if new:
+            self.last = line_order(new[-1])
+        return new
 
 
 def completions_table(rows: list[dict], step: int | None, width: int | None = None) -> str:

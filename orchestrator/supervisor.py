@@ -22,12 +22,12 @@ from typing import IO
 import protocol
 from orchestrator.plan import thread_count
 from orchestrator.progress import display_for, is_eval
-from orchestrator.show import read_lines
+from orchestrator.show import MetricsFollower
 from protocol import lifecycle, sockets
 from protocol.config import MEMORY_SHARE_ENV, Config, write_run_config
 from protocol.heartbeat import actor_name, heartbeat_path, learner_name, seconds_since_beat
 from protocol.keys import AUTHORIZED, create_run_keys, run_keys
-from protocol.rundir import RunExists, checkpoint_step, clear_results, latest_checkpoint, refuse_to_overwrite
+from protocol.rundir import RunExists, clear_results, refuse_to_overwrite
 
 STOP_TIMEOUT_S = 30.0
 # How long a new run waits for the orphans of a killed orchestrator to stop (they get
@@ -149,11 +149,6 @@ def free_ports(n: int) -> list[int]:
     return found
 
 
-def line_order(m: dict) -> tuple[int, bool]:
-    """Where a metrics line falls: a step's evaluation comes after its training line."""
-    return m["step"], is_eval(m)
-
-
 @dataclass(frozen=True)
 class ChildSpec:
     """How `up` starts one process of the run."""
@@ -236,11 +231,7 @@ class Supervisor:
         self.actors = [name for name, spec in self.specs.items() if spec.kind == "actor"]  # by slot
         self.env_workers = [name for name, spec in self.specs.items() if spec.kind == "env-worker"]
         self.restarts = {name: 0 for name in (*self.learners, *self.actors, *self.env_workers)}
-        # line_order of the last metrics line shown: a resumed run's lines up to its
-        # checkpoint were shown by the run it continues.
-        newest = latest_checkpoint(self.run_dir) if resume else None
-        self.resumed_at = checkpoint_step(newest) if newest else 0
-        self.last_line = (self.resumed_at, True) if newest else (0, False)
+        self.metrics = MetricsFollower(self.run_dir, resume)
         self.phase = None
 
     def say(self, text: str) -> None:
@@ -249,8 +240,9 @@ class Supervisor:
     def start(self) -> None:
         self.say(f"run directory: {self.run_dir}")
         if self.resume:
-            self.say(f"resuming from the checkpoint of step {self.resumed_at} of {self.cfg.train.steps}"
-                     if self.resumed_at else "resuming: no checkpoint yet, so from step 0")
+            at = self.metrics.resumed_at
+            self.say(f"resuming from the checkpoint of step {at} of {self.cfg.train.steps}"
+                     if at else "resuming: no checkpoint yet, so from step 0")
         note = exposure_note(self.cfg, self.run_dir)
         if note:
             self.say(note)
@@ -305,18 +297,10 @@ class Supervisor:
                 self.say(label)
 
     def new_metrics(self) -> list[dict]:
-        """Whole lines of metrics.jsonl past the last step shown. A restarted learner trims
-        the file back to its checkpoint, so the file is re-read rather than tailed."""
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists() or not (self.run_dir / "status.json").exists():
-            return []  # the learner has not started: a resumed run's file is not trimmed yet
-        rows = read_lines(path)  # a line being written does not parse yet: skipped
-        if rows and rows[-1]["step"] < self.last_line[0]:  # a restarted learner went back
-            self.say(f"continuing from the checkpoint of step {rows[-1]['step']}")
-            self.last_line = line_order(rows[-1])
-        new = [m for m in rows if line_order(m) > self.last_line]
-        if new:
-            self.last_line = line_order(new[-1])
+        """Whole lines of metrics.jsonl past the last step shown."""
+        new = self.metrics.new()
+        if self.metrics.went_back is not None:
+            self.say(f"continuing from the checkpoint of step {self.metrics.went_back}")
         return new
 
     def check_memory(self, metrics: dict) -> None:
