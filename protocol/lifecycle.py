@@ -234,10 +234,6 @@ def mark_final_stop(run_dir: str | Path) -> None:
     (Path(run_dir) / FINAL_STOP).touch()
 
 
-def clear_final_stop(run_dir: str | Path) -> None:
-    (Path(run_dir) / FINAL_STOP).unlink(missing_ok=True)
-
-
 def stop_is_final(run_dir: str | Path) -> bool:
     """Whether a process stopped by a signal ends the run for its peers (workers then exit)
     or only goes away (it is being restarted, or its orchestrator died and a resume will

@@ -70,7 +70,7 @@ class Request:
     deadline: float = 0.0
 
 
-def holder(request: Request) -> bytes:
+def worker_of(request: Request) -> bytes:
     """The worker holding an assigned request (every request in `assigned` has one)."""
     if request.worker is None:
         raise RuntimeError(f"request {request.request_id} is assigned to no worker")
@@ -271,7 +271,7 @@ class WorkerPool:
     def check_workers(self) -> None:
         now = time.monotonic()
         for request in [r for r in self.assigned.values() if r.deadline < now]:
-            worker = holder(request)
+            worker = worker_of(request)
             log.error("%s pid %d missed the %.0f s deadline for request %s; sending it elsewhere",
                       self.name, self.workers[worker].pid, self.timeout_s, request.request_id)
             self.lose(worker, "deadline missed")
@@ -328,7 +328,7 @@ class WorkerPool:
         if now - self.said_starved < STARVED_SAY_S:
             return
         self.said_starved = now
-        held = "".join(f"; pid {self.workers[holder(r)].pid} holds {r.request_id} (deadline in "
+        held = "".join(f"; pid {self.workers[worker_of(r)].pid} holds {r.request_id} (deadline in "
                        f"{r.deadline - now:.0f} s)" for r in self.assigned.values())
         log.warning("no %s has been ready for %.0f s: %d request(s) wait, %d worker(s) attached%s", self.name,
                     now - self.starved_since, len(self.waiting), self.n_workers, held)
