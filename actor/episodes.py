@@ -119,7 +119,7 @@ class Episode:
     episode_id: str
     group: int  # the group's place in the batch
     prompt: Prompt
-    row: int  # the sampler's row id: the episode's noise
+    noise: int  # the sampler's noise id: the episode's draws
     prompt_ids: list[int]
     ids: list[int] = field(default_factory=list)  # the completion: model and environment tokens
     mask: list[int] = field(default_factory=list)  # 1 where the model sampled the token
@@ -195,16 +195,16 @@ class EpisodeRunner:
         self.episodes: dict[str, Episode] = {}  # by request id
         self.counter = 0
 
-    def run(self, prompts: list[Prompt], first_rows: list[int],
+    def run(self, prompts: list[Prompt], first_noise: list[int],
             interrupted: Callable[[], bool] = lambda: False) -> list[EpisodeGroup] | None:
-        """G episodes of each prompt; prompt i's rows have ids first_rows[i] + j (the
+        """G episodes of each prompt; prompt i's episodes have noise ids first_noise[i] + j (the
         sampler's noise). None when `interrupted()` says stop before they end (nothing
         is sent then)."""
         g = self.sampling.group_size
         groups = []
         for i, prompt in enumerate(prompts):
             ids = self.renderer.prompt_ids(prompt.prompt)[-self.sampling.max_prompt_tokens:]
-            eps = [Episode(f"{self.counter}-{i}-{j}", i, prompt, first_rows[i] + j, ids)
+            eps = [Episode(f"{self.counter}-{i}-{j}", i, prompt, first_noise[i] + j, ids)
                    for j in range(g)]
             groups.append(EpisodeGroup(prompt, ids, eps))
         self.counter += 1
@@ -246,7 +246,7 @@ class EpisodeRunner:
         for turn, batch in sorted(by_turn.items()):
             seed = self.sampling.seed + TURN_SEED_STRIDE * turn
             out = sample_groups(self.model, [e.prompt_ids + e.ids for e in batch], 1, self.sampling,
-                                self.eos_ids, seed, row_ids=[e.row for e in batch])
+                                self.eos_ids, seed, noise_ids=[e.noise for e in batch])
             for e, (c,) in zip(batch, out):
                 self.model_turn(e, c.token_ids, c.logprobs)
 

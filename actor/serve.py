@@ -72,9 +72,10 @@ class TooSlow(BadRequest):
 class Policy:
     """The model being served, its tokenizer, and the version of its adapter weights."""
 
-    def __init__(self, model, tokenizer, name: str, sampling: SamplingConfig, version: int | None) -> None:
+    def __init__(self, model, tokenizer, name: str, sampling: SamplingConfig,
+                 policy_version: int | None) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
-        self.sampling, self.version = sampling, version
+        self.sampling, self.policy_version = sampling, policy_version
         # Why there is nothing to serve yet (a followed run without adapters so far):
         # requests get a 503 saying it until weights arrive (`set_weights`).
         self.waiting: str | None = None
@@ -83,9 +84,9 @@ class Policy:
         self.vocab = getattr(args, "vocab_size", None) or len(tokenizer.get_vocab())
         self.seeds = itertools.count(int(time.time()))  # a request without `seed` draws anew
 
-    def set_weights(self, weights: dict, version: int) -> None:
+    def set_weights(self, weights: dict, policy_version: int) -> None:
         set_adapter_weights(self.model, weights)
-        self.version, self.waiting = version, None
+        self.policy_version, self.waiting = policy_version, None
 
     def params(self, body: dict, prompt_tokens: int) -> tuple[SamplingConfig, int]:
         """Sampling settings from OpenAI's fields; temperature 0 is greedy (top-k 1). An
@@ -267,7 +268,7 @@ def respond(policy: Policy, body: dict, chat: bool) -> dict:
         "created": int(time.time()), "model": policy.name, "choices": choices,
         "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
                   "total_tokens": len(prompt_ids) + completion_tokens},
-        "prompt_token_ids": prompt_ids, "policy_version": policy.version,
+        "prompt_token_ids": prompt_ids, "policy_version": policy.policy_version,
     }
 
 
@@ -305,9 +306,9 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
             if self.path.rstrip("/") == "/v1/models":
                 self.reply(200, {"object": "list", "data": [
                     {"id": policy.name, "object": "model", "created": 0, "owned_by": "mlx-rl-ipc",
-                     "policy_version": policy.version}]})
+                     "policy_version": policy.policy_version}]})
             elif self.path.rstrip("/") == "/health":
-                self.reply(200, {"status": "ok", "policy_version": policy.version})
+                self.reply(200, {"status": "ok", "policy_version": policy.policy_version})
             else:
                 self.error(404, f"no route {self.path}")
 

@@ -69,7 +69,7 @@ class Actor:
         check_context(prompts, getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
                       self.cfg.max_completion_tokens)
         self.stream = PromptStream(prompts, data.shuffle, data.seed, slot=slot, slots=self.cfg.actor.count)
-        self.version: int | None = None
+        self.policy_version: int | None = None
         self.pending: protocol.Message | None = None  # newest weights not yet applied
         self.groups_sent = 0
         self.groups_consumed = 0
@@ -176,25 +176,25 @@ class Actor:
             log.error("ignored weights of version %d: %s", msg["version"], e)
             return
         self.timings["weights_apply_s"] = time.perf_counter() - t0
-        self.version = msg["version"]
+        self.policy_version = msg["version"]
 
     def sample_groups(self, n: int) -> None:
         g = self.sampling.group_size
-        prompts, cursors, first_rows = [], [], []
+        prompts, cursors, first_noise = [], [], []
         for _ in range(n):
             prompts.append(next(self.stream))
             cursors.append(list(self.stream.cursor))
-            # Row ids follow the prompt's place in the data stream, so a prompt draws the
+            # Noise ids follow the prompt's place in the data stream, so a prompt draws the
             # same noise whatever actor (or resumed run) samples it.
-            first_rows.append(self.stream.index * g)
+            first_noise.append(self.stream.index * g)
         t0 = time.perf_counter()
         if self.episodes is None:
             groups = sample_groups(self.model, [p.prompt_ids for p in prompts], g, self.sampling,
                                    self.eos_ids, seed=self.sampling.seed,
-                                   row_ids=[first + j for first in first_rows for j in range(g)])
+                                   noise_ids=[first + j for first in first_noise for j in range(g)])
             rollouts = [self.completions(p, c) for p, c in zip(prompts, groups)]
         else:
-            episodes = self.episodes.run(prompts, first_rows, self.interrupted)
+            episodes = self.episodes.run(prompts, first_noise, self.interrupted)
             if episodes is None:
                 return  # stopping: the learner's data cursor still points before these prompts
             rollouts = [e.fields(self.decode) for e in episodes]
@@ -205,7 +205,7 @@ class Actor:
                 "cursor": cursor,
                 "row": prompt.index,
                 **self.timings,
-                "policy_version": self.version,
+                "policy_version": self.policy_version,
                 "prompt": prompt.prompt,
                 "columns": prompt.columns,
                 **fields,
@@ -260,7 +260,7 @@ class Actor:
         sends weights and where the slot's data continues, and the credit counts from 0."""
         self.receive(0)  # what the old connection brought, before starting over
         self.greeted = max(self.watch.connections, 1)  # the first hello goes on the first connection
-        self.version, self.pending, self.groups_sent, self.groups_consumed = None, None, 0, 0
+        self.policy_version, self.pending, self.groups_sent, self.groups_consumed = None, None, 0, 0
         self.strange = False
         if not self.can_send():
             self.greeted = 0  # the loop says why (refused: exit 4), or says hello again
@@ -304,7 +304,7 @@ class Actor:
             self.receive(0)
             self.apply_pending()
             room = self.window - (self.groups_sent - self.groups_consumed)
-            if self.version is None or room <= 0:
+            if self.policy_version is None or room <= 0:
                 self.receive(200)  # wait for weights or credit
                 continue
             # At most our share of a batch at a time, so newer weights are applied between batches.

@@ -70,10 +70,10 @@ class Intake:
         for key, error in errors:
             self.reward_failed(self.awaiting.pop(key), RewardError(error))
 
-    def next_batch(self, version: int, batch_size: int, max_staleness: int) -> list[Group] | None:
-        """`batch_size` groups to train policy `version` on, dropping those more than
+    def next_batch(self, policy_version: int, batch_size: int, max_staleness: int) -> list[Group] | None:
+        """`batch_size` groups to train policy `policy_version` on, dropping those more than
         `max_staleness` versions old; None until there are enough."""
-        for entry in [e for e in self.queue if version - e[1].policy_version > max_staleness]:
+        for entry in [e for e in self.queue if policy_version - e[1].policy_version > max_staleness]:
             self.queue.remove(entry)
             self.drop(entry[1], "stale")
         if len(self.queue) < batch_size:

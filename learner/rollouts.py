@@ -69,9 +69,9 @@ class RolloutSocket:
     def send(self, actor: bytes, kind: str, header: dict | None = None) -> None:
         self.sock.send_multipart([actor, *protocol.encode(kind, header)], copy=False)
 
-    def receive(self, timeout_ms: int, version: int) -> list[Group]:
+    def receive(self, timeout_ms: int, policy_version: int) -> list[Group]:
         """The groups that arrive within `timeout_ms`. An actor that attaches gets weights
-        of `version`, and where its slot's data continues."""
+        of `policy_version`, and where its slot's data continues."""
         groups = []
         for incoming in sockets.incoming(self.sock, timeout_ms):
             actor, msg = incoming.peer, incoming.msg
@@ -87,7 +87,7 @@ class RolloutSocket:
                     self.ledger.drop("malformed", actor)
                 continue
             if msg.kind == protocol.HELLO:
-                self.attach(actor, msg, version)
+                self.attach(actor, msg, policy_version)
             elif msg.kind == protocol.ROLLOUT:
                 group = self.take_rollout(actor, msg)
                 if group is not None:
@@ -128,7 +128,7 @@ class RolloutSocket:
             loading = 0  # an actor that never came is not waited for
         return -(-self.in_flight // max(len(self.actors) + loading, 1))
 
-    def attach(self, actor: bytes, msg: protocol.Message, version: int) -> None:
+    def attach(self, actor: bytes, msg: protocol.Message, policy_version: int) -> None:
         problem = self.incompatibility(msg)
         if problem:
             log.error("refused %s (pid %s): %s", msg["role"], msg["pid"], problem)
@@ -152,9 +152,9 @@ class RolloutSocket:
             self.ledger.attach(actor, slot)
             hello["data_cursor"] = self.ledger.cursor_for(slot)
         log.info("%s pid %s attached%s; sending weights of version %d", role, msg["pid"],
-                 f" as slot {slot}" if role == "actor" else "", version)
+                 f" as slot {slot}" if role == "actor" else "", policy_version)
         self.send(actor, protocol.HELLO, hello)
-        self.publish(version, [actor])
+        self.publish(policy_version, [actor])
 
     def incompatibility(self, msg: protocol.Message) -> str | None:
         if msg["role"] not in ("actor", "observer"):
@@ -188,11 +188,11 @@ class RolloutSocket:
         self.ledger.received_group(actor, group.cursor)
         return group
 
-    def publish(self, version: int, actors: list[bytes] | None = None) -> None:
-        """Send the adapter weights, as `version`, to `actors` (default: every attached
+    def publish(self, policy_version: int, actors: list[bytes] | None = None) -> None:
+        """Send the adapter weights, as `policy_version`, to `actors` (default: every attached
         actor and observer), serialised once."""
         t0 = time.perf_counter()
-        frames = protocol.encode(protocol.WEIGHTS, {"version": version, "sent_at": time.time()},
+        frames = protocol.encode(protocol.WEIGHTS, {"version": policy_version, "sent_at": time.time()},
                                  self.weights())
         self.weight_sync = {"weights_mb": sum(len(f) for f in frames) / MB,
                             "weights_serialize_s": time.perf_counter() - t0}

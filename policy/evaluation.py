@@ -99,7 +99,7 @@ def sample_prompts(model, tok, prompts: list[Prompt], num_samples: int, params: 
     for start in range(0, len(prompts), per_batch):
         batch = prompts[start:start + per_batch]
         groups = sample_groups(model, [p.prompt_ids for p in batch], num_samples, params,
-                               set(tok.eos_token_ids), seed=seed, row_offset=start * num_samples)
+                               set(tok.eos_token_ids), seed=seed, noise_offset=start * num_samples)
         for p, completions in zip(batch, groups):
             texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
             tokens += sum(len(c.token_ids) for c in completions)

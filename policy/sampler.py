@@ -14,7 +14,7 @@ distribution, computed as in policy/logprobs.py (which explains why untruncated)
 Randomness. Sampling is Gumbel-max: token = argmax(truncate(logprobs) + g) over the tokens
 that top-k/top-p/min-p keep, a draw from the truncated, renormalized distribution. The
 noise g of row r at step t for token v is -log(-log(u)), u a hash of (seed, r, t, v)
-(`_noise`), where r is the row's id (row_offset + prompt position * group_size + sample
+(`_noise`), where r is the row's noise id (noise_offset + prompt position * group_size + sample
 index). So a row's tokens depend only on (seed, r) and its own logits, never on which
 other rows share the batch, and the whole batch's noise is a few array operations.
 
@@ -94,8 +94,8 @@ def _fmix32(h: mx.array) -> mx.array:
     return h ^ (h >> 16)
 
 
-def _row_keys(seed: int, rows: list[int]) -> mx.array:
-    """Each row's 32-bit stream id, from (seed, row id)."""
+def _noise_keys(seed: int, rows: list[int]) -> mx.array:
+    """Each row's 32-bit stream id, from (seed, its noise id)."""
     u32 = mx.uint32
     return _fmix32(mx.array(rows, dtype=u32) ^ _fmix32(mx.array(seed & 0xFFFFFFFF, dtype=u32)))
 
@@ -150,8 +150,8 @@ def _sample_all(scaled: mx.array, lse: mx.array, row_keys: mx.array, t: int,
 
 def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
             params: SamplingConfig, eos_ids: set[int], seed: int) -> list[Completion]:
-    """Decode the batch whose next-token logits are `logits` ([len(rows), V]); row i has id
-    rows[i]. Each row stops at its first EOS.
+    """Decode the batch whose next-token logits are `logits` ([len(rows), V]); row i has the
+    noise id rows[i]. Each row stops at its first EOS.
 
     Pipelined: the forward of step t+1 is queued (async_eval) before the tokens of step t
     are read back, so the device never waits for Python. A row that finished at step t is
@@ -165,7 +165,7 @@ def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
     done = [False] * n
     live = list(range(n))  # which row each batch position holds
     can_filter = all(hasattr(c, "filter") for c in cache)
-    keys = _row_keys(seed, rows)  # filtered along with the batch
+    keys = _noise_keys(seed, rows)  # filtered along with the batch
     sampled, picked = _sample(logits, keys, 0, params)
     mx.async_eval(sampled, picked)
     for t in range(params.max_tokens):
@@ -194,18 +194,19 @@ def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
 
 def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
                   params: SamplingConfig, eos_ids: set[int], seed: int,
-                  row_offset: int = 0, row_ids: list[int] | None = None) -> list[list[Completion]]:
+                  noise_offset: int = 0, noise_ids: list[int] | None = None) -> list[list[Completion]]:
     """`group_size` completions of each prompt, all rows decoding as one batch.
 
-    Row j of prompt i has the id row_offset + i * group_size + j (or row_ids[i * group_size
-    + j] when given): its tokens depend only on (seed, that id) and the model, so callers
-    that give each group stable ids get the same samples whatever the batch holds.
+    Row j of prompt i has the noise id noise_offset + i * group_size + j (or
+    noise_ids[i * group_size + j] when given): its tokens depend only on (seed, that id)
+    and the model, so callers that give each group stable ids get the same samples
+    whatever the batch holds.
     """
     if not prompts:
         return []
-    rows = row_ids or [row_offset + r for r in range(len(prompts) * group_size)]
+    rows = noise_ids or [noise_offset + r for r in range(len(prompts) * group_size)]
     if len(rows) != len(prompts) * group_size:
-        raise ValueError(f"{len(rows)} row ids for {len(prompts)} prompts of {group_size} rows")
+        raise ValueError(f"{len(rows)} noise ids for {len(prompts)} prompts of {group_size} rows")
     head = output_head(model)
 
     def prefill(inputs: mx.array, cache: list) -> mx.array:
@@ -253,17 +254,17 @@ def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
 
 def reference_sample(model: nn.Module, prompt_ids: list[int], group_size: int,
                      params: SamplingConfig, eos_ids: set[int], seed: int,
-                     row_offset: int = 0) -> list[Completion]:
+                     noise_offset: int = 0) -> list[Completion]:
     """The plain sampler sample_groups must agree with: one row at a time, no KV cache (a
-    full forward over prompt + generated tokens every step), the same noise per row id."""
+    full forward over prompt + generated tokens every step), the same noise per noise id."""
     out = []
     for j in range(group_size):
         ids, lps, stop = list(prompt_ids), cast(list[float], []), False
         for t in range(params.max_tokens):
             logits = model(mx.array(ids)[None])[:, -1, :]
             scaled = tempered(logits, params.temperature)
-            tok, lp = _sample_all(scaled, mx.logsumexp(scaled, axis=-1), _row_keys(seed, [row_offset + j]), t,
-                                  params)
+            keys = _noise_keys(seed, [noise_offset + j])
+            tok, lp = _sample_all(scaled, mx.logsumexp(scaled, axis=-1), keys, t, params)
             ids.append(cast(int, tok.item()))
             lps.append(cast(float, lp.item()))
             if stop := ids[-1] in eos_ids:

@@ -103,11 +103,11 @@ def test_the_intake_scores_filters_and_batches_dropping_stale_groups(scorer):
     assert intake.queued == 3
     intake.score()
     assert ledger.dropped == {"filtered: equal rewards": 1} and intake.queued == 2
-    assert intake.next_batch(version=2, batch_size=2, max_staleness=1) is None  # "old" is stale
+    assert intake.next_batch(policy_version=2, batch_size=2, max_staleness=1) is None  # "old" is stale
     assert ledger.dropped["stale"] == 1
     intake.add([group("newer", (1, 2), version=2)])
     intake.score()
-    batch = intake.next_batch(version=2, batch_size=2, max_staleness=1)
+    batch = intake.next_batch(policy_version=2, batch_size=2, max_staleness=1)
     assert [g.group_id for g in batch] == ["new", "newer"]
     np.testing.assert_array_equal(batch[0].rewards, [3.0, 1.0])
 
@@ -123,11 +123,12 @@ def test_the_queue_keeps_the_order_of_arrival_whatever_order_rewards_come_back_i
     intake.unscored.clear()
     answers = [Scored(f"{A.hex()}/{name}", np.array([1.0, 2.0])) for name in ("third", "first", "second")]
     intake.take(answers[:1], [], [])
-    assert intake.next_batch(version=0, batch_size=2, max_staleness=0) is None
+    assert intake.next_batch(policy_version=0, batch_size=2, max_staleness=0) is None
     intake.take(answers[1:], [], [])
-    assert [g.group_id for g in intake.next_batch(version=0, batch_size=2, max_staleness=0)] == [
+    assert [g.group_id for g in intake.next_batch(policy_version=0, batch_size=2, max_staleness=0)] == [
         "first", "second"]
-    assert [g.group_id for g in intake.next_batch(version=0, batch_size=1, max_staleness=0)] == ["third"]
+    third = intake.next_batch(policy_version=0, batch_size=1, max_staleness=0)
+    assert [g.group_id for g in third] == ["third"]
 
 
 def test_a_failing_reward_function_is_dropped_and_named_with_its_row(scorer):

@@ -9,7 +9,7 @@ import pytest
 
 from policy.logprobs import sequence_logprobs, token_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
-from policy.sampler import _row_keys, _sample, reference_sample, sample_groups, truncate
+from policy.sampler import _noise_keys, _sample, reference_sample, sample_groups, truncate
 from protocol.config import LoraConfig, SamplingConfig
 from tests.helpers import TINY_MODEL
 
@@ -62,7 +62,7 @@ def test_sampler_and_learner_logprobs_agree_on_the_same_logits(temperature, mode
     rng = np.random.default_rng(7)
     logits = mx.array((rng.standard_normal((6, 300)) * 4).astype(np.float32)).astype(mx.bfloat16)
     params = SamplingConfig(temperature=temperature, **mode)
-    tokens, sampled = _sample(logits, _row_keys(0, list(range(6))), 0, params)
+    tokens, sampled = _sample(logits, _noise_keys(0, list(range(6))), 0, params)
     learner = token_logprobs(logits, tokens, temperature)
     np.testing.assert_allclose(np.array(sampled), np.array(learner), rtol=0, atol=1e-6)
     # ...and both are the untruncated log-softmax, computed independently in float64.
@@ -139,7 +139,7 @@ def assert_matches_reference(model, prompts, g, params, eos, seed):
     groups = sample_groups(model, prompts, g, params, eos, seed)
     assert len(groups) == len(prompts)
     for i, (prompt, group) in enumerate(zip(prompts, groups)):
-        assert_same(group, reference_sample(model, prompt, g, params, eos, seed, row_offset=i * g))
+        assert_same(group, reference_sample(model, prompt, g, params, eos, seed, noise_offset=i * g))
     return groups
 
 
@@ -157,11 +157,11 @@ def test_rows_do_not_depend_on_the_rest_of_the_batch(policy):
     prompts = [tok.encode(t) for t in TEXTS]
     params, eos = SamplingConfig(temperature=0.7, top_p=0.9, max_tokens=10), set(tok.eos_token_ids)
     batch = sample_groups(model, prompts, 4, params, eos, seed=3)
-    # The same row ids alone, or among fewer or other prompts, give the same tokens.
+    # The same noise ids alone, or among fewer or other prompts, give the same tokens.
     assert_same(sample_groups(model, [prompts[0]], 4, params, eos, seed=3)[0], batch[0])
-    assert_same(sample_groups(model, prompts[2:3], 4, params, eos, seed=3, row_offset=8)[0], batch[2])
+    assert_same(sample_groups(model, prompts[2:3], 4, params, eos, seed=3, noise_offset=8)[0], batch[2])
     others = sample_groups(model, [prompts[1], tok.encode("repeat 9"), prompts[3]], 4, params, eos,
-                           seed=3, row_offset=4)
+                           seed=3, noise_offset=4)
     assert_same(others[0], batch[1])
     assert_same(sample_groups(model, prompts, 4, params, eos, seed=3)[3], batch[3])
     tokens = [c.token_ids for group in batch for c in group]
@@ -218,7 +218,7 @@ def test_gumbel_sampling_draws_from_the_truncated_distribution(params):
     probs = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
     n = 20_000
     logits = mx.broadcast_to(mx.array(np.log(probs), dtype=mx.float32), (n, 5))
-    tokens, picked = _sample(logits, _row_keys(7, list(range(n))), 0, params)
+    tokens, picked = _sample(logits, _noise_keys(7, list(range(n))), 0, params)
     tempered = probs ** (1 / params.temperature)
     tempered /= tempered.sum()
     keep = np.array(truncate(mx.log(mx.array(tempered, dtype=mx.float32))[None], params))[0] > -np.inf
@@ -275,7 +275,7 @@ def test_candidate_sampling_equals_the_full_sort_definition(params, spread, ties
     full = sampler._sample_all
     monkeypatch.setattr(sampler, "_sample_all", lambda *a: calls.append(1) or full(*a))
     for t in range(5):
-        keys = _row_keys(11, list(range(rows)))
+        keys = _noise_keys(11, list(range(rows)))
         tokens, lps = _sample(logits, keys, t, params)
         scaled = logits / params.temperature
         ref_tokens, ref_lps = full(scaled, mx.logsumexp(scaled, axis=-1), keys, t, params)

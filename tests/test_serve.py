@@ -289,10 +289,10 @@ def test_a_follower_serves_the_learner_s_weights_also_when_a_restart_goes_back(t
             message = protocol.encode(protocol.WEIGHTS, {"version": version}, weights)
             learner.send_multipart([identity, *message])
             deadline = time.monotonic() + 10
-            while follower.policy.version != version and time.monotonic() < deadline:
+            while follower.policy.policy_version != version and time.monotonic() < deadline:
                 follower.poll()
                 time.sleep(0.02)
-            assert follower.policy.version == version
+            assert follower.policy.policy_version == version
     finally:
         follower.close()
         learner.close(linger=0)
