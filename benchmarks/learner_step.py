@@ -69,7 +69,7 @@ def run(reps: int) -> LearnerResult:
     prep_times, step_times = [], []
     for i in range(reps + 1):  # the first step is a warm-up (allocations, optimizer state)
         prepared, prep_s = timed(lambda: trainer.prepare(batch))
-        _, opt_s = timed(lambda p=prepared: trainer.step(batch, p, advantages))
+        _, opt_s = timed(lambda p=prepared: trainer.step(p, advantages))
         if i > 0:
             prep_times.append(prep_s)
             step_times.append(opt_s)

@@ -35,6 +35,8 @@ class LossInputs:
 
 
 class Algorithm(Protocol):
+    per_completion: ClassVar[frozenset[str]]  # diagnostics averaged over completions, not tokens
+
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
         """[groups, G] rewards -> [groups * G] advantages."""
 
@@ -61,6 +63,12 @@ def masked_mean(x: mx.array, mask: mx.array) -> mx.array:
 def row_mean(x: mx.array, mask: mx.array) -> mx.array:
     """[B]: each row's mean over its masked tokens."""
     return (x * mask).sum(-1) / mx.maximum(mask.sum(-1), 1.0)
+
+
+def ratio_stats(ratio: mx.array, mask: mx.array) -> dict[str, mx.array]:
+    """The policy ratio's token mean and extremes."""
+    return {"ratio_mean": masked_mean(ratio, mask), "ratio_max": mx.max(mx.where(mask > 0, ratio, -mx.inf)),
+            "ratio_min": mx.min(mx.where(mask > 0, ratio, mx.inf))}
 
 
 def scale(centered: np.ndarray, rewards: np.ndarray, how: str) -> np.ndarray:
@@ -95,6 +103,8 @@ class GRPO:
     max_tokens: int = 1
     # Whether epsilon_high keeps its own default when only epsilon is set.
     asymmetric: ClassVar[bool] = False
+    # Diagnostics that are averages over completions, not tokens (see combine_stats).
+    per_completion: ClassVar[frozenset[str]] = frozenset()
 
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
         """[groups * G] from [groups, G] rewards. NaN (unscorable, as TRL marks a completion
@@ -137,9 +147,7 @@ class GRPO:
             "clip_ratio/region_mean": self.clip_mean(low | high, x.mask),
             "clip_ratio/low_min": mx.min(row_mean(low, x.mask)),
             "clip_ratio/high_max": mx.max(row_mean(high, x.mask)),
-            "ratio_mean": masked_mean(ratio, x.mask),
-            "ratio_max": mx.max(mx.where(x.mask > 0, ratio, -mx.inf)),
-            "ratio_min": mx.min(mx.where(x.mask > 0, ratio, mx.inf)),
+            **ratio_stats(ratio, x.mask),
         }
 
 
@@ -187,6 +195,8 @@ class GSPO(GRPO):
 
     epsilon_low: float = 3e-4
     epsilon_high: float = 4e-4
+    per_completion: ClassVar[frozenset[str]] = frozenset(
+        {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"})
 
     def ratio(self, x: LossInputs) -> mx.array:
         seq_log_ratio = row_mean(x.logp - x.old_logp, x.mask)[:, None]
@@ -211,15 +221,67 @@ class RLOO(GRPO):
                              neginf=0.0).reshape(-1)
 
 
+@dataclass(frozen=True)
+class CISPO(BNPO):
+    """CISPO (MiniMax-M1), as TRL's `loss_type="cispo"`: the importance ratio, capped at
+    epsilon_high (5.0, ScaleRL's) and detached, weighs a REINFORCE term:
+    -min(r, epsilon_high).detach() * A * logp. No token is clipped out of the gradient; the
+    loss is token-level, as DAPO's. TRL's `cispo_clip_ratio`: the fraction of tokens with
+    A > 0 whose ratio was capped."""
+
+    epsilon_high: float = 5.0
+    asymmetric: ClassVar[bool] = True
+
+    def loss_sum(self, x: LossInputs) -> tuple[mx.array, dict[str, mx.array]]:
+        ratio = mx.exp(x.logp - x.old_logp)
+        adv = x.advantages[:, None]
+        weight = mx.stop_gradient(mx.minimum(ratio, self.epsilon_high))
+        surrogate = -weight * adv * x.logp * x.is_weight
+        kl = k3_kl(x.logp, x.ref_logp) if x.ref_logp is not None else mx.zeros_like(x.logp)
+        per_token = surrogate + self.beta * kl if self.beta else surrogate
+        return self.row_loss(per_token, x.mask), {
+            "surrogate_loss": self.row_loss(surrogate, x.mask),
+            "kl": masked_mean(kl, x.mask),
+            "cispo_clip_ratio": masked_mean((ratio > self.epsilon_high) & (adv > 0), x.mask),
+            **ratio_stats(ratio, x.mask),
+        }
+
+
+@dataclass(frozen=True)
+class SAPO(GRPO):
+    """SAPO (soft adaptive policy optimization), as TRL's `loss_type="sapo"`: a sigmoid
+    gate instead of the hard clip, -sigmoid(tau * (r - 1)) * 4 / tau * A, with tau
+    `sapo_temperature_pos` (1.0) where A > 0 and `sapo_temperature_neg` (1.05) elsewhere.
+    Its gradient at r = 1 is the plain ratio's; far from 1 it fades instead of stopping.
+    Averaged per completion, then over completions, as GRPO."""
+
+    temperature_pos: float = 1.0
+    temperature_neg: float = 1.05
+
+    def loss_sum(self, x: LossInputs) -> tuple[mx.array, dict[str, mx.array]]:
+        ratio = self.ratio(x)
+        adv = x.advantages[:, None]
+        tau = mx.where(adv > 0, self.temperature_pos, self.temperature_neg)
+        surrogate = -mx.sigmoid(tau * (ratio - 1)) * 4 / tau * adv * x.is_weight
+        kl = k3_kl(x.logp, x.ref_logp) if x.ref_logp is not None else mx.zeros_like(x.logp)
+        per_token = surrogate + self.beta * kl if self.beta else surrogate
+        return self.row_loss(per_token, x.mask), {
+            "surrogate_loss": self.row_loss(surrogate, x.mask),
+            "kl": masked_mean(kl, x.mask),
+            **ratio_stats(ratio, x.mask),
+        }
+
+
 ALGORITHMS: dict[AlgorithmName, type[GRPO]] = {"grpo": GRPO, "bnpo": BNPO, "dapo": DAPO, "dr_grpo": DrGRPO,
-                                         "gspo": GSPO, "rloo": RLOO}
+                                               "gspo": GSPO, "rloo": RLOO, "cispo": CISPO, "sapo": SAPO}
 assert tuple(ALGORITHMS) == ALGORITHM_NAMES, "protocol/config.py names the objectives"
 
 
 def make_algorithm(name: str, *, beta: float = 0.0, epsilon: float | None = None,
                    epsilon_high: float | None = None, scale_rewards: ScaleRewards | None = None,
-                   max_tokens: int = 1) -> Algorithm:
-    """Build an objective; unset knobs keep the objective's own defaults."""
+                   max_tokens: int = 1, sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> Algorithm:
+    """Build an objective; unset knobs keep the objective's own defaults. SAPO's gate takes
+    `sapo_temperatures` (where A > 0, elsewhere)."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}")
     cls = ALGORITHMS[name]
@@ -234,4 +296,6 @@ def make_algorithm(name: str, *, beta: float = 0.0, epsilon: float | None = None
         if scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
         kwargs["scale_rewards"] = scale_rewards
+    if cls is SAPO:
+        kwargs["temperature_pos"], kwargs["temperature_neg"] = sapo_temperatures
     return cls(**kwargs)

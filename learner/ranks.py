@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from learner.step import Batch, Prepared, Trainer, combine_stats, scalar
+from learner.step import Batch, Prepared, Trainer, combine_stats
 from policy.memory import apply_memory_share
 from policy.model import load_policy
 from protocol import lifecycle
@@ -102,26 +102,30 @@ class Ranks:
         if self.group is not None:
             self.broadcast(Command.GO, *batch.tokens.shape)
             adv = mx.array(advantages.astype(np.float32))
-            self.from_rank0([batch.tokens, batch.mask, batch.behavior, adv])
+            lengths = [mx.array(batch.lengths, mx.int32), mx.array(batch.prompt_lengths, mx.int32)]
+            self.from_rank0([batch.tokens, batch.mask, batch.behavior, adv, *lengths])
 
     def receive_batch(self) -> tuple[Batch, np.ndarray] | None:
         """A rank above 0: the next batch from rank 0, or None when it says stop."""
         command, rows, length = self.broadcast()
         if command == Command.STOP:
             return None
-        tokens, mask, behavior, adv = self.from_rank0([
+        tokens, mask, behavior, adv, lengths, prompt_lengths = self.from_rank0([
             mx.zeros((rows, length), mx.int32), mx.zeros((rows, length - 1)), mx.zeros((rows, length - 1)),
-            mx.zeros((rows,))])
-        return Batch(tokens, mask, behavior), np.array(adv)
+            mx.zeros((rows,)), mx.zeros((rows,), mx.int32), mx.zeros((rows,), mx.int32)])
+        return Batch(tokens, mask, behavior, np.array(lengths), np.array(prompt_lengths)), np.array(adv)
 
-    def combine(self, stats: dict[str, float], tokens: float) -> dict[str, float]:
-        """Every rank's metrics of a step as the whole batch's (learner.step.combine_stats)."""
+    def combine(self, stats: dict[str, float], weight: tuple[float, float],
+                per_completion: frozenset[str]) -> dict[str, float]:
+        """Every rank's metrics of a step as the whole batch's (learner.step.combine_stats);
+        `weight`: this rank's completion tokens and completions."""
         if self.group is None:
             return stats
         keys = sorted(stats)
-        mine = mx.array([[tokens, *(stats[k] for k in keys)]], dtype=mx.float32)
+        mine = mx.array([[*weight, *(stats[k] for k in keys)]], dtype=mx.float32)
         every = np.array(mx.distributed.all_gather(mine, group=self.group))
-        return combine_stats([({k: float(v) for k, v in zip(keys, row[1:])}, float(row[0])) for row in every])
+        return combine_stats([({k: float(v) for k, v in zip(keys, row[2:])}, (float(row[0]), float(row[1])))
+                              for row in every], per_completion)
 
     def sync_state(self, trainer: Trainer) -> None:
         """Rank 0's adapter weights and optimizer state on every rank: at the start (after
@@ -141,20 +145,20 @@ class Part:
 
     def __init__(self, trainer: Trainer, ranks: Ranks, batch: Batch, advantages: np.ndarray) -> None:
         n = batch.tokens.shape[0]
-        rows = slice(ranks.rank * n // ranks.size, (ranks.rank + 1) * n // ranks.size)
+        rows = np.arange(ranks.rank * n // ranks.size, (ranks.rank + 1) * n // ranks.size)
         self.trainer, self.ranks = trainer, ranks
-        self.norm = trainer.algorithm.normalizer(np.array(batch.mask))  # the whole batch's
-        self.batch = Batch(batch.tokens[rows], batch.mask[rows], batch.behavior[rows])
+        norm = trainer.algorithm.normalizer(np.array(batch.mask))  # the whole batch's
+        self.prepared: Prepared = trainer.prepare(batch.take(rows), norm)
         self.advantages = advantages[rows]
-        self.tokens = scalar(self.batch.mask.sum())
-        self.prepared: Prepared = trainer.prepare(self.batch)
-        self.stats = ranks.combine(self.prepared.stats, self.tokens)  # the whole batch's
+        self.stats = self.combine(self.prepared.stats)  # the whole batch's
 
     def step(self) -> dict[str, float]:
         """One optimizer step on every rank; the whole batch's metrics."""
         all_sum = self.ranks.all_sum if self.ranks.size > 1 else None
-        stats = self.trainer.step(self.batch, self.prepared, self.advantages, self.norm, all_sum)
-        return self.ranks.combine(stats, self.tokens)
+        return self.combine(self.trainer.step(self.prepared, self.advantages, all_sum))
+
+    def combine(self, stats: dict[str, float]) -> dict[str, float]:
+        return self.ranks.combine(stats, self.prepared.weight, self.trainer.per_completion)
 
 
 def follow(trainer: Trainer, ranks: Ranks) -> None:

@@ -156,6 +156,7 @@ class Shape:
     actor_count: int = 1  # actor.count: each actor samples its share of a batch at a time
     local_actors: int = 1  # those on this machine (actor.count - actor.remote)
     learner_ranks: int = 1  # learner.ranks: each trains its share of a batch's rows
+    share_prompts: bool = True  # train.share_prompts (and no grad_checkpoint): each prompt once
 
     @property
     def actor_batch(self) -> int:
@@ -171,6 +172,31 @@ class Shape:
     @property
     def tokens(self) -> int:
         return self.prompt_tokens + self.max_tokens
+
+    @property
+    def prompts(self) -> int:
+        """Distinct prompts one learner forward may run (each once, when shared)."""
+        return min(self.rows, -(-self.batch_size // self.learner_ranks))
+
+    @property
+    def forward_tokens(self) -> int:
+        """Positions one learner forward computes: whole rows, or each prompt once and the
+        completions after it."""
+        if not self.shares:
+            return self.rows * self.tokens
+        return self.prompts * self.prompt_tokens + self.rows * self.max_tokens
+
+    @property
+    def logit_positions(self) -> int:
+        """Positions whose logits one learner forward forms: a shared prompt's last only
+        (through the model's output head)."""
+        if not self.shares:
+            return self.rows * self.tokens
+        return self.prompts + self.rows * self.max_tokens
+
+    @property
+    def shares(self) -> bool:
+        return self.share_prompts and not self.grad_checkpoint
 
 
 def lora_params(m: ModelShape, s: Shape) -> int:
@@ -211,19 +237,23 @@ def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
 
 def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
     lora = 4 * lora_params(m, s)
-    tokens = s.rows * s.tokens
+    tokens = s.forward_tokens
     per_layer = activation_bytes(m, tokens, s.tokens)
     if s.grad_checkpoint:  # block inputs for every layer, one block's insides at a time
         activations = m.layers * tokens * m.hidden * m.act_bytes + CHECKPOINT_BLOCKS * per_layer
     else:
         activations = m.layers * per_layer
+    # Shared prompts: every row's copy of its prompt's keys and values (KVCache.merge), each layer.
+    kv_per_token = m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes
+    prompt_kv = s.rows * s.prompt_tokens * kv_per_token if s.shares else 0
     return {
         "weights": m.weight_bytes,
         "lora": lora,
         "optimizer": 2 * lora,  # Adam's m and v
         "gradients": lora,
         "activations": activations,
-        "logits": logits_bytes(m, s, tokens, activations),
+        "prompt_kv": prompt_kv,
+        "logits": logits_bytes(m, s, s.logit_positions, activations),
         # The old-policy and reference passes run before the step, one micro-batch at a
         # time and without a graph: their peak (a forward's logits) stays below the
         # step's, so they add nothing to the total. Listed to show they were counted.
@@ -290,7 +320,7 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
     return Shape(s.group_size, t.batch_size, prompt_tokens, cfg.max_completion_tokens, t.micro_batch_size,
                  t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, cfg.actor.quantize_bits,
                  t.logit_chunk_mb, t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1,
-                 cfg.actor.count, cfg.actor.count - cfg.actor.remote, cfg.learner.ranks)
+                 cfg.actor.count, cfg.actor.count - cfg.actor.remote, cfg.learner.ranks, t.share_prompts)
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:

@@ -17,6 +17,9 @@ def is_eval(m: dict) -> bool:
     return any(k.startswith("eval/") for k in m)
 
 
+CLIPPED = "clip_ratio/region_mean"  # cispo logs its own, cispo_clip_ratio; sapo clips nothing
+
+
 def _f(m: dict, key: str, fmt: str) -> str:
     v = m.get(key)
     return "-" if v is None else format(v, fmt)
@@ -26,7 +29,7 @@ def format_step(m: dict, steps: int) -> str:
     """A step's line: what says a run is healthy (GRPO's loss is ~0 by design, so it is not
     shown): reward and its spread, KL, clipping, length, speed."""
     return (f"step {m['step']:>4}/{steps}  reward {_f(m, 'reward', '.3f')} ± {_f(m, 'reward_std', '.3f')}  "
-            f"kl {_f(m, 'kl', '.4f')}  clip {_f(m, 'clip_ratio/region_mean', '.3f')}  "
+            f"kl {_f(m, 'kl', '.4f')}  clip {_f(m, CLIPPED if CLIPPED in m else 'cispo_clip_ratio', '.3f')}  "
             f"len {_f(m, 'completions/mean_length', '.0f')}  "
             f"rollout {_f(m, 'rollout_tokens_per_s', '.0f')} tok/s  {_f(m, 'step_s', '.2f')} s/step")
 

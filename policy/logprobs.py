@@ -9,10 +9,13 @@ recomputed logprobs equal the actor's behavior logprobs (see README, "Logprobs")
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 
 def tempered(logits: mx.array, temperature: float) -> mx.array:
@@ -34,24 +37,132 @@ def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> mx
     return picked_logprobs(scaled, mx.logsumexp(scaled, axis=-1), tokens)
 
 
-def sequence_logprobs(model: nn.Module, tokens: mx.array, temperature: float) -> mx.array:
-    """Full forward over `tokens` [B, L]; returns [B, L-1], the logprob of tokens[:, 1:]."""
-    logits = model(tokens[:, :-1])
-    return token_logprobs(logits, tokens[:, 1:], temperature)
+@dataclass
+class Rows:
+    """What one forward computes logprobs for.
+
+    Whole rows: `tokens` [n, L] (prompt + completion, right-padded); the targets are
+    tokens[:, 1:]. Or each group's prompt once: every distinct prompt in `prompts` runs
+    once into a KV cache, each row reads the cache of its prompt (`owner`), and `tokens`
+    [n, C] are the completions alone, each its own target (the first one predicted from
+    the prompt's last position). Both give the same logprobs: causal attention makes a
+    row's positions depend only on what precedes them, which the cache holds."""
+
+    tokens: mx.array
+    prompts: list[mx.array] | None = None
+    owner: list[int] | None = None
+
+    @property
+    def targets(self) -> mx.array:
+        return self.tokens if self.prompts is not None else self.tokens[:, 1:]
+
+    def outputs(self, net: nn.Module, head: Callable[[mx.array], mx.array] | None = None) -> mx.array:
+        """`net`'s output at every position that predicts a target, [n, T, ...], then
+        `head`'s if given: `net` is an mlx-lm model (logits) or its body `model.model`
+        (hidden states, or logits through the model's `head`, which then never sees a
+        prompt's other positions). Differentiable: gradients reach the weights through
+        the prompts' keys and values."""
+        out = (lambda h: h) if head is None else head
+        if self.prompts is None:
+            return out(net(self.tokens[:, :-1]))
+        assert self.owner is not None  # given with the prompts
+        caches, lasts = [], []
+        for p in self.prompts:
+            cache = [_Grown() for _ in net.layers]
+            lasts.append(net(p[None], cache=cache)[:, -1:, :])
+            caches.append(cache)
+        first = mx.concatenate(lasts)[mx.array(self.owner)]
+        if self.tokens.shape[1] > 1:
+            layers = [_GrownBatch.of([c[i] for c in caches], self.owner) for i in range(len(net.layers))]
+            # Joined before the head: joining logits would make one more logits-sized copy.
+            first = mx.concatenate([first, net(self.tokens[:, :-1], cache=layers)], axis=1)
+        return out(first)
+
+    def logits(self, model: nn.Module, head: Callable[[mx.array], mx.array] | None = None) -> mx.array:
+        """The model's logits at every position that predicts a target; through its body
+        and `head` (output_head) when given, so a prompt's other positions get none."""
+        return self.outputs(model) if head is None else self.outputs(model.model, head)
 
 
-def sequence_logprobs_and_entropy(model: nn.Module, tokens: mx.array,
-                                  temperature: float) -> tuple[mx.array, mx.array]:
+class _Grown(KVCache):
+    """mlx-lm's KVCache grown by exactly what a forward adds: no 256-position buffer nor
+    the copies that fill it (a differentiated forward keeps what it holds for the backward).
+    Typed Any: mlx-lm declares its arrays as None until set."""
+
+    keys: Any
+    values: Any
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is not None:
+            keys = mx.concatenate([self.keys, keys], axis=2)
+            values = mx.concatenate([self.values, values], axis=2)
+        self.keys, self.values, self.offset = keys, values, keys.shape[2]
+        return keys, values
+
+
+class _GrownBatch(BatchKVCache):
+    """mlx-lm's BatchKVCache (rows left-padded to the longest prompt, masked and offset per
+    row), grown by exactly what a forward adds, as _Grown."""
+
+    keys: Any
+    values: Any
+
+    @classmethod
+    def of(cls, prompts: list[_Grown], owner: list[int]) -> _GrownBatch:
+        """Row i continues prompt owner[i]: its keys and values, left-padded with zeros."""
+        width = max(c.offset for c in prompts)
+        pad = [width - c.offset for c in prompts]
+        rows = mx.array(owner)
+
+        def padded(arrays: list[mx.array]) -> mx.array:
+            lefts = [mx.pad(a, [(0, 0), (0, 0), (n, 0), (0, 0)]) for a, n in zip(arrays, pad)]
+            return mx.concatenate(lefts)[rows]
+
+        cache = cls([pad[o] for o in owner])
+        cache.keys, cache.values = padded([c.keys for c in prompts]), padded([c.values for c in prompts])
+        cache.offset += width
+        cache._idx = width
+        return cache
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.concatenate([self.keys, keys], axis=2)
+        self.values = mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2]
+        self._idx += keys.shape[2]
+        return self.keys, self.values
+
+
+def shares_prompts(model: nn.Module) -> bool:
+    """Whether the model's caches are mlx-lm's plain KVCache, which Rows' prompts need
+    (rotating or quantized caches cannot be merged that way)."""
+    return all(type(c) is KVCache for c in make_prompt_cache(model))
+
+
+def rows_of(tokens: mx.array | Rows) -> Rows:
+    return tokens if isinstance(tokens, Rows) else Rows(tokens)
+
+
+def sequence_logprobs(model: nn.Module, tokens: mx.array | Rows, temperature: float,
+                      head: Callable[[mx.array], mx.array] | None = None) -> mx.array:
+    """Full forward over `tokens` [B, L] (or Rows); returns [B, L-1], the logprob of
+    tokens[:, 1:] (Rows: of its targets). `head`: see Rows.logits."""
+    rows = rows_of(tokens)
+    return token_logprobs(rows.logits(model, head), rows.targets, temperature)
+
+
+def sequence_logprobs_and_entropy(model: nn.Module, tokens: mx.array | Rows, temperature: float,
+                                  head: Callable[[mx.array], mx.array] | None = None
+                                  ) -> tuple[mx.array, mx.array]:
     """As sequence_logprobs (with the very same operations, so the two agree bit for bit),
     plus the entropy of each position's tempered distribution.
 
     Entropy as lse - sum(softmax * scaled): the same value as -sum(p * log p) with fewer
     vocabulary-sized temporaries (measured: 2 float32 copies of the logits at the peak of
     a pass that computes both, instead of 5)."""
-    logits = model(tokens[:, :-1])
-    scaled = tempered(logits, temperature)
+    rows = rows_of(tokens)
+    scaled = tempered(rows.logits(model, head), temperature)
     lse = mx.logsumexp(scaled, axis=-1)
-    picked = picked_logprobs(scaled, lse, tokens[:, 1:])
+    picked = picked_logprobs(scaled, lse, rows.targets)
     entropy = lse - (mx.exp(scaled - lse[..., None]) * scaled).sum(-1)
     return picked, entropy
 
@@ -123,16 +234,18 @@ def _chunk_terms(head: Callable[[mx.array], mx.array], targets: mx.array, temper
     return terms, side
 
 
-def chunked_sequence_terms(model: nn.Module, head: Callable[[mx.array], mx.array], tokens: mx.array,
+def chunked_sequence_terms(model: nn.Module, head: Callable[[mx.array], mx.array], tokens: mx.array | Rows,
                            temperature: float, chunk: int, entropy: bool = False, jacobian: bool = False
                            ) -> tuple[mx.array, mx.array | None, mx.array | None]:
-    """sequence_logprobs (and the entropy) of `tokens` [B, L] by chunks of positions, with
-    the jacobian into the model's last hidden states [B, L-1, H] if asked. Evaluated, not
-    differentiable: the learner differentiates through the jacobian (see chunked_terms)."""
-    hidden = model.model(tokens[:, :-1])
+    """sequence_logprobs (and the entropy) of `tokens` [B, L] (or Rows) by chunks of
+    positions, with the jacobian into the model's last hidden states [B, T, H] if asked.
+    Evaluated, not differentiable: the learner differentiates through the jacobian (see
+    chunked_terms)."""
+    forward = rows_of(tokens)
+    hidden = forward.outputs(model.model)
     mx.eval(hidden)
     rows, length, width = hidden.shape
-    logp, ent, jac = chunked_terms(hidden.reshape(rows * length, width), tokens[:, 1:].reshape(-1), head,
+    logp, ent, jac = chunked_terms(hidden.reshape(rows * length, width), forward.targets.reshape(-1), head,
                                    temperature, chunk, entropy, jacobian)
     return (logp.reshape(rows, length), None if ent is None else ent.reshape(rows, length),
             None if jac is None else jac.reshape(rows, length, width))

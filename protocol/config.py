@@ -34,7 +34,7 @@ MEMORY_SHARE_ENV = "MLXRL_MEMORY_LIMIT_MB"
 
 # The choices of [algorithm], named once: the learner's objectives (learner/algorithms.py)
 # and its correction (learner/step.py) take these types.
-AlgorithmName = Literal["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo"]
+AlgorithmName = Literal["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo", "cispo", "sapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 CorrectionMode = Literal["none", "truncate", "mask"]
 CorrectionLevel = Literal["token", "sequence"]
@@ -156,6 +156,12 @@ class TrainConfig:
     max_grad_norm: float = key(1.0, "gradient-norm clipping", _range(0, lo_open=True))
     micro_batch_size: int = key(0, "completions per forward/backward; gradients accumulate exactly over "
                                 "micro-batches; 0 = whole batch", _range(0))
+    sort_by_length: bool = key(True, "form micro-batches of rows of similar length, each padded only to "
+                               "its own longest row (and cut where padding would pass 10%); false: rows "
+                               "in order, padded to the batch's longest")
+    share_prompts: bool = key(True, "run each group's prompt once per micro-batch and its completions "
+                              "after it (a KV cache), instead of the prompt again in every row; not "
+                              "with `grad_checkpoint`")
     grad_checkpoint: bool = key(False, "recompute each block's activations in backward (less memory, "
                                 "more time)")
     fuse_old_logprobs: bool = key(True, "with `algorithm.num_iterations = 1`, take the old-policy logprobs "
@@ -174,13 +180,15 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    name: AlgorithmName = key("grpo", "`grpo`, `bnpo`, `dapo`, `dr_grpo`, `gspo` or `rloo` (see below)",
+    name: AlgorithmName = key("grpo", "`grpo`, `bnpo`, `dapo`, `dr_grpo`, `gspo`, `rloo`, `cispo` or `sapo` "
+                              "(see below)",
                     _one_of(*ALGORITHM_NAMES))
     beta: float = key(0.0, "KL penalty weight (k3 estimator against the adapters-off model); 0 skips "
                       "the reference pass", _range(0))
     epsilon: float | None = key(None, "lower clip range: 0.2, GSPO 3e-4",
                                 _range(0, 1, lo_open=True, hi_open=True), shown="objective's")
-    epsilon_high: float | None = key(None, "upper clip range: `epsilon`, DAPO 0.28, GSPO 4e-4",
+    epsilon_high: float | None = key(None, "upper clip range: `epsilon`, DAPO 0.28, GSPO 4e-4; CISPO's "
+                                           "cap on its weight, 5.0",
                                      _range(0, lo_open=True), shown="objective's")
     scale_rewards: ScaleRewards | None = key(None, "`group` (GRPO, BNPO, DAPO, GSPO), `batch`, or `none` "
                                     "(Dr. GRPO, RLOO)", _one_of(*get_args(ScaleRewards)),
@@ -192,6 +200,9 @@ class AlgorithmConfig:
     is_level: CorrectionLevel = key("token", "`token` or `sequence` importance weights",
                                     _one_of(*get_args(CorrectionLevel)))
     is_cap: float = key(2.0, "C: truncate at C, or mask outside [1/C, C]", _range(1, lo_open=True))
+    sapo_temperature_pos: float = key(1.0, "SAPO's gate temperature where the advantage is positive",
+                                      _range(0, lo_open=True))
+    sapo_temperature_neg: float = key(1.05, "SAPO's gate temperature elsewhere", _range(0, lo_open=True))
 
 
 # Quantized weights (actor.quantize_bits) carry a scale and a bias per group of this many.

@@ -33,6 +33,30 @@ PLAIN_WORKER = Path(__file__).parent / "workers" / "plain_worker.py"
 WORKER_CONFIG = "[reward]\ntimeout_s = 3.0\nmax_attempts = 10"
 
 
+def trainer_for(model, name: str = "grpo", *, beta: float = 0.0, correction=None, micro: int = 0,
+                fused: bool = False, logits=None, optimizer=None, temperature: float = 1.0,
+                max_grad_norm: float = 1.0, epsilon: float | None = None, max_tokens: int = 6,
+                sort_by_length: bool = True, share_prompts: bool = True, grad_checkpoint: bool = False):
+    """learner.step.Trainer with these settings, built from the config sections as the
+    learner builds it; `logits` (learner.step.Logits, whole by default) and the optimizer
+    (Adam at 1e-2 by default) set directly."""
+    import mlx.optimizers as optim
+
+    from learner.step import WHOLE, Correction, Trainer
+    from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig
+
+    c = correction or Correction()
+    algorithm = AlgorithmConfig(name=name, beta=beta, epsilon=epsilon, is_correction=c.mode, is_level=c.level,
+                                is_cap=c.cap)
+    train = TrainConfig(max_grad_norm=max_grad_norm, micro_batch_size=micro, fuse_old_logprobs=fused,
+                        logit_chunk_mb=0, sort_by_length=sort_by_length, share_prompts=share_prompts,
+                        grad_checkpoint=grad_checkpoint)
+    trainer = Trainer(model, algorithm, train, SamplingConfig(temperature=temperature, max_tokens=max_tokens),
+                      optimizer=optimizer or optim.Adam(learning_rate=1e-2))
+    trainer.logits = logits or WHOLE
+    return trainer
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` runs. A zombie (exited, not yet reaped by a parent such as a
     container's init) counts as dead."""

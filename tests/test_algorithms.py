@@ -28,6 +28,14 @@ def diagnostics(alg, logp, old, adv, mask):
     return {k: float(v.item()) for k, v in alg.loss_sum(x)[1].items()}
 
 
+def SIG(z):
+    return 1 / (1 + np.exp(-z))
+
+
+def DSIG(z):
+    return SIG(z) * (1 - SIG(z))
+
+
 # The toy batch: two completions. Row 0: A = +1, ratios 1.5 and 0.9. Row 1: A = -1,
 # ratio 0.5, its second position is padding.
 OLD = np.zeros((2, 2), np.float32)
@@ -47,6 +55,17 @@ ADV = np.array([1.0, -1.0], np.float32)
     # loss (-s0 + 0.8) / 2; d/dlogp_t of -s0 = -s0 / 2 per token, then / 2 rows.
     ("gspo", {"epsilon": 0.2}, (-np.sqrt(1.35) + 0.8) / 2,
      [[-np.sqrt(1.35) / 4, -np.sqrt(1.35) / 4], [0, 0]]),
+    # CISPO: -sg(min(r, eh)) * A * logp over the batch's 3 tokens; eh 5 caps nothing, the
+    # gradient is -w * A / 3 (the weight is detached).
+    ("cispo", {}, (-1.5 * np.log(1.5) - 0.9 * np.log(0.9) + 0.5 * np.log(0.5)) / 3,
+     [[-1.5 / 3, -0.9 / 3], [0.5 / 3, 0]]),
+    # eh 1.2 caps row 0's first weight at 1.2.
+    ("cispo", {"epsilon_high": 1.2}, (-1.2 * np.log(1.5) - 0.9 * np.log(0.9) + 0.5 * np.log(0.5)) / 3,
+     [[-1.2 / 3, -0.9 / 3], [0.5 / 3, 0]]),
+    # SAPO: -sigmoid(tau (r - 1)) 4 / tau * A, tau 1 (A > 0), 1.05 (A < 0); mean per row, then
+    # rows. Its slope in logp: -4 sigmoid'(tau (r - 1)) r A.
+    ("sapo", {}, ((-4 * SIG(0.5) - 4 * SIG(-0.1)) / 2 + 4 / 1.05 * SIG(-0.525)) / 2,
+     [[-4 * DSIG(0.5) * 1.5 / 4, -4 * DSIG(-0.1) * 0.9 / 4], [4 * DSIG(-0.525) * 0.5 / 2, 0]]),
 ])
 def test_toy_loss_and_gradient_by_hand(name, kwargs, loss, grad):
     alg = make_algorithm(name, **{"epsilon": None, **kwargs})
@@ -64,6 +83,16 @@ def test_clip_fractions_low_and_high_by_hand():
     # per completion: high-clipped 1/2 (row 0) and 0 (row 1); low-clipped 0 and 1
     assert d["clip_ratio/high_max"] == pytest.approx(1 / 2) and d["clip_ratio/low_min"] == 0.0
     assert d["ratio_max"] == pytest.approx(1.5) and d["ratio_min"] == pytest.approx(0.5)
+
+
+def test_cispo_clip_ratio_by_hand():
+    # TRL's cispo_clip_ratio: tokens with A > 0 whose ratio passed eh. At 1.2: row 0's 1.5.
+    capped = diagnostics(make_algorithm("cispo", epsilon_high=1.2), LOGP, OLD, ADV, MASK)
+    assert capped["cispo_clip_ratio"] == pytest.approx(1 / 3)
+    assert diagnostics(make_algorithm("cispo"), LOGP, OLD, ADV, MASK)["cispo_clip_ratio"] == 0.0
+    assert make_algorithm("cispo", epsilon=0.1).epsilon_high == 5.0  # ScaleRL's cap, as TRL recommends
+    sapo = make_algorithm("sapo", sapo_temperatures=(0.5, 2.0))
+    assert (sapo.temperature_pos, sapo.temperature_neg) == (0.5, 2.0)
 
 
 def test_sequence_level_clip_fractions_count_completions_as_trl_does():
@@ -146,20 +175,28 @@ def test_epsilon_defaults_and_overrides():
     assert make_algorithm("grpo", epsilon_high=0.5).epsilon_high == 0.5
 
 
-def numpy_loss(name, logp, old, ref, adv, mask, el, eh, beta, max_tokens, w):
-    """The objectives from their papers / TRL's docs, in float64 NumPy."""
+def numpy_loss(name, logp, old, ref, adv, mask, el, eh, beta, max_tokens, w, frozen=None):
+    """The objectives from their papers / TRL's docs, in float64 NumPy. `frozen`: the
+    logprobs CISPO's detached weight is taken at (default `logp`)."""
     lens = mask.sum(1, keepdims=True)
     if name == "gspo":
         r = np.exp(((logp - old) * mask).sum(1, keepdims=True) / lens) * np.ones_like(logp)
     else:
         r = np.exp(logp - old)
     a = adv[:, None]
-    per_token = -np.minimum(r * a, np.clip(r, 1 - el, 1 + eh) * a) * w
+    if name == "cispo":
+        weight = np.minimum(np.exp((logp if frozen is None else frozen) - old), eh)
+        per_token = -weight * a * logp * w
+    elif name == "sapo":
+        tau = np.where(a > 0, 1.0, 1.05)
+        per_token = -SIG(tau * (r - 1)) * 4 / tau * a * w
+    else:
+        per_token = -np.minimum(r * a, np.clip(r, 1 - el, 1 + eh) * a) * w
     if beta:
         per_token = per_token + beta * (np.exp(ref - logp) - (ref - logp) - 1)
-    if name in ("grpo", "rloo", "gspo"):
+    if name in ("grpo", "rloo", "gspo", "sapo"):
         return ((per_token * mask).sum(1) / lens[:, 0]).mean()
-    if name in ("bnpo", "dapo"):
+    if name in ("bnpo", "dapo", "cispo"):
         return (per_token * mask).sum() / mask.sum()
     return (per_token * mask).sum() / (len(logp) * max_tokens)  # dr_grpo
 
@@ -194,7 +231,7 @@ def test_matches_numpy_reference_on_ragged_batches(name, beta):
                                    is_weight=w.astype(np.float32))
         args = (old, ref, adv, mask, alg.epsilon_low, alg.epsilon_high, beta, t, w)
         assert loss == pytest.approx(numpy_loss(name, logp, *args), abs=1e-5)
-        ref_grad = numeric_grad(lambda lp, args=args: numpy_loss(name, lp, *args), logp)
+        ref_grad = numeric_grad(lambda lp, args=args, at=logp: numpy_loss(name, lp, *args, frozen=at), logp)
         np.testing.assert_allclose(grad, ref_grad, atol=1e-5)
 
 

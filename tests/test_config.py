@@ -246,7 +246,8 @@ def test_int_accepted_for_float(tmp_path):
     ("run", "port", "0", "must be >= 1"),
     ("run", "port", "70000", "must be <= 65535"),
     ("run", "transport", '"udp"', "must be one of 'ipc', 'tcp'"),
-    ("algorithm", "name", '"ppo"', "must be one of 'grpo', 'bnpo', 'dapo', 'dr_grpo', 'gspo', 'rloo'"),
+    ("algorithm", "name", '"ppo"',
+     "must be one of 'grpo', 'bnpo', 'dapo', 'dr_grpo', 'gspo', 'rloo', 'cispo', 'sapo'"),
 ])
 def test_out_of_range(tmp_path, section, key, literal, problem):
     msg = error_of(write_config(tmp_path, **{section: {key: literal}}))

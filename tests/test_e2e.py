@@ -146,13 +146,14 @@ def test_ctrl_c_stops_both_processes_and_keeps_the_adapters(tmp_path):
     assert state["step"] == read_metrics(run)[-1]["step"]
 
 
-OBJECTIVES = ["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo"]
+OBJECTIVES = ["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo", "cispo", "sapo"]
+CLIPPED = {"cispo": ["cispo_clip_ratio"], "sapo": []}  # the others: clip_ratio/low_mean, high_mean
 
 
 @pytest.fixture(scope="module")
 def objective_runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     """One run per objective, all started at once (small runs wait on each other's
-    processes often enough that six together take about 60% of six in a row), each to its
+    processes often enough that several together take about 60% of them in a row), each to its
     end before any test looks: (exit code, output, run directory) by name."""
     extra = ["--set", "algorithm.beta=0.04", "--set", "algorithm.num_iterations=2",
              "--set", "train.micro_batch_size=3", "--set", "algorithm.is_correction=truncate"]
@@ -180,7 +181,8 @@ def test_every_objective_trains_end_to_end(objective_runs, name):
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert [m["iteration"] for m in metrics] == [0, 1, 0]  # two optimizer steps per batch
     for m in metrics:
-        for key in ("loss", "surrogate_loss", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy",
+        clipped = CLIPPED.get(name, ["clip_ratio/low_mean", "clip_ratio/high_mean"])
+        for key in ("loss", "surrogate_loss", "kl", *clipped, "entropy", "learner/padding_ratio",
                     "advantage_mean", "advantage_std", "is_ratio_mean", "is_cut_frac",
                     "sampling/importance_sampling_ratio/mean", "completions/max_length",
                     "completions/clipped_ratio", "num_tokens", "learning_rate"):

@@ -22,7 +22,7 @@ import protocol
 from actor.episodes import EpisodeRunner, Renderer
 from learner.algorithms import LossInputs, make_algorithm
 from learner.groups import group_from_message
-from learner.step import Correction, Sample, make_batch, prepare
+from learner.step import Sample, make_batch
 from policy.data import Prompt
 from policy.model import load_policy
 from protocol.config import EnvConfig, LoraConfig, SamplingConfig
@@ -39,6 +39,7 @@ from tests.helpers import (
     raw_worker,
     read_metrics,
     run_up,
+    trainer_for,
     wait_for,
     wait_for_step,
     write_config,
@@ -146,8 +147,11 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
         turn_ends = [e.ids[i - 1] in eos for i in range(1, len(e.mask)) if e.mask[i - 1] and not e.mask[i]]
         assert env_runs == ["<|assistant|>"] + [("" if ended else "<|end|>") + obs for ended in turn_ends]
 
-    prepared = prepare(model, batch, sampling.temperature, 0.0, Correction(), fused=False)
-    old, behavior = np.array(prepared.old), np.array(batch.behavior)
+    # One micro-batch: the whole batch padded to its longest row, in the rows' order.
+    (micro,) = trainer_for(model, temperature=sampling.temperature, sort_by_length=False,
+                           share_prompts=False).prepare(batch).micro
+    assert micro.old is not None and micro.is_weight is not None
+    old, behavior = np.array(micro.old), np.array(batch.behavior)
     assert int(mask.sum()) == sum(len(a) for a in actions.values())
     assert np.abs((old - behavior)[mask == 1]).max() < 1e-5
     assert (behavior[mask == 0] == 0).all()
@@ -155,10 +159,10 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
     # Zero loss weight: the loss's gradient in the logprobs vanishes on environment tokens.
     algorithm = make_algorithm("grpo", max_tokens=sampling.max_tokens)
     adv = mx.array(np.linspace(-1, 1, len(samples)).astype(np.float32))
-    logp = prepared.old + 0.01  # off the old policy, so the clipped objective has a slope
+    logp = micro.old + 0.01  # off the old policy, so the clipped objective has a slope
 
     def loss(lp):
-        return algorithm.loss_sum(LossInputs(lp, prepared.old, None, adv, batch.mask, prepared.is_weight))[0]
+        return algorithm.loss_sum(LossInputs(lp, micro.old, None, adv, batch.mask, micro.is_weight))[0]
 
     grad = np.array(mx.grad(loss)(logp))
     assert (grad[mask == 0] == 0).all() and np.abs(grad[mask == 1]).min() > 0

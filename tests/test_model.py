@@ -3,13 +3,12 @@
 import json
 
 import mlx.core as mx
-import mlx.optimizers as optim
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
 from learner.algorithms import GRPO
-from learner.step import Correction, Sample, make_batch, optimizer_step, prepare
+from learner.step import Sample, make_batch
 from policy.logprobs import sequence_logprobs
 from policy.model import (
     adapter_weights,
@@ -21,7 +20,7 @@ from policy.model import (
 )
 from policy.tiny import build_tiny_model
 from protocol.config import QUANT_GROUP, LoraConfig
-from tests.helpers import TINY_MODEL
+from tests.helpers import TINY_MODEL, trainer_for
 
 LORA = LoraConfig(rank=4, scale=10.0)
 
@@ -113,8 +112,8 @@ def test_an_optimizer_step_moves_only_the_adapters():
                for i in range(4)]
     batch = make_batch(samples, 0)
     adv = GRPO().advantages(np.array([[1.0, 0.0, 0.0, 1.0]]))
-    prepared = prepare(model, batch, 1.0, 0.0, Correction())
-    stats = optimizer_step(model, optim.Adam(learning_rate=1e-2), GRPO(), batch, prepared, adv, 1.0, 1.0)
+    trainer = trainer_for(model)
+    stats = trainer.step(trainer.prepare(batch), adv)
     assert np.isfinite(stats["loss"]) and stats["grad_norm"] > 0
     lora_after = adapter_weights_numpy(model)
     assert any(not np.array_equal(lora_before[k], lora_after[k]) for k in lora_before)
@@ -167,9 +166,8 @@ def test_qlora_trains_on_a_model_saved_quantized(tmp_path):
                for _ in range(4)]
     batch = make_batch(samples, 0)
     model.train()
-    prepared = prepare(model, batch, 1.0, 0.04, Correction())
-    optimizer_step(model, optim.Adam(learning_rate=1e-2), GRPO(beta=0.04), batch, prepared,
-                   np.array([1.0, -1.0, 0.5, -0.5]), 1.0, 1.0)
+    trainer = trainer_for(model, beta=0.04)
+    trainer.step(trainer.prepare(batch), np.array([1.0, -1.0, 0.5, -0.5]))
     assert max(np.abs(v - start[k]).max() for k, v in adapter_weights_numpy(model).items()) > 1e-4
 
 

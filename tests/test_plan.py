@@ -11,8 +11,7 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from learner.algorithms import make_algorithm
-from learner.step import WHOLE, Correction, Logits, Sample, make_batch, optimizer_step, prepare
+from learner.step import WHOLE, Logits, Sample, make_batch
 from orchestrator.plan import (
     MB,
     Shape,
@@ -25,7 +24,7 @@ from orchestrator.plan import (
 from policy.logprobs import output_head
 from policy.model import load_policy
 from protocol.config import LoraConfig
-from tests.helpers import EXAMPLES, ROOT, TINY_MODEL, read_metrics
+from tests.helpers import EXAMPLES, ROOT, TINY_MODEL, read_metrics, trainer_for
 
 
 def shape(**kw) -> Shape:
@@ -106,16 +105,16 @@ def measured_learner_peak(model_path: str, rows: int, prompt: int, completion: i
         grad_checkpoint(model.layers[0])  # patches the class
     try:
         rng = np.random.default_rng(0)
-        samples = [Sample(rng.integers(5, 50, prompt), rng.integers(5, 50, completion),
-                          np.full(completion, -4.0), "length") for _ in range(rows)]
+        shared = rng.integers(5, 50, prompt)  # one group, as the planned shape has it
+        samples = [Sample(shared, rng.integers(5, 50, completion), np.full(completion, -4.0), "length")
+                   for _ in range(rows)]
         batch = make_batch(samples, 0)
         mx.eval(batch.tokens, batch.mask, batch.behavior)
         mx.clear_cache()
         mx.reset_peak_memory()
-        alg = make_algorithm("grpo")
-        prepared = prepare(model, batch, temperature, 0.0, Correction(), fused=fused, logits=logits)
-        optimizer_step(model, optim.Adam(learning_rate=1e-4), alg, batch, prepared,
-                       rng.normal(size=rows), temperature, 1.0, logits=logits)
+        trainer = trainer_for(model, temperature=temperature, fused=fused, logits=logits,
+                              optimizer=optim.Adam(learning_rate=1e-4), grad_checkpoint=checkpoint)
+        trainer.step(trainer.prepare(batch), rng.normal(size=rows))
         return mx.get_peak_memory()
     finally:
         block.__call__ = original  # other tests use the same class
@@ -266,7 +265,8 @@ def test_at_a_151936_vocabulary_the_learner_s_peak_follows_the_logit_chunk(qwen_
     what the plan says (within 15%)."""
     rows, prompt, completion = 4, 16, 48
     m = read_shape(qwen_vocab_model)
-    whole_copy = rows * (prompt + completion) * m.vocab * 4
+    # One copy of the logits a step forms: the completions' and the shared prompt's last position.
+    whole_copy = (rows * completion + 1) * m.vocab * 4
     weights = sum(learner_terms(m, shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion,
                                          logit_chunk_mb=chunk_mb(1, m.vocab))).values())  # all but logits
     peaks = {}

@@ -30,6 +30,8 @@ def test_the_lines_say_what_tells_a_run_is_healthy():
     assert health(STEP) == ("reward 0.612  5321 tok/s  staleness 0.5  learner 310/4000 MB  "
                             "actor 201/3000 MB")
     assert health({"step": 1}) == "reward -  - tok/s  staleness -"
+    cispo = {**{k: v for k, v in STEP.items() if k != "clip_ratio/region_mean"}, "cispo_clip_ratio": 0.25}
+    assert "clip 0.250" in format_step(cispo, 200)  # CISPO's own: the tokens whose weight was capped
     line = format_eval({"step": 25, "eval/pass@1": 0.4612, "eval/pass@4": 0.835, "eval/reward_mean": 0.5,
                         "eval/prompts": 200, "eval/runtime_s": 4.51})
     assert line == "eval at step 25: pass@1 0.461  pass@4 0.835  reward 0.500  (200 prompts, 4.5 s)"

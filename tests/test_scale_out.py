@@ -183,7 +183,7 @@ def test_up_runs_two_learner_ranks_and_restarts_them_together(tmp_path):
     ring backend's environment, a port each); SIGKILL rank 1 mid-run: both ranks start
     again from the newest checkpoint, and the run ends with every step once and nothing
     lost."""
-    steps = 6
+    steps = 12  # the kill at step 2 lands mid-run however fast the steps are
     cfg = write_config(tmp_path, "[learner]\nranks = 2\n[train]\ncheckpoint_every = 2\n"
                                  "[run]\nhang_timeout_s = 60.0", steps=steps)
     proc = orchestrator("up", "--config", str(cfg))

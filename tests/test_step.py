@@ -6,7 +6,7 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from learner.algorithms import ALGORITHMS, make_algorithm
+from learner.algorithms import ALGORITHMS
 from learner.step import (
     WHOLE,
     Correction,
@@ -16,14 +16,12 @@ from learner.step import (
     correction_weights,
     logits_plan,
     make_batch,
-    optimizer_step,
-    prepare,
 )
 from policy.logprobs import output_head
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
 from policy.sampler import sample_groups
 from protocol.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
-from tests.helpers import TINY_MODEL
+from tests.helpers import TINY_MODEL, trainer_for
 
 LORA = LoraConfig(rank=4, scale=10.0)
 
@@ -41,12 +39,22 @@ def perturbed(weights, seed, sd=0.3):
     return {k: v + rng.normal(0, sd, v.shape).astype(np.float32) for k, v in weights.items()}
 
 
-def sampled_batch(model, tok, groups=2, g=4, temperature=1.0, seed=0):
-    prompts = [tok.encode(f"repeat {i}") for i in range(groups)]
-    sampled = sample_groups(model, prompts, g, SamplingConfig(temperature=temperature, max_tokens=6),
+# Ragged completions: each row's first n sampled tokens (a prefix keeps its behavior logprobs).
+CUTS = [12, 3, 7, 1, 12, 5, 9, 2]
+
+
+def sampled_batch(model, tok, groups=2, g=4, temperature=1.0, seed=0, episodes=False):
+    """8 sampled completions of CUTS lengths; `episodes`: with loss masks that leave out
+    every third token, as an episode's environment tokens."""
+    prompts = [tok.encode("repeat " + "12345"[:2 * i + 1]) for i in range(groups)]  # of other lengths
+    sampled = sample_groups(model, prompts, g, SamplingConfig(temperature=temperature, max_tokens=12),
                             set(tok.eos_token_ids), seed=seed)
-    samples = [Sample(np.array(p), np.array(c.token_ids), np.array(c.logprobs), c.finish_reason)
-               for p, group in zip(prompts, sampled) for c in group]
+    samples = []
+    for i, (p, c) in enumerate((p, c) for p, group in zip(prompts, sampled) for c in group):
+        n = min(CUTS[i], len(c.token_ids))
+        mask = (np.arange(n) % 3 != 1).astype(np.float32) if episodes else None
+        samples.append(Sample(np.array(p), np.array(c.token_ids[:n]), np.array(c.logprobs[:n]),
+                              c.finish_reason, mask))
     return make_batch(samples, 0)
 
 
@@ -57,12 +65,13 @@ REWARDS = np.array([[1.0, 0.0, 0.5, 0.0], [0.0, 0.2, 1.0, 1.0]])
 def test_first_iteration_ratio_is_exactly_one_and_later_ones_are_not():
     model, tok = model_with()
     batch = sampled_batch(model, tok)
-    alg = make_algorithm("grpo")
-    prepared = prepare(model, batch, 1.0, 0.0, Correction())
-    opt = optim.Adam(learning_rate=1e-2)
-    first = optimizer_step(model, opt, alg, batch, prepared, alg.advantages(REWARDS), 1.0, 1.0)
+    trainer = trainer_for(model)
+    prepared = trainer.prepare(batch)
+    assert len(prepared.micro) > 1  # ragged: micro-batches by length, each with its own shape
+    advantages = trainer.algorithm.advantages(REWARDS)
+    first = trainer.step(prepared, advantages)
     assert first["ratio_min"] == 1.0 and first["ratio_max"] == 1.0 and first["clip_ratio/region_mean"] == 0.0
-    second = optimizer_step(model, opt, alg, batch, prepared, alg.advantages(REWARDS), 1.0, 1.0)
+    second = trainer.step(prepared, advantages)
     # old-policy logprobs stay frozen: after an update the ratio moves away from 1
     assert second["ratio_max"] > 1.0 or second["ratio_min"] < 1.0
 
@@ -77,14 +86,14 @@ def test_micro_batched_accumulation_is_exact(name):
     results = []
     for micro in (0, 3):
         m, _ = model_with(start)
-        alg = make_algorithm(name, beta=0.04, max_tokens=6)
-        prepared = prepare(m, batch, 1.0, 0.04, Correction(), micro_batch_size=micro)
-        stats = optimizer_step(m, optim.SGD(learning_rate=1.0), alg, batch, prepared,
-                               alg.advantages(REWARDS), 1.0, 1e9, micro_batch_size=micro)
+        trainer = trainer_for(m, name, beta=0.04, micro=micro, optimizer=optim.SGD(learning_rate=1.0),
+                              max_grad_norm=1e9, sort_by_length=False)
+        stats = trainer.step(trainer.prepare(batch), trainer.algorithm.advantages(REWARDS))
         delta = {k: v - start[k] for k, v in adapter_weights_numpy(m).items()}
         results.append((stats, delta))
     (full, d_full), (acc, d_acc) = results
-    assert acc["loss"] == pytest.approx(full["loss"], rel=1e-6, abs=1e-7)
+    # CISPO's loss sums -w * A * logp: large terms that cancel, so float32 rounding shows at 1e-6.
+    assert acc["loss"] == pytest.approx(full["loss"], rel=1e-5, abs=1e-7)
     assert acc["kl"] == pytest.approx(full["kl"], rel=1e-6, abs=1e-7)
     assert max(np.abs(d).max() for d in d_full.values()) > 1e-4  # the step did something
     assert acc["ratio_min"] == 1.0 == acc["ratio_max"]  # same micro-batches in both passes
@@ -119,31 +128,29 @@ def test_a_stale_actor_is_corrected(mode, level):
     """The actor samples with old weights W0 while the learner already holds W1."""
     model, tok = model_with()
     batch = sampled_batch(model, tok, temperature=0.7)  # behavior logprobs under W0
-    alg = make_algorithm("grpo")
-    opt = optim.Adam(learning_rate=1e-4)
+    trainer = trainer_for(model, temperature=0.7, optimizer=optim.Adam(learning_rate=1e-4))
     for _ in range(3):  # the learner moves on by three steps; the actor's batch is now stale
-        fresh_old = prepare(model, batch, 0.7, 0.0, Correction())
-        optimizer_step(model, opt, alg, batch, fresh_old, alg.advantages(REWARDS), 0.7, 1.0)
-    off = prepare(model, batch, 0.7, 0.0, Correction())
+        trainer.step(trainer.prepare(batch), trainer.algorithm.advantages(REWARDS))
+    off = trainer.prepare(batch)
     assert off.stats["mismatch_kl"] > 1e-3 and off.stats["is_cut_frac"] == 0.0  # gap shown, not cut
-    on = prepare(model, batch, 0.7, 0.0, Correction(mode, level, CAP))
+    corrected = trainer_for(model, temperature=0.7, correction=Correction(mode, level, CAP))
+    on = corrected.prepare(batch)
     assert on.stats["is_cut_frac"] > 0
-    w = np.array(on.is_weight)[np.array(batch.mask) > 0]
+    w = np.concatenate([np.array(m.is_weight)[np.array(m.mask) > 0] for m in on.micro])
     if mode == "truncate":
         assert w.max() <= CAP + 1e-6
     else:
         assert 0 < (w == 0).sum() < w.size or level == "sequence"
         kept = w[w > 0]
         assert kept.size == 0 or (kept.min() >= 1 / CAP - 1e-6 and kept.max() <= CAP + 1e-6)
-    stats = optimizer_step(model, optim.Adam(learning_rate=1e-2), alg, batch, on,
-                           alg.advantages(REWARDS), 0.7, 1.0)
+    stats = corrected.step(on, corrected.algorithm.advantages(REWARDS))
     assert np.isfinite(stats["loss"]) and np.isfinite(stats["grad_norm"])
 
 
 def test_entropy_matches_a_numpy_computation():
     model, tok = model_with()
     batch = sampled_batch(model, tok, temperature=0.7)
-    entropy = prepare(model, batch, 0.7, 0.0, Correction()).stats["entropy"]
+    entropy = trainer_for(model, temperature=0.7).prepare(batch).stats["entropy"]
     logits = np.array(model(batch.tokens[:, :-1]), dtype=np.float64) / 0.7
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     per_position = -(np.exp(logp) * logp).sum(-1)
@@ -170,17 +177,16 @@ def test_trainer_runs_the_step_with_the_run_settings():
     assert not Trainer(model, algorithm, TrainConfig(fuse_old_logprobs=False), sampling).fused
     assert not Trainer(model, AlgorithmConfig(num_iterations=2), train, sampling).fused
     advantages = trainer.algorithm.advantages(REWARDS)
-    ours = trainer.step(batch, trainer.prepare(batch), advantages)
+    ours = trainer.step(trainer.prepare(batch), advantages)
 
     by_hand, _ = model_with(start)
-    alg = make_algorithm("dapo", epsilon=0.1, beta=0.04, max_tokens=6)
     assert trainer.logits.head is not None  # train.logit_chunk_mb: 64 MB of logits of 57 tokens each
     assert trainer.logits.chunk == 64 * 2**20 // (4 * 57)
     logits = Logits(output_head(by_hand), trainer.logits.chunk)  # one chunk holds the batch: whole
-    prepared = prepare(by_hand, batch, 0.7, 0.04, Correction("truncate", "token", CAP), 3, fused=True,
-                       logits=logits)
-    theirs = optimizer_step(by_hand, optim.Adam(learning_rate=1e-2), alg, batch, prepared, advantages,
-                            0.7, 0.5, 3, logits)
+    again = trainer_for(by_hand, "dapo", epsilon=0.1, beta=0.04, micro=3, fused=True,
+                        correction=Correction("truncate", "token", CAP), logits=logits, temperature=0.7,
+                        max_grad_norm=0.5)
+    theirs = again.step(again.prepare(batch), advantages)
     assert ours == theirs
     moved = adapter_weights_numpy(model)
     for k, v in adapter_weights_numpy(by_hand).items():
@@ -202,13 +208,14 @@ def test_fused_old_logprobs_give_the_same_update(name, mode, level, beta, micro)
     results = []
     for fused in (False, True):
         m, _ = model_with(start)
-        alg = make_algorithm(name, beta=beta, max_tokens=6, epsilon=0.1 if name == "gspo" else None)
-        prepared = prepare(m, batch, 0.7, beta, correction, micro, fused=fused)
-        stats = optimizer_step(m, optim.SGD(learning_rate=1.0), alg, batch, prepared,
-                               alg.advantages(REWARDS), 0.7, 1e9, micro)
+        trainer = trainer_for(m, name, beta=beta, correction=correction, micro=micro, fused=fused,
+                              optimizer=optim.SGD(learning_rate=1.0), temperature=0.7, max_grad_norm=1e9,
+                              epsilon=0.1 if name == "gspo" else None)
+        prepared = trainer.prepare(batch)
+        stats = trainer.step(prepared, trainer.algorithm.advantages(REWARDS))
         results.append(({**prepared.stats, **stats}, adapter_weights_numpy(m)))
     (sep, w_sep), (fus, w_fus) = results
-    assert sep["mismatch_kl"] > 1e-4 and sep["is_ratio_min"] < 1.0 < sep["is_ratio_max"]
+    assert sep["mismatch_kl"] > 1e-4 and abs(sep["is_ratio_mean"] - 1.0) > 1e-3  # the weights act
     assert_same_update([sep], w_sep, [fus], w_fus, start, 1e-5)
 
 
@@ -243,12 +250,13 @@ def test_chunked_logits_give_the_same_updates(name, mode, level, beta, micro, fu
         m, _ = model_with(start)
         logits = Logits(output_head(m), chunk) if chunked else WHOLE
         assert logits.head is not None or not chunked
-        alg = make_algorithm(name, beta=beta, max_tokens=6, epsilon=0.1 if name == "gspo" else None)
-        opt = optim.SGD(learning_rate=1.0)  # the update is the gradient, not Adam's sign of it
-        prepared = prepare(m, batch, 0.7, beta, correction, micro, fused=fused, logits=logits)
-        advantages = alg.advantages(REWARDS)
-        steps = [optimizer_step(m, opt, alg, batch, prepared, advantages, 0.7, 1e9, micro, logits)
-                 for _ in range(1 if fused else 2)]
+        trainer = trainer_for(m, name, beta=beta, correction=correction, micro=micro, fused=fused,
+                              logits=logits, temperature=0.7, max_grad_norm=1e9,
+                              optimizer=optim.SGD(learning_rate=1.0),  # the update is the gradient
+                              epsilon=0.1 if name == "gspo" else None)
+        prepared = trainer.prepare(batch)
+        advantages = trainer.algorithm.advantages(REWARDS)
+        steps = [trainer.step(prepared, advantages) for _ in range(1 if fused else 2)]
         results.append(([{**prepared.stats, **st} for st in steps], adapter_weights_numpy(m)))
     (whole, w_whole), (chunked, w_chunked) = results
     assert_same_update(whole, w_whole, chunked, w_chunked, start, 1e-4)
@@ -259,8 +267,8 @@ def test_logits_are_formed_whole_where_chunks_would_be_wrong():
     chunked path: the trainer falls back to the whole logits rather than a wrong gradient."""
     model, _ = model_with()
     assert logits_plan(model, 64).head is not None and logits_plan(model, 0) is WHOLE
-    assert Logits(output_head(model), 40).chunked(mx.zeros((2, 30))) and not Logits(None, 40).chunked(
-        mx.zeros((2, 30))) and not Logits(output_head(model), 58).chunked(mx.zeros((2, 30)))
+    assert Logits(output_head(model), 40).chunked(58) and not Logits(None, 40).chunked(58)
+    assert not Logits(output_head(model), 58).chunked(58)
     mx.random.seed(0)
     trained_head, _ = model_with()
     trained_head.model.embed_tokens.unfreeze()  # tied: the output layer is the embedding
@@ -270,3 +278,97 @@ def test_logits_are_formed_whole_where_chunks_would_be_wrong():
     assert logits_plan(dropout, 64) is WHOLE
     dropout.eval()
     assert logits_plan(dropout, 64).head is not None
+
+
+def test_micro_batch_rows_by_length_by_hand():
+    """Longest first; a micro-batch is cut where the next row would pad it beyond 10% of
+    its real positions, or at the row limit."""
+    from learner.step import micro_batch_rows
+
+    positions = np.array([10, 2, 9, 1, 10, 30])
+    # 30 alone (with 10: 2 * 30 = 60 > 1.1 * 40); 10, 10, 9: 3 * 10 = 30 <= 1.1 * 29 = 31.9;
+    # 2 with them: 4 * 10 = 40 > 1.1 * 31; then 2, 1: 2 * 2 = 4 > 1.1 * 3: apart.
+    assert [r.tolist() for r in micro_batch_rows(positions, 0)] == [[5], [0, 2, 4], [1], [3]]
+    assert [r.tolist() for r in micro_batch_rows(positions, 2)] == [[5], [0, 4], [2], [1], [3]]
+    assert [r.tolist() for r in micro_batch_rows(positions, 4, by_length=False)] == [[0, 1, 2, 3], [4, 5]]
+    assert [r.tolist() for r in micro_batch_rows(np.full(5, 7), 0)] == [[0, 1, 2, 3, 4]]
+
+
+MODES = {"padded": dict(sort_by_length=False, share_prompts=False),
+         "by length": dict(sort_by_length=True, share_prompts=False),
+         "shared prompts": dict(sort_by_length=True, share_prompts=True),
+         "shared prompts, rows in order": dict(sort_by_length=False, share_prompts=True)}
+
+
+@pytest.mark.parametrize("name,mode,level,beta,fused,micro", [
+    ("grpo", "none", "token", 0.0, True, 0), ("dapo", "truncate", "token", 0.04, False, 3),
+    ("gspo", "truncate", "sequence", 0.04, False, 0), ("dr_grpo", "mask", "token", 0.04, True, 2),
+    ("cispo", "none", "token", 0.04, False, 0), ("sapo", "truncate", "token", 0.0, False, 3),
+])
+def test_micro_batches_by_length_and_shared_prompts_give_the_padded_update(name, mode, level, beta, fused,
+                                                                            micro):
+    """Rows of similar length in micro-batches padded only to their own longest, and each
+    group's prompt run once with its completions after it (a KV cache): the same metrics
+    and adapters as the whole batch padded to its longest row, over two steps (the second
+    off-policy), with episodes' loss masks and prompts of different lengths. The first
+    step's ratio is exactly 1 in every mode."""
+    model, tok = model_with()
+    start = perturbed(adapter_weights_numpy(model), 3, 0.01)
+    batch = sampled_batch(model, tok, temperature=0.7, episodes=True)
+    assert len(set(batch.prompt_lengths.tolist())) == 2
+    results = {}
+    for label, settings in MODES.items():
+        m, _ = model_with(start)
+        trainer = trainer_for(m, name, beta=beta, correction=Correction(mode, level, CAP), fused=fused,
+                              optimizer=optim.SGD(learning_rate=0.1), temperature=0.7, max_grad_norm=1e9,
+                              epsilon=0.1 if name == "gspo" else None, max_tokens=12,
+                              micro=0 if label == "padded" else micro, **settings)
+        prepared = trainer.prepare(batch)
+        advantages = trainer.algorithm.advantages(REWARDS)
+        steps = [trainer.step(prepared, advantages) for _ in range(1 if fused else 2)]
+        assert steps[0]["ratio_min"] == 1.0 == steps[0]["ratio_max"], label
+        stats = [{**prepared.stats, **st} for st in steps]
+        results[label] = (stats, adapter_weights_numpy(m), prepared, stats[0].pop("learner/padding_ratio"))
+        for st in stats[1:]:
+            st.pop("learner/padding_ratio", None)
+    padded, w_padded, p_padded, ratio_padded = results["padded"]
+    # The padding ratio by hand: computed positions over real ones (a row of n tokens: n - 1).
+    real = sum(int(n) - 1 for n in batch.lengths)
+    assert len(p_padded.micro) == 1 and ratio_padded == pytest.approx(8 * (batch.lengths.max() - 1) / real)
+    assert ratio_padded > 1.4
+    _, _, by_length, ratio = results["by length"]
+    assert len(by_length.micro) > 2 and 1.0 <= ratio <= 1.1
+    assert ratio == pytest.approx(sum(len(m.index) * (m.mask.shape[1]) for m in by_length.micro) / real)
+    # Shared: each micro-batch runs its distinct prompts once, then n x (C - 1) positions.
+    _, _, shared, ratio = results["shared prompts"]
+    prompts = {int(p) for p in batch.prompt_lengths}
+    computed = sum(sum(len(p) for p in m.rows.prompts) + len(m.index) * (m.mask.shape[1] - 1)
+                   for m in shared.micro)
+    assert ratio == pytest.approx(computed / real) and len(prompts) == 2
+    assert ratio < 1.0 or micro > 0  # a row limit may cut a group's rows apart: its prompt runs again
+    for label in MODES:
+        stats, weights, _, _ = results[label]
+        assert_same_update(padded, w_padded, stats, weights, start, 1e-5)
+
+
+def test_gspo_clip_fractions_are_merged_per_completion():
+    """GSPO clips whole completions: clip_ratio/* are fractions of completions (TRL), so
+    micro-batches of different token counts merge them by completions, and any cut of the
+    batch gives the whole batch's fractions."""
+    model, tok = model_with()
+    start = perturbed(adapter_weights_numpy(model), 4, 0.01)
+    batch = sampled_batch(model, tok, temperature=0.7)
+    seen = []
+    for micro, by_length in ((0, False), (3, False), (0, True), (2, True)):
+        m, _ = model_with(start)
+        trainer = trainer_for(m, "gspo", micro=micro, sort_by_length=by_length, temperature=0.7,
+                              optimizer=optim.SGD(learning_rate=1.0), max_grad_norm=1e9)
+        prepared = trainer.prepare(batch)
+        advantages = trainer.algorithm.advantages(REWARDS)
+        trainer.step(prepared, advantages)
+        second = trainer.step(prepared, advantages)  # off the old policy: completions are clipped
+        seen.append({k: v for k, v in second.items() if k.startswith("clip_ratio/")})
+    assert 0 < seen[0]["clip_ratio/region_mean"] < 1
+    for other in seen[1:]:
+        for key, value in seen[0].items():
+            assert other[key] == pytest.approx(value, abs=1e-6), key
