@@ -35,6 +35,16 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def write_results(results_dir: Path, stem: str, out: dict, report: str) -> None:
+    """Print the report, and keep it with every number: `stem`.md and `stem`.json."""
+    import json
+
+    print(report)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
+    (results_dir / f"{stem}.md").write_text(report)
+
+
 def tiny_config() -> Config:
     """examples/tiny.toml, validated exactly as `orchestrator up` reads it, so the
     benchmark follows the default shape if the file changes."""

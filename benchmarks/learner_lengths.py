@@ -21,7 +21,6 @@ the first repeat a warm-up. It prints medians (min-max), the speed against padde
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, log
+from benchmarks.common import ROOT, log, write_results
 from benchmarks.real_shape import LOGIT_SCALE, build_model, parameters
 
 SMALL_SHAPE = dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1536, num_attention_heads=8,
@@ -150,12 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         out["runs"][workload] = {"lengths": lengths.tolist(), "prompt_tokens": prompt_tokens, **runs}
         report += [f"\n### {workload}: {what}\n\n", table(runs)]
     out["wall_s"] = time.time() - started
-    text = "".join(report)
-    print(text)
-    a.results_dir.mkdir(parents=True, exist_ok=True)
     stem = "learner_lengths_quick" if a.quick else "learner_lengths"
-    (a.results_dir / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
-    (a.results_dir / f"{stem}.md").write_text(text)
+    write_results(a.results_dir, stem, out, "".join(report))
     return 0
 
 

@@ -3,7 +3,10 @@
 Run as its own process (`python -m benchmarks.mlxrl_driver ARGS_JSON`) so its peak memory
 is its own. It follows `mlxrl train`'s loop (mlxrl 0.2.4, `cli._phase1_gsm8k`): sample G
 completions of one prompt, score them, compute old-policy and reference logprobs
-(`batch_from_rollouts`), one optimizer step. It prints one JSON line per step.
+(`batch_from_rollouts`), one optimizer step. It prints one JSON line per step. The
+rollout is its best path (`best`: `generate_prefix_cached_group_rollouts` with
+`compile_decode_step=True`, behind mlxrl's published figures) or `naive`, what `mlxrl
+train` runs.
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ def main(args: dict) -> None:
     sampling = SamplingConfig(max_tokens=args["max_tokens"], temperature=args["temperature"],
                               top_p=args["top_p"])
     algorithm = GRPOAlgorithm()
-    prefix = args["rollout"] == "prefix"
-    generate = generate_prefix_cached_group_rollouts if prefix else generate_group_rollouts
+    if args["rollout"] == "best":  # its prefix-cached rollout with the compiled decode step
+        def generate(**kw):
+            return generate_prefix_cached_group_rollouts(**kw, compile_decode_step=True)
+    else:
+        generate = generate_group_rollouts  # what `mlxrl train` runs
     for step in range(args["steps"]):
         row = rows[step % len(rows)]
         t0 = time.perf_counter()

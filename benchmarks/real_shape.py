@@ -12,7 +12,9 @@ here (every sampled token still goes through the output projection and the sampl
 
 Each repeat runs, one after the other (interleaved, so drift on a shared machine spreads
 over all of them): mlxrl 0.2.4 (`pip install -e '.[bench]'`; skipped when absent) through
-its own training loop (benchmarks/mlxrl_driver.py), then this project with
+its own training loop (benchmarks/mlxrl_driver.py) on its best path (the prefix-cached
+rollout with the compiled decode step: the baseline of every ratio) and on the naive
+rollout `mlxrl train` runs (a second, labelled row), then this project with
 `max_staleness = 0` (synchronous) and 1 (overlapped), all on the same model, prompts,
 reward and settings: one prompt a step, G completions, temperature 0.7, top-p 0.95,
 beta 0.04, LoRA rank 8. The first step of every run is a warm-up and is left out. It
@@ -32,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import EXAMPLES, PROMPTS, ROOT, log
+from benchmarks.common import EXAMPLES, PROMPTS, ROOT, log, write_results
 from benchmarks.end_to_end import watch_up
 from protocol.config import QUANT_GROUP
 from protocol.lifecycle import child_env
@@ -140,11 +142,11 @@ def planned(toml: Path) -> dict:
     return {"actor": sum(plan.actor.values()) / MB, "learner": sum(plan.learner.values()) / MB}
 
 
-def run_mlxrl(model: Path, work: Path, tag: str, a: argparse.Namespace) -> dict:
+def run_mlxrl(model: Path, work: Path, tag: str, a: argparse.Namespace, rollout: str) -> dict:
     args = {"model": str(model), "prompts": str(PROMPTS), "reward": "tiny_task:reward",
             "search_path": str(EXAMPLES), "steps": a.steps, "group_size": a.group_size,
-            "max_tokens": a.max_tokens, "rollout": a.mlxrl_rollout, **SETTINGS}
-    log(f"{tag}: mlxrl ({a.mlxrl_rollout} rollout), {a.steps} steps")
+            "max_tokens": a.max_tokens, "rollout": rollout, **SETTINGS}
+    log(f"{tag}: mlxrl ({rollout} rollout), {a.steps} steps")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.mlxrl_driver", json.dumps(args)], cwd=ROOT,
                           capture_output=True, text=True, env=child_env())
     (work / f"{tag}.out").write_text(proc.stdout + proc.stderr)
@@ -168,12 +170,13 @@ def have_mlxrl() -> bool:
 def measure(a: argparse.Namespace, model: Path, work: Path, quantized: bool) -> dict[str, list[dict]]:
     """Every run of every repeat, interleaved. A model saved quantized has no separate
     quantized-actor run: its actor samples from the saved 4-bit weights already."""
-    runs: dict[str, list[dict]] = {"mlxrl": [], "sync": [], "overlap": []}
+    runs: dict[str, list[dict]] = {"mlxrl": [], "mlxrl, naive rollout": [], "sync": [], "overlap": []}
     if not quantized and a.actor_bits:
         runs[f"sync, actor {a.actor_bits}-bit"] = []
     for r in range(a.repeats):
         if have_mlxrl():
-            runs["mlxrl"].append(run_mlxrl(model, work, f"mlxrl-r{r}", a))
+            runs["mlxrl"].append(run_mlxrl(model, work, f"mlxrl-r{r}", a, "best"))
+            runs["mlxrl, naive rollout"].append(run_mlxrl(model, work, f"naive-r{r}", a, "naive"))
         runs["sync"].append(run_ours(model, work, f"sync-r{r}", 0, a))
         runs["overlap"].append(run_ours(model, work, f"over-r{r}", 1, a))
         if not quantized and a.actor_bits:
@@ -246,8 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--actor-bits", type=int, default=4, choices=[0, 4, 8],
                    help="also run synchronous with actor.quantize_bits (0: no such run)")
-    p.add_argument("--mlxrl-rollout", choices=["naive", "prefix"], default="naive",
-                   help="naive is what `mlxrl train` runs; prefix its prefix-cached path")
     p.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "mlxrl-ipc-models")
     p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
     a = p.parse_args(argv)
@@ -280,12 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{alone['ours_tok_s']:.1f} tok/s, mlx-lm batch_generate "
                  f"{alone['batch_generate_tok_s']:.1f} tok/s ({alone['ratio']:.2f}x)\n"]
     out["wall_s"] = time.time() - started
-    report = "".join(text)
-    print(report)
-    a.results_dir.mkdir(parents=True, exist_ok=True)
-    stem = "real_shape_quick" if a.quick else "real_shape"
-    (a.results_dir / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
-    (a.results_dir / f"{stem}.md").write_text(report)
+    write_results(a.results_dir, "real_shape_quick" if a.quick else "real_shape", out, "".join(text))
     return 0
 
 
