@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +35,17 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def harness(doc: str | None) -> argparse.ArgumentParser:
+    """The command line every shape benchmark shares: --quick, --repeats, where the models
+    it builds are cached, and where its results go."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small shape, 1 repeat: checks the harness")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "mlxrl-ipc-models")
+    p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    return p
 
 
 def write_results(results_dir: Path, stem: str, out: dict, report: str) -> None:

@@ -20,16 +20,14 @@ the first repeat a warm-up. It prints medians (min-max), the speed against padde
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, log, write_results
+from benchmarks.common import harness, log, write_results
 from benchmarks.real_shape import LOGIT_SCALE, build_model, parameters
 
 SMALL_SHAPE = dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1536, num_attention_heads=8,
@@ -109,17 +107,13 @@ def table(runs: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a smaller shape, 1 repeat: checks the harness")
-    p.add_argument("--repeats", type=int, default=3)
+    p = harness(__doc__)
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--mean", type=float, default=64, help="mean completion length (geometric)")
     p.add_argument("--max-tokens", type=int, default=512, help="the longest completion")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "mlxrl-ipc-models")
-    p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
     a = p.parse_args(argv)
     shape = QUICK_SHAPE if a.quick else SMALL_SHAPE
     if a.quick:

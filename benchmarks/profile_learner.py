@@ -20,17 +20,15 @@ and the adapters' serialization into a weights message. Medians of `--repeats`
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, log, write_results
+from benchmarks.common import harness, log, write_results
 from benchmarks.real_shape import LOGIT_SCALE, QUICK_SHAPE, QWEN3_SHAPE, build_model, parameters
 
 VARIANTS: dict[str, tuple[dict, dict]] = {  # name: (algorithm settings, train settings)
@@ -91,13 +89,9 @@ def profile(model_path: Path, rows: int, tokens: int, repeats: int) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a small shape, 1 repeat: checks the harness")
+    p = harness(__doc__)
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "mlxrl-ipc-models")
-    p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
     a = p.parse_args(argv)
     shape = QUICK_SHAPE if a.quick else QWEN3_SHAPE
     if a.quick:

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import EXAMPLES, PROMPTS, ROOT, log, write_results
+from benchmarks.common import EXAMPLES, PROMPTS, ROOT, harness, log, write_results
 from benchmarks.end_to_end import watch_up
 from protocol.config import QUANT_GROUP
 from protocol.lifecycle import child_env
@@ -238,19 +238,15 @@ def table(runs: dict[str, list[dict]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a small shape, 1 repeat: checks the harness")
+    p = harness(__doc__)
     p.add_argument("--bits", type=int, nargs="*", default=[0, 4], help="0: full precision; 4, 8: quantized")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="full precision: auto = bfloat16 on a GPU, float32 on the CPU backend")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="per run; the first is a warm-up")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--actor-bits", type=int, default=4, choices=[0, 4, 8],
                    help="also run synchronous with actor.quantize_bits (0: no such run)")
-    p.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "mlxrl-ipc-models")
-    p.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
     a = p.parse_args(argv)
     shape = QUICK_SHAPE if a.quick else QWEN3_SHAPE
     if a.dtype == "auto":
