@@ -221,10 +221,16 @@ def start_remote_run(tmp_path: Path, extra: str, steps: int, connect: str | None
     remote = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(run), "--slot", "1",
                                *(["--connect", connect] if connect else [])], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while "attached as slot 1" not in (run / "learner.log").read_text():
-        assert time.monotonic() < deadline and up.poll() is None and remote.poll() is None
-        time.sleep(0.1)
+    deadline, log = time.monotonic() + 120, run / "learner.log"
+    try:  # the learner's log appears a moment after endpoints.json
+        while not log.exists() or "attached as slot 1" not in log.read_text():
+            assert time.monotonic() < deadline and up.poll() is None and remote.poll() is None
+            time.sleep(0.1)
+    except BaseException:
+        for proc in (remote, up):
+            proc.kill()
+            proc.wait()
+        raise
     worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
                                "--run-dir", str(run)], cwd=tmp_path, stdout=subprocess.DEVNULL,
                               stderr=subprocess.STDOUT)
