@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import cast
 
 import mlx.core as mx
@@ -127,9 +128,10 @@ class Micro:
     is_weight: mx.array | None = None
     ref: mx.array | None = None
 
-    @property
+    @cached_property
     def weight(self) -> tuple[float, float]:
-        """What its diagnostics are averaged over: its completion tokens and completions."""
+        """What its diagnostics are averaged over: its completion tokens and completions.
+        Taken once: every step and every merge of its diagnostics asks for it again."""
         return scalar(self.mask.sum()), scalar((self.mask.sum(-1) > 0).sum())
 
 
