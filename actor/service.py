@@ -56,6 +56,9 @@ class Actor:
             raise DataError(f"--slot {slot}: the run has actor.count = {self.cfg.actor.count} actors, "
                             f"slots 0 to {self.cfg.actor.count - 1}")
         self.slot = slot
+        # Where to look whether the run is over (lifecycle.run_is_over); None with --connect,
+        # whose run directory is a copy on another machine.
+        self.run_dir = run_dir if connect is None else None
         self.signals = signals or lifecycle.StopSignals()
         self.sampling = s = self.cfg.sampling
         bits = self.cfg.actor.quantize_bits
@@ -292,6 +295,9 @@ class Actor:
             if down and self.watch.refused:
                 log.error("cannot connect to the learner: %s", self.watch.refused)
                 self.refused = True
+                return
+            if lifecycle.peer_sees_run_ended(self.run_dir, down):
+                self.told_to_stop = True
                 return
             if down > lifecycle.LEARNER_TIMEOUT_S:
                 log.error("no learner for %.0f s; it is gone, stopping", lifecycle.LEARNER_TIMEOUT_S)

@@ -137,7 +137,7 @@ def reward_worker(
 
     endpoint, keys = _worker_endpoint(run_dir, connect, "reward", key_dir, insecure)
     _serve(lambda signals: RewardWorker(function, endpoint, os.getcwd(), learner_timeout, signals, keys),
-           RewardError)
+           RewardError, run_dir)
 
 
 @app.command("env-worker")
@@ -181,7 +181,7 @@ def env_worker(
         return EnvWorker(load_env_class(environment, search_path or os.getcwd()), environment, endpoint,
                          actor_timeout, signals, keys)
 
-    _serve(make, EnvError)
+    _serve(make, EnvError, run_dir)
 
 
 def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str, key_dir: str | None,
@@ -219,14 +219,16 @@ def _run_is_insecure(run_dir: str) -> bool:
         return False
 
 
-def _serve(make_worker, user_error: type[Exception]) -> None:
+def _serve(make_worker, user_error: type[Exception], run_dir: str | None) -> None:
     """Run a worker to its end and exit with its code; a user error (the function or class
-    cannot be loaded) exits 2."""
+    cannot be loaded) exits 2. `run_dir`: where it looks whether its run has ended."""
     from orchestrator.workers import serve
 
     signals = lifecycle.StopSignals().install()
     try:
-        code = serve(make_worker(signals))
+        worker = make_worker(signals)
+        worker.run_dir = None if run_dir is None else Path(run_dir)
+        code = serve(worker)
     except user_error as e:
         lifecycle.fail(f"error: {e}")
     except lifecycle.ForcedStop as e:

@@ -47,6 +47,7 @@ class SocketWorker:
     kinds: tuple[str, ...] = ()  # the message kinds this worker takes
     requests: tuple[str, ...] = ()  # those answered by `answer`
     job: tuple[str, Future] | None = None  # (request id, answer) being worked out in a thread
+    run_dir: Path | None = None  # attached with --run-dir: exit when that run has ended
 
     def __init__(self, endpoint: str, owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
                  signals: lifecycle.StopSignals | None = None, keys: Path | None = None) -> None:
@@ -85,6 +86,8 @@ class SocketWorker:
             if down and self.watch.refused:
                 log.error("cannot connect to the %s on %s: %s", self.owner, self.endpoint, self.watch.refused)
                 return lifecycle.EXIT_USER_ERROR
+            if lifecycle.peer_sees_run_ended(self.run_dir, down):
+                return lifecycle.EXIT_OK
             if down > self.owner_timeout_s:
                 log.error("no %s on %s for %.0f s; it is gone, stopping", self.owner, self.endpoint, down)
                 return lifecycle.EXIT_CRASH

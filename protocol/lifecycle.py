@@ -242,6 +242,29 @@ def stop_is_final(run_dir: str | Path) -> bool:
     return not _supervised or (Path(run_dir) / FINAL_STOP).exists()
 
 
+# A peer started by hand checks the run directory only after this long without a
+# connection: a restart's gap is not the end of a run.
+RUN_OVER_CHECK_S = 1.0
+
+
+def run_is_over(run_dir: str | Path) -> bool:
+    """Whether the run in `run_dir` has ended for good: its orchestrator marked the final
+    stop and no process of it holds the run lock. A peer started by hand that finds its
+    run over (started, or restarted, a moment after the last step) exits at once instead of
+    waiting for a learner that will never come back. A resume takes the lock before it
+    clears the mark, so a run about to start again is never taken for over."""
+    return (Path(run_dir) / FINAL_STOP).exists() and not _alive(_holder(run_dir))
+
+
+def peer_sees_run_ended(run_dir: Path | None, down: float) -> bool:
+    """For a peer `down` seconds without its learner (actor), attached with `run_dir`
+    (None: by endpoint alone): whether its run has ended, said in its log when it has."""
+    if run_dir is None or down <= RUN_OVER_CHECK_S or not run_is_over(run_dir):
+        return False
+    log.info("the run in %s has ended (its orchestrator stopped it for good); stopping", run_dir)
+    return True
+
+
 # -- the run lock ---------------------------------------------------------------------
 
 class RunBusy(RuntimeError):

@@ -258,3 +258,33 @@ def test_a_second_run_in_a_run_directory_is_refused_unless_asked_to_overwrite(tm
     assert code == 0, out
     assert [m["step"] for m in read_metrics(run)] == [1]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
+
+
+def test_peers_started_by_hand_exit_when_their_run_has_ended(tmp_path):
+    """A remote actor or a worker started (or restarted) a moment after a run's last step
+    never hears the learner's stop: it finds the run's final-stop mark with no process
+    holding the run lock, and exits 0 at once, instead of waiting minutes for a learner
+    that will never come back. Without the mark (a learner restarting) they wait."""
+    cfg = write_config(tmp_path)
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "orchestrator", "prepare", "--config", str(cfg)], cwd=ROOT,
+                   check=True, capture_output=True)
+    logs = {name: tmp_path / f"{name}.log" for name in ("actor", "reward-worker")}
+    commands = {"actor": ["-m", "actor", "run"],
+                "reward-worker": ["-m", "orchestrator", "reward-worker", "tiny_task:reward"]}
+    procs = {name: subprocess.Popen([sys.executable, *command, "--run-dir", str(run)], cwd=tmp_path,
+                                    stdout=logs[name].open("w"), stderr=subprocess.STDOUT)
+             for name, command in commands.items()}
+    try:
+        time.sleep(4 * lifecycle.RUN_OVER_CHECK_S + 2)  # no learner yet, and no mark: they wait
+        assert {n: p.poll() for n, p in procs.items()} == {"actor": None, "reward-worker": None}
+        lifecycle.mark_final_stop(run)
+        codes = {n: p.wait(30) for n, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes == {"actor": 0, "reward-worker": 0}, {n: logs[n].read_text()[-2000:] for n in logs}
+    for path in logs.values():
+        assert "has ended" in path.read_text(), path.read_text()
