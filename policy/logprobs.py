@@ -199,39 +199,61 @@ def chunked_terms(hidden: mx.array, targets: mx.array, head: Callable[[mx.array]
 
     Returns (logprobs [N], entropy [N] or None, jacobian [N, H] or None). The jacobian is
     d logprob[i] / d hidden[i]: each position's logprob depends on its own hidden state
-    only, so a vector-Jacobian product with ones gives every row of it at once. A loss of
-    the logprobs then backpropagates into the model as `dloss/dlogprob * jacobian`
-    without the logits (learner/step.py)."""
+    only, so the head's vector-Jacobian product with d logprob / d logits gives every row
+    of it at once. A loss of the logprobs then backpropagates into the model as
+    `dloss/dlogprob * jacobian` without the logits (learner/step.py)."""
     logps, entropies, jacobians = [], [], []
     for start in range(0, hidden.shape[0], chunk):
-        h = hidden[start:start + chunk]
-        terms, side = _chunk_terms(head, targets[start:start + chunk], temperature, entropy)
-        if jacobian:
-            (logp,), (jac,) = mx.vjp(terms, [h], [mx.ones(h.shape[:1])])
-            jacobians.append(jac)
-        else:
-            (logp,) = terms(h)
+        logp, ent, jac = _chunk_terms(head, hidden[start:start + chunk], targets[start:start + chunk],
+                                      temperature, entropy, jacobian)
         logps.append(logp)
-        entropies.extend(side)
-        mx.eval(logps[-1], *entropies[-1:], *jacobians[-1:])
+        entropies += [] if ent is None else [ent]
+        jacobians += [] if jac is None else [jac]
+        mx.eval(logp, *entropies[-1:], *jacobians[-1:])
     return (mx.concatenate(logps), mx.concatenate(entropies) if entropy else None,
             mx.concatenate(jacobians) if jacobian else None)
 
 
-def _chunk_terms(head: Callable[[mx.array], mx.array], targets: mx.array, temperature: float,
-                 entropy: bool) -> tuple[Callable[[mx.array], list[mx.array]], list[mx.array]]:
-    """The function of a chunk's hidden states that is differentiated (its logprobs), and
-    a list it appends the entropy to: a metric, taken from the same logits on the side."""
-    side: list[mx.array] = []
+def _chunk_terms(head: Callable[[mx.array], mx.array], h: mx.array, targets: mx.array, temperature: float,
+                 entropy: bool, jacobian: bool) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """One chunk's logprobs, entropy and jacobian, from one exponential of its logits.
 
-    def terms(h: mx.array) -> list[mx.array]:
-        scaled = tempered(head(h), temperature)
-        lse = mx.logsumexp(scaled, axis=-1)
-        if entropy:
-            side.append(lse - (mx.exp(scaled - lse[..., None]) * scaled).sum(-1))
-        return [picked_logprobs(scaled, lse, targets)]
+    The gradient is written out, not traced: d logprob / d logits = (onehot(target) -
+    softmax) / temperature, with the softmax taken from the very exponential that gave
+    the logsumexp. Traced, the same terms cost three vocabulary-sized exponentials (the
+    logsumexp, the entropy's softmax, the logsumexp's backward): on a CPU each is as slow
+    as a third of the head's matmul (README, "Where the learner's step goes")."""
+    logits = head(h)
+    scaled = tempered(logits, temperature)
+    if not (entropy or jacobian):
+        return picked_logprobs(scaled, mx.logsumexp(scaled, axis=-1), targets), None, None
+    peak = scaled.max(-1)
+    e = _shifted_exp(scaled, peak)
+    total = e.sum(-1)
+    # The old-policy pass (entropy) and the training pass (jacobian) take the logsumexp
+    # alike, so that a first step's ratio is exactly 1.
+    lse = peak + mx.log(total)
+    logp = picked_logprobs(scaled, lse, targets)
+    inverse = 1.0 / total
+    ent = lse - inverse * (e * scaled).sum(-1) if entropy else None
+    jac = None
+    if jacobian:
+        cotangent = _logprob_cotangent(e, inverse, targets, mx.array(1.0 / temperature)).astype(logits.dtype)
+        _, (jac,) = mx.vjp(head, [h], [cotangent])
+    return logp, ent, jac
 
-    return terms, side
+
+@mx.compile
+def _shifted_exp(scaled: mx.array, peak: mx.array) -> mx.array:
+    """exp(scaled - peak): the softmax's numerator, in one pass."""
+    return mx.exp(scaled - peak[..., None])
+
+
+@mx.compile
+def _logprob_cotangent(e: mx.array, inverse: mx.array, targets: mx.array, inverse_t: mx.array) -> mx.array:
+    """d log p(target) / d logits = (onehot(target) - softmax) / temperature, in one pass."""
+    onehot = mx.arange(e.shape[-1])[None] == targets[:, None]
+    return (onehot - e * inverse[..., None]) * inverse_t
 
 
 def chunked_sequence_terms(model: nn.Module, head: Callable[[mx.array], mx.array], tokens: mx.array | Rows,

@@ -27,6 +27,22 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return min(4, max(2, (os.cpu_count() or 2) // 2))
 
 
+# The longest files first (their own tests' minutes on 2 cores), the rest in their order:
+# xdist hands out files in collection order, so a long file collected last would run alone
+# at the end while the other worker idles.
+LONGEST_FIRST = ("test_episodes", "test_chaos_actors", "test_chaos", "test_arithmetic", "test_scale_out",
+                 "test_e2e", "test_serve", "test_supervision", "test_lifecycle", "test_reward_workers",
+                 "test_plan", "test_data_and_sample", "test_flood")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    def rank(item) -> int:
+        name = item.path.stem
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
+
+
 # Files run side by side: the runs they start share the cores, so each process's BLAS gets
 # its share of them (OpenBLAS's spinning threads slow down many times over when they
 # outnumber the cores: a 15 s test took 125 s beside another).
