@@ -26,9 +26,9 @@ from policy.logprobs import (
     Rows,
     chunked_sequence_terms,
     output_head,
+    plain_caches,
     sequence_logprobs,
     sequence_logprobs_and_entropy,
-    shares_prompts,
 )
 from policy.model import adapters_disabled
 from protocol.config import (
@@ -494,7 +494,7 @@ def prompts_can_be_shared(model: nn.Module, train: TrainConfig) -> bool:
     if train.grad_checkpoint:  # its recomputation would write each layer's KV cache twice
         log.warning("train.share_prompts is not used with train.grad_checkpoint: every row runs its prompt")
         return False
-    if not shares_prompts(model):
+    if not plain_caches(model):
         log.warning("train.share_prompts is not used: this model's KV caches are not mlx-lm's plain "
                     "KVCache (rotating or quantized caches cannot be merged); every row runs its prompt")
         return False

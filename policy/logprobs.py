@@ -132,9 +132,10 @@ class _GrownBatch(BatchKVCache):
         return self.keys, self.values
 
 
-def shares_prompts(model: nn.Module) -> bool:
-    """Whether the model's caches are mlx-lm's plain KVCache, which Rows' prompts need
-    (rotating or quantized caches cannot be merged that way)."""
+def plain_caches(model: nn.Module) -> bool:
+    """Whether the model's caches are mlx-lm's plain KVCache: what its BatchKVCache batches
+    (left-padded, masked per row), and what Rows' shared prompts need (rotating or
+    quantized caches cannot be merged that way)."""
     return all(type(c) is KVCache for c in make_prompt_cache(model))
 
 

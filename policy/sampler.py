@@ -29,14 +29,15 @@ of the whole vocabulary, noise for every token); tests check both give the same 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from policy.logprobs import output_head, picked_logprobs, tempered
+from policy.logprobs import output_head, picked_logprobs, plain_caches, tempered
 from protocol.config import SamplingConfig
 
 # Tokens among which a truncated step looks for its cut (see _sample): a partition of the
@@ -100,21 +101,25 @@ def _noise_keys(seed: int, rows: list[int]) -> mx.array:
     return _fmix32(mx.array(rows, dtype=u32) ^ _fmix32(mx.array(seed & 0xFFFFFFFF, dtype=u32)))
 
 
-def _noise(row_keys: mx.array, t: int, token_ids: mx.array) -> mx.array:
+def _noise(row_keys: mx.array, t: int | mx.array, token_ids: mx.array) -> mx.array:
     """Gumbel noise for the tokens `token_ids` ([rows, n], or [1, n] for every row), a pure
     function of (row key, step, token): the same value whichever tokens are asked for.
+    `t`: the step, one for every row, or each row's own ([rows] uint32: rows that joined
+    the batch at different steps, policy/engine.py).
 
     Counter-based: hashing the integers gives a uniform for every (row, token), so the
     noise of the whole batch is a few array operations (no per-row keys, no sync), and
     one row's noise does not depend on the others."""
     u32 = mx.uint32
-    step = _fmix32(row_keys ^ _fmix32(mx.array(t + 0x9E3779B9, dtype=u32)))
+    steps = mx.array(t, dtype=u32) if isinstance(t, int) else t.astype(u32)
+    step = _fmix32(row_keys ^ _fmix32(steps + mx.array(0x9E3779B9, dtype=u32)))
     bits = _fmix32(step[:, None] ^ (token_ids.astype(u32) * mx.array(0x9E3779B1, dtype=u32)))
     u = ((bits >> 8).astype(mx.float32) + 0.5) / float(1 << 24)  # in (0, 1)
     return -mx.log(-mx.log(u))
 
 
-def _sample(logits: mx.array, row_keys: mx.array, t: int, p: SamplingConfig) -> tuple[mx.array, mx.array]:
+def _sample(logits: mx.array, row_keys: mx.array, t: int | mx.array,
+            p: SamplingConfig) -> tuple[mx.array, mx.array]:
     """Gumbel-max over the truncated distribution; the logprob is of the untruncated one,
     by policy/logprobs.py's definition (the learner's).
 
@@ -140,7 +145,7 @@ def _sample(logits: mx.array, row_keys: mx.array, t: int, p: SamplingConfig) -> 
     return _sample_all(scaled, lse, row_keys, t, p)
 
 
-def _sample_all(scaled: mx.array, lse: mx.array, row_keys: mx.array, t: int,
+def _sample_all(scaled: mx.array, lse: mx.array, row_keys: mx.array, t: int | mx.array,
                 p: SamplingConfig) -> tuple[mx.array, mx.array]:
     """The definition: noise for every token of the vocabulary, the cut by a full sort."""
     logprobs = truncate(scaled - lse[:, None], p) if truncating(p) else scaled - lse[:, None]
@@ -192,6 +197,31 @@ def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
     return [Completion(ts, lp, "stop" if d else "length") for ts, lp, d in zip(tokens, lps, done)]
 
 
+def prefill_logits(model: nn.Module, head: Callable[[mx.array], mx.array] | None, inputs: mx.array,
+                   cache: list) -> mx.array:
+    """The next-token logits after `inputs`: through the output layer (`head`, see
+    policy/logprobs.py::output_head) for the last position only when the model allows (a
+    prompt's other positions need none, and at a 150k vocabulary 512 of them are 300 MB a
+    row)."""
+    if head is None:
+        return model(inputs, cache=cache)[:, -1, :]
+    return head(model.model(inputs, cache=cache)[:, -1:, :])[:, -1, :]
+
+
+def prefill_batch(model: nn.Module, head: Callable[[mx.array], mx.array] | None, prompts: list[list[int]],
+                  copies: list[int]) -> tuple[list[BatchKVCache], mx.array]:
+    """One prefill for all `prompts`, left-padded and masked as mlx-lm's batch_generate
+    does it; then each prompt's cache rows and next-token logits repeated `copies[i]`
+    times (its rows). Returns the batch's caches (one per layer) and logits [rows, V]."""
+    pads = [max(map(len, prompts)) - len(p) for p in prompts]
+    cache = [BatchKVCache(pads) for _ in make_prompt_cache(model)]
+    logits = prefill_logits(model, head, mx.array([[0] * pad + p for p, pad in zip(prompts, pads)]), cache)
+    repeat = mx.array([i for i, n in enumerate(copies) for _ in range(n)])
+    for c in cache:
+        c.filter(repeat)  # filter takes indices: a prompt's row, once per copy
+    return cache, logits[repeat]
+
+
 def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
                   params: SamplingConfig, eos_ids: set[int], seed: int,
                   noise_offset: int = 0, noise_ids: list[int] | None = None) -> list[list[Completion]]:
@@ -210,26 +240,12 @@ def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
     head = output_head(model)
 
     def prefill(inputs: mx.array, cache: list) -> mx.array:
-        """The next-token logits after `inputs`: through the output layer for the last
-        position only when the model allows (a prompt's other positions need none, and at
-        a 150k vocabulary 512 of them are 300 MB a row)."""
-        if head is None:
-            return model(inputs, cache=cache)[:, -1, :]
-        return head(model.model(inputs, cache=cache)[:, -1:, :])[:, -1, :]
+        return prefill_logits(model, head, inputs, cache)
 
-    layers = make_prompt_cache(model)
-    if all(type(c) is KVCache for c in layers):
-        # One prefill for all prompts, left-padded and masked as mlx-lm's batch_generate
-        # does it; then each prompt's cache rows are repeated G times (filter takes indices).
-        pads = [max(map(len, prompts)) - len(p) for p in prompts]
-        cache = [BatchKVCache(pads) for _ in layers]
-        padded = mx.array([[0] * pad + p for p, pad in zip(prompts, pads)])
-        logits = prefill(padded, cache)
-        repeat = mx.repeat(mx.arange(len(prompts)), group_size)
-        for c in cache:
-            c.filter(repeat)
-        flat = _decode(model, cache, logits[repeat], rows, params, eos_ids, seed)
-    elif all(hasattr(c, "merge") for c in layers):
+    if plain_caches(model):
+        cache, logits = prefill_batch(model, head, prompts, [group_size] * len(prompts))
+        flat = _decode(model, cache, logits, rows, params, eos_ids, seed)
+    elif all(hasattr(c, "merge") for c in make_prompt_cache(model)):
         caches, firsts = [], []
         for p in prompts:
             cache = make_prompt_cache(model)
