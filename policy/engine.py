@@ -13,6 +13,12 @@ Determinism is the static sampler's: a row's token t draws the noise of (seed, t
 noise id, t), so its tokens depend only on those and its own logits, never on what else
 shares the batch or when it joined (tests check it against the reference sampler).
 
+Weights may change between two steps (the caller sets new adapter weights and passes the
+new version to `step`). Each token records the version whose logits it was sampled from,
+and its behavior logprob is of those very logits. The keys and values already in a row's
+cache stay as the older weights computed them: the learner's importance weights correct
+for exactly that, token by token.
+
 Only models whose caches are mlx-lm's plain KVCache can be batched this way
 (policy/logprobs.py::plain_caches); the actor keeps the static sampler for the others.
 """
@@ -37,6 +43,7 @@ class _Row:
     noise: int  # its noise id
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the policy version of each token's logits
     stopped: bool = False  # sampled an EOS
 
 
@@ -62,6 +69,7 @@ class Engine:
         self.cache: list | None = None  # one BatchKVCache per layer, for the live rows
         self.logits: mx.array | None = None  # the live rows' next-token logits [rows, V]
         self.keys: mx.array | None = None  # the live rows' noise keys
+        self.made_by: list[int] = []  # the policy version that computed each live row's logits
 
     def add(self, key: Hashable, prompt_ids: list[int], noise_ids: list[int]) -> None:
         """A group to decode: one row per noise id, all continuing `prompt_ids`."""
@@ -77,10 +85,11 @@ class Engine:
         """Groups added and not yet handed back."""
         return len(self.waiting) + len({id(g) for g, _ in self.live})
 
-    def step(self) -> list[tuple[Hashable, list[Completion]]]:
+    def step(self, version: int = 0) -> list[tuple[Hashable, list[Completion]]]:
         """Admit the waiting groups that fit, sample one token for every live row, queue
-        the next forward, and drop the rows that ended (EOS or max_tokens)."""
-        self._admit()
+        the next forward, and drop the rows that ended (EOS or max_tokens). `version`:
+        the policy version of the model's weights now."""
+        self._admit(version)
         if not self.live:
             return []
         assert self.logits is not None and self.keys is not None and self.cache is not None  # rows are live
@@ -90,11 +99,13 @@ class Engine:
         # device never waits for Python; the rows that end now waste that one step.
         self.logits = self.model(sampled[:, None], cache=self.cache)[:, -1, :]
         mx.async_eval(self.logits)
+        made_by, self.made_by = self.made_by, [version] * len(self.live)
         done, keep = [], []
         tokens, logprobs = cast(list[int], sampled.tolist()), cast(list[float], picked.tolist())
         for k, ((group, row), token, logprob) in enumerate(zip(self.live, tokens, logprobs)):
             row.tokens.append(token)
             row.logprobs.append(logprob)
+            row.versions.append(made_by[k])
             row.stopped = token in self.eos_ids
             if row.stopped or len(row.tokens) == self.params.max_tokens:
                 group.left -= 1
@@ -104,21 +115,22 @@ class Engine:
                 keep.append(k)
         if len(keep) < len(self.live):
             self._keep(keep)
-        return [(g.key, [Completion(r.tokens, r.logprobs, "stop" if r.stopped else "length") for r in g.rows])
-                for g in done]
+        return [(g.key, [Completion(r.tokens, r.logprobs, "stop" if r.stopped else "length", r.versions)
+                         for r in g.rows]) for g in done]
 
     def _keep(self, keep: list[int]) -> None:
         """Only these rows (batch positions) stay."""
         if not keep:
-            self.live, self.cache, self.logits, self.keys = [], None, None, None
+            self.live, self.cache, self.logits, self.keys, self.made_by = [], None, None, None, []
             return
         index = mx.array(keep)
         for c in cast(list, self.cache):
             c.filter(index)
         self.logits, self.keys = cast(mx.array, self.logits)[index], cast(mx.array, self.keys)[index]
         self.live = [self.live[k] for k in keep]
+        self.made_by = [self.made_by[k] for k in keep]
 
-    def _admit(self) -> None:
+    def _admit(self, version: int) -> None:
         """Prefill the waiting groups that fit in the free rows (whole groups, in order;
         one larger than max_rows goes alone into an empty batch) and join them."""
         joining: list[_Group] = []
@@ -139,3 +151,4 @@ class Engine:
             self.logits = mx.concatenate([cast(mx.array, self.logits), logits])
             self.keys = mx.concatenate([cast(mx.array, self.keys), keys])
         self.live += [(g, r) for g in joining for r in g.rows]
+        self.made_by += [version] * sum(len(g.rows) for g in joining)

@@ -50,6 +50,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" when an EOS token was sampled (and kept), else "length"
+    # The policy version whose logits each token was sampled from, when weights can change
+    # while a row decodes (policy/engine.py); None: one version for the whole row.
+    versions: list[int] | None = None
 
 
 def threshold(desc: mx.array, p: SamplingConfig) -> mx.array:

@@ -218,6 +218,14 @@ class ActorConfig:
                         "ceil((max_staleness + 1) * batch_size / count) groups in flight", _range(1))
     remote: int = key(0, "how many of them join from other machines (`actor run --slot I`, slots "
                          "count - remote to count - 1); `up` starts the others", _range(0))
+    engine: str = key("continuous", "`continuous`: rows refill the decode batch as others end, each group "
+                                    "is sent when it and the groups before it are done, and with "
+                                    "max_staleness >= 1 new weights land between two decode steps; "
+                                    "`static`: each share of a batch decodes until its longest row ends",
+                      _one_of("continuous", "static"))
+    max_rows: int = key(0, "rows the continuous engine decodes at once; 0 = the rows of the actor's share "
+                           "of a batch, ceil(batch_size / count) * group_size (what the memory plan counts)",
+                        _range(0))
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """The continuous engine: rows that refill a batch as others end still get exactly the
 reference sampler's tokens, and groups come back as they complete, not in batch order."""
 
+import numpy as np
 import pytest
 
 from policy.engine import Engine
+from policy.model import adapter_weights_numpy, set_adapter_weights
 from policy.sampler import reference_sample
 from protocol.config import SamplingConfig
 from tests.test_sampler import TEXTS, assert_same, policy  # noqa: F401  (policy: a fixture)
@@ -57,7 +59,8 @@ def test_a_group_comes_back_when_its_last_row_ends(policy):  # noqa: F811
     eos = {*tok.eos_token_ids, tok.encode("f")[0], tok.encode("3")[0]}
     params = SamplingConfig(temperature=0.7, top_p=0.9, max_tokens=12)
     out, order, _, last = run_engine(model, prompts, params, eos, 7, max_rows=100, reverse=True)
-    assert max(len(c.token_ids) for c in out[0]) < min(max(len(c.token_ids) for c in out[k]) for k in out if k)
+    longest = {k: max(len(c.token_ids) for c in group) for k, group in out.items()}
+    assert longest[0] < min(longest[k] for k in out if k)
     assert order[0] == 0
     assert [last[k] for k in order] == sorted(last[k] for k in order)
 
@@ -68,3 +71,41 @@ def test_a_group_larger_than_the_batch_runs_alone(policy):  # noqa: F811
     eos = set(tok.eos_token_ids)
     out, _, _, _ = run_engine(model, [tok.encode("hi")], params, eos, 1, max_rows=2)
     assert_same(out[0], reference_sample(model, tok.encode("hi"), G, params, eos, 1))
+
+
+def test_weights_that_change_between_steps_are_recorded_token_by_token(policy):  # noqa: F811
+    """New weights set between two steps: the tokens sampled from logits queued before
+    carry the old version, the rest the new one. A row's tokens up to the change are the
+    old weights' (reference sampler); a group that joins after it is the new weights'."""
+    model, tok = policy
+    params, eos = SamplingConfig(temperature=0.7, top_p=0.9, max_tokens=10), set(tok.eos_token_ids)
+    prompts = [tok.encode(t) for t in ("repeat 5", "hi", "x")]
+    old = adapter_weights_numpy(model)
+    rng = np.random.default_rng(1)
+    new = {k: rng.normal(0, 0.05, v.shape).astype(np.float32) for k, v in old.items()}
+    before = reference_sample(model, prompts[0], G, params, eos, 3)
+    engine = Engine(model, params, eos, 3, max_rows=G)  # one group at a time
+    for i, p in enumerate(prompts):
+        engine.add(i, p, [i * G + j for j in range(G)])
+    out, version, steps = {}, 0, 0
+    try:
+        while engine.busy:
+            if steps == 3:
+                set_adapter_weights(model, new)
+                version = 1
+            out.update(engine.step(version))
+            steps += 1
+        after = [reference_sample(model, p, G, params, eos, 3, noise_offset=i * G)
+                 for i, p in enumerate(prompts)]
+    finally:
+        set_adapter_weights(model, old)
+    for row, ref in zip(out[0], before):
+        # Tokens 0-3 come from logits queued before the change (token 3's in the step
+        # before it), token 4 on from the new weights.
+        assert row.versions == [0] * min(4, len(row.versions)) + [1] * max(0, len(row.versions) - 4)
+        assert row.token_ids[:4] == ref.token_ids[:4]
+        np.testing.assert_allclose(row.logprobs[:4], ref.logprobs[:4], atol=1e-4)
+    assert any(len(row.versions) > 4 for row in out[0])  # the group spans the change
+    for i in (1, 2):  # joined after the change
+        assert_same(out[i], after[i])
+        assert all(set(row.versions) == {1} for row in out[i])
