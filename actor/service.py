@@ -2,7 +2,11 @@
 
 It connects a DEALER socket to the learner, says hello, and samples nothing until it
 holds the learner's current weights: a restarted actor never samples with stale initial
-LoRA weights. Between batches it applies the newest weights that arrived.
+LoRA weights. It decodes with the continuous engine (policy/engine.py; `actor.engine`):
+rows refill the batch as others end, and each group goes out once it and the groups
+before it are done. With `max_staleness >= 1` the newest weights land between two decode
+steps (each token records its version); with 0, and on the static path, between batches.
+Episodes decode in lockstep (actor/episodes.py).
 
 Flow control is by credit: the learner reports how many of this actor's groups it has
 consumed (trained or dropped), and the actor's window. With `max_staleness = k`, batch
@@ -18,11 +22,13 @@ those, with unchanged weights.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -31,6 +37,8 @@ import zmq
 import protocol
 from actor.episodes import EpisodeRunner
 from policy.data import DataError, Prompt, PromptStream, check_context, load_prompts
+from policy.engine import Engine
+from policy.logprobs import plain_caches
 from policy.memory import apply_memory_share
 from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint, weights_frame_bytes
 from policy.sampler import Completion, sample_groups
@@ -100,6 +108,14 @@ class Actor:
         self.beating = threading.Event()
         log.info("connecting to the learner at %s%s", endpoints["learner"], " (CURVE)" if keys else "")
         self.learner_lost = False
+        self.engine: Engine | None = None
+        if not env.environment and self.cfg.actor.engine == "continuous" and plain_caches(self.model):
+            rows = self.cfg.actor.max_rows or -(-train.batch_size // self.cfg.actor.count) * s.group_size
+            self.engine = Engine(self.model, s, self.eos_ids, s.seed, rows)
+        # Groups in the engine, in the order added: (prompt, cursor, completions once done).
+        self.decoding: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        self.groups_added = 0
+        self.decode_s = 0.0  # decoding time since groups last went out
         self.episodes = None
         if env.environment:
             # max_attempts=1: the runner counts an episode's attempts itself.
@@ -181,15 +197,17 @@ class Actor:
         self.timings["weights_apply_s"] = time.perf_counter() - t0
         self.policy_version = msg["version"]
 
+    def next_prompt(self) -> tuple[Prompt, list[int], int]:
+        """The slot's next prompt, the data cursor just after it, and its first noise id.
+        Noise ids follow the prompt's place in the data stream, so a prompt draws the same
+        noise whatever actor (or resumed run) samples it."""
+        prompt = next(self.stream)
+        return prompt, list(self.stream.cursor), self.stream.index * self.sampling.group_size
+
     def sample_groups(self, n: int) -> None:
+        """The static path: `n` groups decoded (or played as episodes) together, then sent."""
         g = self.sampling.group_size
-        prompts, cursors, first_noise = [], [], []
-        for _ in range(n):
-            prompts.append(next(self.stream))
-            cursors.append(list(self.stream.cursor))
-            # Noise ids follow the prompt's place in the data stream, so a prompt draws the
-            # same noise whatever actor (or resumed run) samples it.
-            first_noise.append(self.stream.index * g)
+        prompts, cursors, first_noise = (list(x) for x in zip(*(self.next_prompt() for _ in range(n))))
         t0 = time.perf_counter()
         if self.episodes is None:
             groups = sample_groups(self.model, [p.prompt_ids for p in prompts], g, self.sampling,
@@ -203,22 +221,65 @@ class Actor:
             rollouts = [e.fields(self.decode) for e in episodes]
         gen_s = (time.perf_counter() - t0) / n
         for prompt, cursor, (fields, arrays) in zip(prompts, cursors, rollouts):
-            header = {
-                "group_id": str(self.groups_sent),
-                "cursor": cursor,
-                "row": prompt.index,
-                **self.timings,
-                "policy_version": self.policy_version,
-                "prompt": prompt.prompt,
-                "columns": prompt.columns,
-                **fields,
-                "gen_s": gen_s,
-                "peak_memory_mb": mx.get_peak_memory() / (1 << 20),
-            }
             if self.episodes is not None:
-                header["env_retries"] = self.episodes.retries
-            self.send_rollout(header, arrays)
-            self.groups_sent += 1
+                fields = {**fields, "env_retries": self.episodes.retries}
+            self.send_group(prompt, cursor, fields, arrays, gen_s)
+
+    def stream_groups(self) -> None:
+        """The continuous path (policy/engine.py), one decode step at a time: new groups
+        join as the credit allows and rows free up, and each group is sent once it and
+        every group added before it are done (in the data's order, so the learner's data
+        cursor stays exact). New weights land between two steps with max_staleness >= 1;
+        with 0, only when nothing decodes, so that every group is sampled by the weights
+        of the step before."""
+        engine = self.engine
+        assert engine is not None  # the continuous path has one
+        in_flight = self.cfg.train.max_staleness >= 1
+        if self.pending is not None and (in_flight or not engine.busy):
+            self.apply_pending()
+        room = self.window - (self.groups_sent - self.groups_consumed) - engine.groups
+        if self.policy_version is None or (room <= 0 and not engine.busy):
+            self.receive(200)  # wait for weights or credit
+            return
+        if self.pending is None or in_flight:
+            for _ in range(room):
+                prompt, cursor, first = self.next_prompt()
+                self.groups_added += 1
+                self.decoding[self.groups_added] = (prompt, cursor, None)
+                noise = list(range(first, first + self.sampling.group_size))
+                engine.add(self.groups_added, prompt.prompt_ids, noise)
+        t0 = time.perf_counter()
+        for done, completions in engine.step(self.policy_version):
+            prompt, cursor, _ = self.decoding[cast(int, done)]
+            self.decoding[cast(int, done)] = (prompt, cursor, completions)
+        self.decode_s += time.perf_counter() - t0
+        ready = []
+        while self.decoding and next(iter(self.decoding.values()))[2] is not None:
+            ready.append(self.decoding.popitem(last=False)[1])
+        for prompt, cursor, completions in ready:
+            # Each group's share of the decoding time since the last groups went out.
+            fields, arrays = self.completions(prompt, completions)
+            self.send_group(prompt, cursor, fields, arrays, self.decode_s / len(ready))
+        if ready:
+            self.decode_s = 0.0
+
+    def send_group(self, prompt: Prompt, cursor: list[int], fields: dict, arrays: dict, gen_s: float) -> None:
+        versions = arrays.get("policy_versions")
+        header = {
+            "group_id": str(self.groups_sent),
+            "cursor": cursor,
+            "row": prompt.index,
+            **self.timings,
+            # Its oldest token's, when the weights changed while it decoded.
+            "policy_version": int(versions.min()) if versions is not None else self.policy_version,
+            "prompt": prompt.prompt,
+            "columns": prompt.columns,
+            **fields,
+            "gen_s": gen_s,
+            "peak_memory_mb": mx.get_peak_memory() / (1 << 20),
+        }
+        self.send_rollout(header, arrays)
+        self.groups_sent += 1
 
     def send_rollout(self, header: dict, arrays: dict) -> None:
         """Send a group; one whose header the learner would refuse unread (over the
@@ -246,6 +307,9 @@ class Actor:
             "completion_lens": np.array([len(t) for t in ids], dtype=np.int32),
             "logprobs": np.array(sum((c.logprobs for c in completions), []), dtype=np.float32),
         }
+        if all(c.versions is not None for c in completions):  # the continuous engine's
+            versions = sum((c.versions or [] for c in completions), [])
+            arrays["policy_versions"] = np.array(versions, dtype=np.int32)
         return fields, arrays
 
     def decode(self, ids: list[int]) -> str:
@@ -265,6 +329,10 @@ class Actor:
         self.greeted = max(self.watch.connections, 1)  # the first hello goes on the first connection
         self.policy_version, self.pending, self.groups_sent, self.groups_consumed = None, None, 0, 0
         self.strange = False
+        if self.engine is not None:  # what it decodes is the old connection's: sampled again
+            self.engine.clear()
+            self.decoding.clear()
+            self.decode_s = 0.0
         if not self.can_send():
             self.greeted = 0  # the loop says why (refused: exit 4), or says hello again
             return
@@ -308,6 +376,9 @@ class Actor:
                             "it took us for gone" if self.strange else "the connection dropped and came back")
                 self.greet()
             self.receive(0)
+            if self.engine is not None:
+                self.stream_groups()
+                continue
             self.apply_pending()
             room = self.window - (self.groups_sent - self.groups_consumed)
             if self.policy_version is None or room <= 0:

@@ -42,6 +42,14 @@ class Group:
                 in zip(self.completion_ids, self.logprobs, self.finish_reasons, masks)]
 
 
+def oldest_version(msg: Message) -> int:
+    """The policy version of a group's oldest token: a group sampled across a weight
+    update (`policy_versions`, PROTOCOL.md) is as stale as that, for the staleness bound."""
+    versions = msg.arrays.get("policy_versions")
+    oldest = int(versions.min()) if versions is not None and versions.size else msg["policy_version"]
+    return min(msg["policy_version"], oldest)
+
+
 def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size: int) -> Group:
     """Build a Group; raise ValueError (the drop reason) if it cannot be trained on."""
     if msg.header.get("error") is not None:
@@ -67,7 +75,7 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
     return Group(
         sender=sender,
         group_id=msg["group_id"],
-        policy_version=msg["policy_version"],
+        policy_version=oldest_version(msg),
         prompt=msg["prompt"],
         columns=msg["columns"],
         prompt_ids=a["prompt_ids"],

@@ -71,6 +71,11 @@ class Engine:
         self.keys: mx.array | None = None  # the live rows' noise keys
         self.made_by: list[int] = []  # the policy version that computed each live row's logits
 
+    def clear(self) -> None:
+        """Forget every group, waiting or decoding."""
+        self.waiting.clear()
+        self._keep([])
+
     def add(self, key: Hashable, prompt_ids: list[int], noise_ids: list[int]) -> None:
         """A group to decode: one row per noise id, all continuing `prompt_ids`."""
         rows = [_Row(n) for n in noise_ids]

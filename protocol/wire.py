@@ -287,6 +287,10 @@ def _check_rollout(msg: Message) -> None:
     lp = a["logprobs"]
     if not np.isfinite(lp).all() or (lp > 1e-4).any():
         raise ProtocolError("rollout: logprobs must be finite and <= 0")
+    versions = a.get("policy_versions")
+    if versions is not None and (versions.dtype != np.int32 or versions.shape != a["completion_ids"].shape
+                                 or (versions < 0).any()):
+        raise ProtocolError("rollout: policy_versions must be int32 >= 0, one per completion id")
     _check_episode_fields(msg, g)
 
 

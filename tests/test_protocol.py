@@ -782,8 +782,11 @@ def test_an_episode_rollout_round_trips_with_its_loss_mask():
     ({"env_rewards": [1.0, float("nan")]}, {}, "env_rewards must be 2 finite numbers or nil"),
     ({"turns": [[{"role": "user"}], []]}, {}, "turns must be 2 lists of"),
     ({"error": 3}, {}, "field 'error' must be a string"),
+    ({}, {"policy_versions": np.ones(4, dtype=np.int32)}, "policy_versions must be int32 >= 0, one per"),
+    ({}, {"policy_versions": np.ones(5, dtype=np.int64)}, "policy_versions must be int32 >= 0"),
+    ({}, {"policy_versions": np.full(5, -1, dtype=np.int32)}, "policy_versions must be int32 >= 0"),
 ])
-def test_bad_episode_fields_are_named(changes, arrays, message):
+def test_bad_optional_rollout_fields_are_named(changes, arrays, message):
     with pytest.raises(ProtocolError, match=re.escape(message)):
         decode(rollout_frames(changes, arrays))
 

@@ -24,15 +24,16 @@ def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):
     rng = np.random.default_rng(0)
 
     with peer(run, "learner") as (learner, sock):
-        def send_group(version: int, n: int) -> None:
+        def send_group(version: int, n: int, versions: list[int] | None = None) -> None:
             ids = rng.integers(5, 40, 4 * 3).astype(np.int32)
+            per_token = {} if versions is None else {"policy_versions": np.array(versions, np.int32)}
             sock.send_multipart(protocol.encode(protocol.ROLLOUT, {
                 "group_id": f"v{version}-{n}", "policy_version": version, "prompt": "repeat 1",
                 "columns": {"target": "1"}, "texts": ["111", "123", "abc", "1a1"],
                 "finish_reasons": ["length"] * 4}, {
                 "prompt_ids": np.array(tok.encode("repeat 1"), np.int32), "completion_ids": ids,
                 "completion_lens": np.array([3, 3, 3, 3], np.int32),
-                "logprobs": np.full(12, -3.0, np.float32)}))
+                "logprobs": np.full(12, -3.0, np.float32), **per_token}))
 
         def expect(kind: str, **fields) -> protocol.Message:
             while True:
@@ -50,7 +51,8 @@ def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):
             send_group(version, 1)
             expect(protocol.WEIGHTS, version=version + 1)
         send_group(0, 2)  # two versions behind at version 2: stale
-        send_group(0, 3)
+        # Sampled across weight updates (the continuous engine): as old as its oldest token.
+        send_group(2, 3, versions=[0] * 6 + [2] * 6)
         expect(protocol.CREDIT, groups_consumed=6)  # dropped groups are consumed, too
         send_group(2, 4)
         send_group(2, 5)
@@ -58,6 +60,7 @@ def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):
         assert learner.wait(60) == 0
     last = read_metrics(run)[-1]
     assert last["step"] == 3 and last["groups_trained"] == 6
+    assert last["dropped_reasons"] == {"stale": 2}
     assert last["dropped_reasons"] == {"stale": 2}
     log = (run / "learner.log").read_text()
     assert "step 3: dropped 2 groups (stale 2)" in log and "dropped group v0-2" not in log
