@@ -51,9 +51,11 @@ SETTINGS = dict(temperature=0.7, top_p=0.95, beta=0.04, learning_rate=1e-5, seed
 LOGIT_SCALE = 4.0
 
 
-def build_model(out: Path, shape: dict, bits: int | None, dtype: str) -> Path:
+def build_model(out: Path, shape: dict, bits: int | None, dtype: str,
+                logit_scale: float = LOGIT_SCALE) -> Path:
     """A Qwen3 model of `shape` with random weights, its logits scaled to a trained
-    model's spread (LOGIT_SCALE), saved in mlx-lm's format (cached)."""
+    model's spread (`logit_scale`; 1: a random model's nearly flat distribution), saved in
+    mlx-lm's format (cached)."""
     if (out / "config.json").exists():
         return out
     import mlx.core as mx
@@ -67,7 +69,7 @@ def build_model(out: Path, shape: dict, bits: int | None, dtype: str) -> Path:
               "torch_dtype": dtype}
     mx.random.seed(0)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    model.model.norm.weight = model.model.norm.weight * LOGIT_SCALE
+    model.model.norm.weight = model.model.norm.weight * logit_scale
     # EOS never likely: every completion runs to max_tokens in every system alike.
     model.model.embed_tokens.weight[config["eos_token_id"]] = 0.0
     model.set_dtype(getattr(mx, dtype))
