@@ -237,7 +237,8 @@ class Actor:
         in_flight = self.cfg.train.max_staleness >= 1
         if self.pending is not None and (in_flight or not engine.busy):
             self.apply_pending()
-        room = self.window - (self.groups_sent - self.groups_consumed) - engine.groups
+        # Groups added and not yet sent count against the credit, done or not.
+        room = self.window - (self.groups_sent - self.groups_consumed) - len(self.decoding)
         if self.policy_version is None or (room <= 0 and not engine.busy):
             self.receive(200)  # wait for weights or credit
             return
