@@ -112,7 +112,8 @@ class Actor:
         if not env.environment and self.cfg.actor.engine == "continuous" and plain_caches(self.model):
             rows = self.cfg.actor.max_rows or -(-train.batch_size // self.cfg.actor.count) * s.group_size
             self.engine = Engine(self.model, s, self.eos_ids, s.seed, rows)
-        # Groups in the engine, in the order added: (prompt, cursor, completions once done).
+        # Groups in the engine, in the order added: (prompt, the data cursor after it,
+        # its completions once done, the data cursor before it).
         self.decoding: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self.groups_added = 0
         self.decode_s = 0.0  # decoding time since groups last went out
@@ -244,20 +245,21 @@ class Actor:
             return
         if self.pending is None or in_flight:
             for _ in range(room):
+                start = self.stream.cursor
                 prompt, cursor, first = self.next_prompt()
                 self.groups_added += 1
-                self.decoding[self.groups_added] = (prompt, cursor, None)
+                self.decoding[self.groups_added] = (prompt, cursor, None, start)
                 noise = list(range(first, first + self.sampling.group_size))
                 engine.add(self.groups_added, prompt.prompt_ids, noise)
         t0 = time.perf_counter()
         for done, completions in engine.step(self.policy_version):
-            prompt, cursor, _ = self.decoding[cast(int, done)]
-            self.decoding[cast(int, done)] = (prompt, cursor, completions)
+            prompt, cursor, _, start = self.decoding[cast(int, done)]
+            self.decoding[cast(int, done)] = (prompt, cursor, completions, start)
         self.decode_s += time.perf_counter() - t0
         ready = []
         while self.decoding and next(iter(self.decoding.values()))[2] is not None:
             ready.append(self.decoding.popitem(last=False)[1])
-        for prompt, cursor, completions in ready:
+        for prompt, cursor, completions, _ in ready:
             # Each group's share of the decoding time since the last groups went out.
             fields, arrays = self.completions(prompt, completions)
             self.send_group(prompt, cursor, fields, arrays, self.decode_s / len(ready))
@@ -331,6 +333,9 @@ class Actor:
         self.policy_version, self.pending, self.groups_sent, self.groups_consumed = None, None, 0, 0
         self.strange = False
         if self.engine is not None:  # what it decodes is the old connection's: sampled again
+            if self.decoding:  # from the first unsent prompt (the learner's data_cursor may move it on)
+                s, start = self.stream, next(iter(self.decoding.values()))[3]
+                self.stream = PromptStream(s.prompts, s.shuffle, s.seed, start, s.slot, s.slots)
             self.engine.clear()
             self.decoding.clear()
             self.decode_s = 0.0

@@ -43,9 +43,12 @@ class Group:
 
 
 def oldest_version(msg: Message) -> int:
-    """The policy version of a group's oldest token: a group sampled across a weight
-    update (`policy_versions`, PROTOCOL.md) is as stale as that, for the staleness bound."""
+    """The policy version of a group's oldest sampled token: a group sampled across a
+    weight update (`policy_versions`, PROTOCOL.md) is as stale as that, for the staleness
+    bound. An episode's environment tokens (`loss_mask` 0) were not sampled: not counted."""
     versions = msg.arrays.get("policy_versions")
+    if versions is not None and "loss_mask" in msg.arrays:
+        versions = versions[msg.arrays["loss_mask"] == 1]
     oldest = int(versions.min()) if versions is not None and versions.size else msg["policy_version"]
     return min(msg["policy_version"], oldest)
 

@@ -85,11 +85,6 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.waiting or self.live)
 
-    @property
-    def groups(self) -> int:
-        """Groups added and not yet handed back."""
-        return len(self.waiting) + len({id(g) for g, _ in self.live})
-
     def step(self, version: int = 0) -> list[tuple[Hashable, list[Completion]]]:
         """Admit the waiting groups that fit, sample one token for every live row, queue
         the next forward, and drop the rows that ended (EOS or max_tokens). `version`:

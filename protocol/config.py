@@ -441,6 +441,9 @@ def validate(raw: dict[str, Any]) -> Config:
         # Each actor would bind the one env socket of the run directory.
         raise ConfigError(f"actor.count = {cfg.actor.count} with env.environment: one actor serves the "
                           "environment's episodes for now; set actor.count = 1")
+    if 0 < cfg.actor.max_rows < cfg.sampling.group_size:
+        raise ConfigError(f"actor.max_rows = {cfg.actor.max_rows} is below sampling.group_size = "
+                          f"{cfg.sampling.group_size}: a group's rows decode together (0 = the default)")
     if cfg.actor.remote >= cfg.actor.count:
         raise ConfigError(f"actor.remote = {cfg.actor.remote} must be below actor.count = {cfg.actor.count}: "
                           "`up` starts at least one actor")

@@ -109,3 +109,31 @@ def test_weights_that_change_between_steps_are_recorded_token_by_token(policy): 
     for i in (1, 2):  # joined after the change
         assert_same(out[i], after[i])
         assert all(set(row.versions) == {1} for row in out[i])
+
+
+def test_a_group_that_joins_at_a_weight_change_is_the_new_weights_from_its_first_token(policy):  # noqa: F811
+    """Weights set the very step a group joins: its prefill and first token are the new
+    version's. The engine, cleared, starts again empty."""
+    model, tok = policy
+    params, eos = SamplingConfig(max_tokens=4), set(tok.eos_token_ids)
+    old = adapter_weights_numpy(model)
+    new = {k: np.random.default_rng(2).normal(0, 0.05, v.shape).astype(np.float32) for k, v in old.items()}
+    engine = Engine(model, params, eos, 5, max_rows=G)
+    engine.add("first", tok.encode("hi"), list(range(G)))
+    engine.add("second", tok.encode("x"), list(range(G, 2 * G)))
+    out, version = {}, 0
+    try:
+        while engine.busy:
+            if "first" in out and version == 0:  # the second joins at the next step
+                set_adapter_weights(model, new)
+                version = 1
+            out.update(engine.step(version))
+        second = reference_sample(model, tok.encode("x"), G, params, eos, 5, noise_offset=G)
+        engine.add("again", tok.encode("x"), list(range(G, 2 * G)))
+        engine.clear()
+        assert not engine.busy and engine.step(1) == []
+    finally:
+        set_adapter_weights(model, old)
+    assert all(set(row.versions) == {0} for row in out["first"])
+    assert all(set(row.versions) == {1} for row in out["second"])
+    assert_same(out["second"], second)

@@ -61,7 +61,6 @@ def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):
     last = read_metrics(run)[-1]
     assert last["step"] == 3 and last["groups_trained"] == 6
     assert last["dropped_reasons"] == {"stale": 2}
-    assert last["dropped_reasons"] == {"stale": 2}
     log = (run / "learner.log").read_text()
     assert "step 3: dropped 2 groups (stale 2)" in log and "dropped group v0-2" not in log
 
