@@ -28,8 +28,9 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 # The longest files first (their own tests' minutes on 2 cores), the rest in their order:
-# xdist hands out files in collection order, so a long file collected last would run alone
-# at the end while the other worker idles.
+# xdist hands out files in collection order (pyproject's --no-loadscope-reorder; by
+# default it puts files with many tests first), so a long file collected last would run
+# alone at the end while the other worker idles.
 LONGEST_FIRST = ("test_episodes", "test_chaos_actors", "test_chaos", "test_arithmetic", "test_scale_out",
                  "test_e2e", "test_serve", "test_supervision", "test_lifecycle", "test_reward_workers",
                  "test_plan", "test_data_and_sample", "test_flood")
