@@ -342,9 +342,12 @@ class Actor:
         if not self.can_send():
             self.greeted = 0  # the loop says why (refused: exit 4), or says hello again
             return
-        self.send(protocol.HELLO, {"role": "actor", "model": self.cfg.model.path,
-                                   "tokenizer": tokenizer_fingerprint(self.tokenizer),
-                                   "lora": as_dict(self.cfg.lora), "pid": os.getpid(), "slot": self.slot})
+        try:
+            self.send(protocol.HELLO, {"role": "actor", "model": self.cfg.model.path,
+                                       "tokenizer": tokenizer_fingerprint(self.tokenizer),
+                                       "lora": as_dict(self.cfg.lora), "pid": os.getpid(), "slot": self.slot})
+        except zmq.Again:  # the connection went between the poll and the send (a refused key)
+            self.greeted = 0  # as above: the loop says why, or says hello again
 
     def can_send(self) -> bool:
         """Whether the socket takes a message within the send timeout. A refused connection
