@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -50,6 +51,16 @@ from protocol.wire import MAX_HEADER_BYTES
 from protocol.workers import WorkerPool
 
 log = logging.getLogger("actor")
+
+
+@dataclass
+class Decoding:
+    """A group in the continuous engine, until it is sent."""
+
+    prompt: Prompt
+    cursor: list[int]  # the data cursor just after its prompt (the rollout's `cursor`)
+    start: tuple[int, int]  # the data cursor before it: where a reconnect samples again
+    completions: list[Completion] | None = None  # once its last row ends
 
 
 class Actor:
@@ -112,9 +123,8 @@ class Actor:
         if not env.environment and self.cfg.actor.engine == "continuous" and plain_caches(self.model):
             rows = self.cfg.actor.max_rows or -(-train.batch_size // self.cfg.actor.count) * s.group_size
             self.engine = Engine(self.model, s, self.eos_ids, s.seed, rows)
-        # Groups in the engine, in the order added: (prompt, the data cursor after it,
-        # its completions once done, the data cursor before it).
-        self.decoding: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        # Groups in the engine, in the order added.
+        self.decoding: collections.OrderedDict[int, Decoding] = collections.OrderedDict()
         self.groups_added = 0
         self.decode_s = 0.0  # decoding time since groups last went out
         self.episodes = None
@@ -248,21 +258,20 @@ class Actor:
                 start = self.stream.cursor
                 prompt, cursor, first = self.next_prompt()
                 self.groups_added += 1
-                self.decoding[self.groups_added] = (prompt, cursor, None, start)
+                self.decoding[self.groups_added] = Decoding(prompt, cursor, start)
                 noise = list(range(first, first + self.sampling.group_size))
                 engine.add(self.groups_added, prompt.prompt_ids, noise)
         t0 = time.perf_counter()
         for done, completions in engine.step(self.policy_version):
-            prompt, cursor, _, start = self.decoding[cast(int, done)]
-            self.decoding[cast(int, done)] = (prompt, cursor, completions, start)
+            self.decoding[cast(int, done)].completions = completions
         self.decode_s += time.perf_counter() - t0
         ready = []
-        while self.decoding and next(iter(self.decoding.values()))[2] is not None:
+        while self.decoding and next(iter(self.decoding.values())).completions is not None:
             ready.append(self.decoding.popitem(last=False)[1])
-        for prompt, cursor, completions, _ in ready:
+        for group in ready:
             # Each group's share of the decoding time since the last groups went out.
-            fields, arrays = self.completions(prompt, completions)
-            self.send_group(prompt, cursor, fields, arrays, self.decode_s / len(ready))
+            fields, arrays = self.completions(group.prompt, cast(list[Completion], group.completions))
+            self.send_group(group.prompt, group.cursor, fields, arrays, self.decode_s / len(ready))
         if ready:
             self.decode_s = 0.0
 
@@ -334,7 +343,7 @@ class Actor:
         self.strange = False
         if self.engine is not None:  # what it decodes is the old connection's: sampled again
             if self.decoding:  # from the first unsent prompt (the learner's data_cursor may move it on)
-                s, start = self.stream, next(iter(self.decoding.values()))[3]
+                s, start = self.stream, next(iter(self.decoding.values())).start
                 self.stream = PromptStream(s.prompts, s.shuffle, s.seed, start, s.slot, s.slots)
             self.engine.clear()
             self.decoding.clear()
