@@ -3,9 +3,11 @@
 It connects a DEALER socket to the learner, says hello, and samples nothing until it
 holds the learner's current weights: a restarted actor never samples with stale initial
 LoRA weights. It decodes with the continuous engine (policy/engine.py; `actor.engine`):
-rows refill the batch as others end, and each group goes out once it and the groups
-before it are done. With `max_staleness >= 1` the newest weights land between two decode
-steps (each token records its version); with 0, and on the static path, between batches.
+rows refill the batch as others end, and each group goes out the moment its last row
+ends, whatever the order of its prompt in the data (it names the span of the data it
+covers, `start_cursor` to `cursor`, so a restarted actor neither skips nor repeats).
+With `max_staleness >= 1` the newest weights land between two decode steps (each token
+records its version); with 0, and on the static path, between batches.
 Episodes decode in lockstep (actor/episodes.py).
 
 Flow control is by credit: the learner reports how many of this actor's groups it has
@@ -22,14 +24,13 @@ those, with unchanged weights.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TypeGuard, cast
 
 import mlx.core as mx
 import numpy as np
@@ -54,13 +55,13 @@ log = logging.getLogger("actor")
 
 
 @dataclass
-class Decoding:
-    """A group in the continuous engine, until it is sent."""
+class Drawn:
+    """A prompt drawn from the slot's data stream, until its group is sent."""
 
     prompt: Prompt
-    cursor: list[int]  # the data cursor just after its prompt (the rollout's `cursor`)
-    start: tuple[int, int]  # the data cursor before it: where a reconnect samples again
-    completions: list[Completion] | None = None  # once its last row ends
+    start: list[int]  # the data cursor before it (the rollout's `start_cursor`)
+    cursor: list[int]  # and after it (the rollout's `cursor`)
+    first_noise: int  # its rows' noise ids follow from here
 
 
 class Actor:
@@ -123,8 +124,7 @@ class Actor:
         if not env.environment and self.cfg.actor.engine == "continuous" and plain_caches(self.model):
             rows = self.cfg.actor.max_rows or -(-train.batch_size // self.cfg.actor.count) * s.group_size
             self.engine = Engine(self.model, s, self.eos_ids, s.seed, rows)
-        # Groups in the engine, in the order added.
-        self.decoding: collections.OrderedDict[int, Decoding] = collections.OrderedDict()
+        self.decoding: dict[int, Drawn] = {}  # groups in the engine, by key
         self.groups_added = 0
         self.decode_s = 0.0  # decoding time since groups last went out
         self.episodes = None
@@ -186,14 +186,16 @@ class Actor:
             self.strange = True  # it took us for gone
         elif msg.kind == protocol.HELLO:
             log.info("learner pid %s accepted the handshake", msg["pid"])
-            cursor = msg.header.get("data_cursor")
-            if isinstance(cursor, list) and len(cursor) == 2:
-                # A restarted actor, or a resumed run: continue the data where the
-                # learner's consumed groups end.
-                s = self.stream
-                self.stream = PromptStream(s.prompts, s.shuffle, s.seed, (cursor[0], cursor[1]), s.slot,
-                                           s.slots)
-                log.info("data cursor from the learner: epoch %d, position %d", *cursor)
+            # Where the slot's data continues (a restarted actor, a resumed run, a new
+            # connection): after the groups the learner holds, skipping those it holds beyond.
+            cursor, skip = msg.header.get("data_cursor"), msg.header.get("data_skip")
+            cursor = cursor if is_cursor(cursor) else [0, 0]
+            skip = [tuple(c) for c in skip if is_cursor(c)] if isinstance(skip, list) else []
+            s = self.stream
+            self.stream = PromptStream(s.prompts, s.shuffle, s.seed, (cursor[0], cursor[1]), s.slot, s.slots,
+                                       skip)
+            log.info("data cursor from the learner: epoch %d, position %d%s", *cursor,
+                     f"; {len(skip)} prompts beyond it are held already" if skip else "")
 
     def apply_pending(self) -> None:
         if self.pending is None:
@@ -208,84 +210,81 @@ class Actor:
         self.timings["weights_apply_s"] = time.perf_counter() - t0
         self.policy_version = msg["version"]
 
-    def next_prompt(self) -> tuple[Prompt, list[int], int]:
-        """The slot's next prompt, the data cursor just after it, and its first noise id.
-        Noise ids follow the prompt's place in the data stream, so a prompt draws the same
-        noise whatever actor (or resumed run) samples it."""
+    def next_prompt(self) -> Drawn:
+        """The slot's next prompt, where it is in the data, and its first noise id. Noise
+        ids follow the prompt's place in the data stream, so a prompt draws the same noise
+        whatever actor (or resumed run) samples it."""
         prompt = next(self.stream)
-        return prompt, list(self.stream.cursor), self.stream.index * self.sampling.group_size
+        return Drawn(prompt, list(self.stream.start), list(self.stream.cursor),
+                     self.stream.index * self.sampling.group_size)
 
     def sample_groups(self, n: int) -> None:
         """The static path: `n` groups decoded (or played as episodes) together, then sent."""
         g = self.sampling.group_size
-        prompts, cursors, first_noise = (list(x) for x in zip(*(self.next_prompt() for _ in range(n))))
+        drawn = [self.next_prompt() for _ in range(n)]
         t0 = time.perf_counter()
         if self.episodes is None:
-            groups = sample_groups(self.model, [p.prompt_ids for p in prompts], g, self.sampling,
+            groups = sample_groups(self.model, [d.prompt.prompt_ids for d in drawn], g, self.sampling,
                                    self.eos_ids, seed=self.sampling.seed,
-                                   noise_ids=[first + j for first in first_noise for j in range(g)])
-            rollouts = [self.completions(p, c) for p, c in zip(prompts, groups)]
+                                   noise_ids=[d.first_noise + j for d in drawn for j in range(g)])
+            rollouts = [self.completions(d.prompt, c) for d, c in zip(drawn, groups)]
         else:
-            episodes = self.episodes.run(prompts, first_noise, self.interrupted)
+            episodes = self.episodes.run([d.prompt for d in drawn], [d.first_noise for d in drawn],
+                                         self.interrupted)
             if episodes is None:
                 return  # stopping: the learner's data cursor still points before these prompts
             rollouts = [e.fields(self.decode) for e in episodes]
         gen_s = (time.perf_counter() - t0) / n
-        for prompt, cursor, (fields, arrays) in zip(prompts, cursors, rollouts):
+        for d, (fields, arrays) in zip(drawn, rollouts):
             if self.episodes is not None:
                 fields = {**fields, "env_retries": self.episodes.retries}
-            self.send_group(prompt, cursor, fields, arrays, gen_s)
+            self.send_group(d, fields, arrays, gen_s)
 
     def stream_groups(self) -> None:
         """The continuous path (policy/engine.py), one decode step at a time: new groups
-        join as the credit allows and rows free up, and each group is sent once it and
-        every group added before it are done (in the data's order, so the learner's data
-        cursor stays exact). New weights land between two steps with max_staleness >= 1;
-        with 0, only when nothing decodes, so that every group is sampled by the weights
-        of the step before."""
+        join as the credit allows and rows free up, and each group is sent the step its
+        last row ends. New weights land between two steps with max_staleness >= 1; with 0,
+        only when nothing decodes, so that every group is sampled by the weights of the
+        step before."""
         engine = self.engine
         assert engine is not None  # the continuous path has one
         in_flight = self.cfg.train.max_staleness >= 1
         if self.pending is not None and (in_flight or not engine.busy):
             self.apply_pending()
-        # Groups added and not yet sent count against the credit, done or not.
+        # Groups added and not yet sent count against the credit.
         room = self.window - (self.groups_sent - self.groups_consumed) - len(self.decoding)
         if self.policy_version is None or (room <= 0 and not engine.busy):
             self.receive(200)  # wait for weights or credit
             return
         if self.pending is None or in_flight:
             for _ in range(room):
-                start = self.stream.cursor
-                prompt, cursor, first = self.next_prompt()
                 self.groups_added += 1
-                self.decoding[self.groups_added] = Decoding(prompt, cursor, start)
-                noise = list(range(first, first + self.sampling.group_size))
-                engine.add(self.groups_added, prompt.prompt_ids, noise)
+                drawn = self.decoding[self.groups_added] = self.next_prompt()
+                noise = list(range(drawn.first_noise, drawn.first_noise + self.sampling.group_size))
+                engine.add(self.groups_added, drawn.prompt.prompt_ids, noise)
         t0 = time.perf_counter()
-        for done, completions in engine.step(self.policy_version):
-            self.decoding[cast(int, done)].completions = completions
+        done = engine.step(self.policy_version)
         self.decode_s += time.perf_counter() - t0
-        ready = []
-        while self.decoding and next(iter(self.decoding.values())).completions is not None:
-            ready.append(self.decoding.popitem(last=False)[1])
-        for group in ready:
+        for key, completions in done:
+            drawn = self.decoding.pop(cast(int, key))
             # Each group's share of the decoding time since the last groups went out.
-            fields, arrays = self.completions(group.prompt, cast(list[Completion], group.completions))
-            self.send_group(group.prompt, group.cursor, fields, arrays, self.decode_s / len(ready))
-        if ready:
+            fields, arrays = self.completions(drawn.prompt, completions)
+            self.send_group(drawn, fields, arrays, self.decode_s / len(done))
+        if done:
             self.decode_s = 0.0
 
-    def send_group(self, prompt: Prompt, cursor: list[int], fields: dict, arrays: dict, gen_s: float) -> None:
+    def send_group(self, drawn: Drawn, fields: dict, arrays: dict, gen_s: float) -> None:
         versions = arrays.get("policy_versions")
         header = {
             "group_id": str(self.groups_sent),
-            "cursor": cursor,
-            "row": prompt.index,
+            "cursor": drawn.cursor,
+            "start_cursor": drawn.start,
+            "row": drawn.prompt.index,
             **self.timings,
             # Its oldest token's, when the weights changed while it decoded.
             "policy_version": int(versions.min()) if versions is not None else self.policy_version,
-            "prompt": prompt.prompt,
-            "columns": prompt.columns,
+            "prompt": drawn.prompt.prompt,
+            "columns": drawn.prompt.columns,
             **fields,
             "gen_s": gen_s,
             "peak_memory_mb": mx.get_peak_memory() / (1 << 20),
@@ -341,11 +340,8 @@ class Actor:
         self.greeted = max(self.watch.connections, 1)  # the first hello goes on the first connection
         self.policy_version, self.pending, self.groups_sent, self.groups_consumed = None, None, 0, 0
         self.strange = False
-        if self.engine is not None:  # what it decodes is the old connection's: sampled again
-            if self.decoding:  # from the first unsent prompt (the learner's data_cursor may move it on)
-                s, start = self.stream, next(iter(self.decoding.values())).start
-                self.stream = PromptStream(s.prompts, s.shuffle, s.seed, start, s.slot, s.slots)
-            self.engine.clear()
+        if self.engine is not None:  # what it decodes is the old connection's: the learner's
+            self.engine.clear()      # hello says where the data continues
             self.decoding.clear()
             self.decode_s = 0.0
         if not self.can_send():
@@ -415,6 +411,11 @@ class Actor:
             self.watch.close()
         self.sock.close()
         sockets.close_context(self.ctx)
+
+
+def is_cursor(value: object) -> TypeGuard[list[int]]:
+    """A data cursor, [epoch, position], as the learner's hello carries them."""
+    return isinstance(value, list) and len(value) == 2 and all(type(c) is int and c >= 0 for c in value)
 
 
 def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str | None = None) -> int:

@@ -26,6 +26,7 @@ class Group:
     gen_s: float
     actor_peak_mb: float | None
     cursor: list[int] | None = None  # the actor's data cursor just after this prompt
+    start_cursor: list[int] | None = None  # and just before it (its slot's previous prompt's cursor)
     row: int | None = None  # the prompt's row in the data file, for error messages
     timings: dict[str, float] = field(default_factory=dict)  # the actor's weight-sync times
     loss_masks: list[np.ndarray] | None = None  # episodes: 1 where the model sampled the token
@@ -53,6 +54,12 @@ def oldest_version(msg: Message) -> int:
     return min(msg["policy_version"], oldest)
 
 
+def data_cursor(value: Any) -> list[int] | None:
+    """A rollout's `cursor` or `start_cursor` if it is one ([epoch, position]), else None."""
+    ok = isinstance(value, list) and len(value) == 2 and all(type(c) is int and c >= 0 for c in value)
+    return value if ok else None
+
+
 def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size: int) -> Group:
     """Build a Group; raise ValueError (the drop reason) if it cannot be trained on."""
     if msg.header.get("error") is not None:
@@ -72,9 +79,6 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
         raise ValueError("empty completion")
     gen_s = msg.header.get("gen_s", 0.0)
     peak = msg.header.get("peak_memory_mb")
-    cursor = msg.header.get("cursor")
-    if not (isinstance(cursor, list) and len(cursor) == 2 and all(type(c) is int and c >= 0 for c in cursor)):
-        cursor = None
     return Group(
         sender=sender,
         group_id=msg["group_id"],
@@ -88,7 +92,8 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
         finish_reasons=msg["finish_reasons"],
         gen_s=float(gen_s) if isinstance(gen_s, (int, float)) else 0.0,
         actor_peak_mb=float(peak) if isinstance(peak, (int, float)) else None,
-        cursor=cursor,
+        cursor=data_cursor(msg.header.get("cursor")),
+        start_cursor=data_cursor(msg.header.get("start_cursor")),
         row=row if type(row := msg.header.get("row")) is int else None,
         timings={k: float(v) for k in ("weights_transfer_s", "weights_apply_s")
                  if isinstance(v := msg.header.get(k), (int, float)) and not isinstance(v, bool)},

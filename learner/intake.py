@@ -97,4 +97,4 @@ class Intake:
 
     def drop(self, g: Group, reason: str) -> None:
         self.arrival.pop(id(g), None)
-        self.ledger.drop(reason, g.sender, g.cursor, g.group_id)
+        self.ledger.drop(reason, g.sender, g.cursor, g.group_id, g.start_cursor)

@@ -150,7 +150,7 @@ class RolloutSocket:
             self.last_seen[actor] = time.monotonic()
             self.greeted.discard(actor)
             self.ledger.attach(actor, slot)
-            hello["data_cursor"] = self.ledger.cursor_for(slot)
+            hello["data_cursor"], hello["data_skip"] = self.ledger.cursor_for(slot)
         log.info("%s pid %s attached%s; sending weights of version %d", role, msg["pid"],
                  f" as slot {slot}" if role == "actor" else "", policy_version)
         self.send(actor, protocol.HELLO, hello)
@@ -185,7 +185,7 @@ class RolloutSocket:
         except ValueError as e:
             self.ledger.drop(str(e), actor, group_id=msg["group_id"])
             return None
-        self.ledger.received_group(actor, group.cursor)
+        self.ledger.received_group(actor, group.cursor, group.start_cursor)
         return group
 
     def publish(self, policy_version: int, actors: list[bytes] | None = None) -> None:

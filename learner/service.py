@@ -155,7 +155,7 @@ class Learner:
             self.step += 1
             self.rollouts.publish(self.step)
             if iteration == 0:
-                self.ledger.train([(g.sender, g.cursor) for g in groups])
+                self.ledger.train([(g.sender, g.cursor, g.start_cursor) for g in groups])
             line = {
                 "step": self.step, "policy_version": self.step, "iteration": iteration, **shared, **stats,
                 "step_s": time.perf_counter() - t0, **self.rollouts.weight_sync,

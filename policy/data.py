@@ -182,11 +182,16 @@ class PromptStream:
     """
 
     def __init__(self, prompts: list[Prompt], shuffle: bool, seed: int,
-                 cursor: tuple[int, int] = (0, 0), slot: int = 0, slots: int = 1) -> None:
+                 cursor: tuple[int, int] = (0, 0), slot: int = 0, slots: int = 1,
+                 skip: Iterable[tuple[int, int]] = ()) -> None:
+        """`skip`: the cursors just after prompts to pass over (their groups are already
+        held: the learner's `data_skip`)."""
         self.prompts, self.shuffle, self.seed = prompts, shuffle, seed
         self.epoch, self.position = cursor
         self.slot, self.slots = slot, slots
+        self.skip = {tuple(c) for c in skip}
         self.index = -1  # the stream index of the prompt last returned
+        self.start = self.cursor  # the cursor before it (after the prompt of this slot before it)
         self._order = self._epoch_order()
 
     def _epoch_order(self) -> list[int]:
@@ -203,12 +208,18 @@ class PromptStream:
         return self
 
     def __next__(self) -> Prompt:
+        start = self.cursor
         while True:
             if self.position >= len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._epoch_order()
             index = self.epoch * len(self._order) + self.position
             self.position += 1
-            if index % self.slots == self.slot:
-                self.index = index
-                return self.prompts[self._order[self.position - 1]]
+            if index % self.slots != self.slot:
+                continue
+            if self.cursor in self.skip:  # held already: the next prompt's span starts after it
+                self.skip.discard(self.cursor)
+                start = self.cursor
+                continue
+            self.index, self.start = index, start
+            return self.prompts[self._order[self.position - 1]]

@@ -219,7 +219,7 @@ class ActorConfig:
     remote: int = key(0, "how many of them join from other machines (`actor run --slot I`, slots "
                          "count - remote to count - 1); `up` starts the others", _range(0))
     engine: str = key("continuous", "`continuous`: rows refill the decode batch as others end, each group "
-                                    "is sent when it and the groups before it are done, and with "
+                                    "is sent the step its last row ends, and with "
                                     "max_staleness >= 1 new weights land between two decode steps; "
                                     "`static`: each share of a batch decodes until its longest row ends",
                       _one_of("continuous", "static"))

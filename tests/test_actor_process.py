@@ -136,3 +136,96 @@ def test_an_actor_refused_by_its_stop_s_code_exits_4_and_a_stop_s_text_is_only_t
             assert hello.kind == protocol.HELLO
             sock.send_multipart([identity, *protocol.encode(protocol.STOP, header)])
             assert actor.wait(30) == code, header
+
+
+def many_eos_model(tmp_path) -> str:
+    """The tiny model with a fifth of its vocabulary as EOS: completions end at many lengths."""
+    import json
+    import shutil
+
+    from tests.helpers import TINY_MODEL
+
+    path = tmp_path / "many-eos-model"
+    shutil.copytree(TINY_MODEL, path)
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = list(range(1, config["vocab_size"], 5))
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_groups_go_out_as_they_finish_and_a_restarted_actor_samples_what_the_learner_lacks(tmp_path):
+    """Each group reaches the learner the step its last row ends, out of data order (the
+    short before the long). SIGKILLed with some groups sent, a restarted actor gets the
+    learner's cursor and the spans it holds beyond it (a real Ledger), and samples
+    exactly the holes and what follows: nothing skipped, nothing twice."""
+    import signal
+    import subprocess
+    import sys
+
+    from learner.ledger import Ledger
+    from policy.data import PromptStream, load_prompts
+    from tests.helpers import ROOT
+
+    extra = "[sampling]\ngroup_size = 2\nmax_tokens = 24\n[train]\nbatch_size = 6"
+    cfg = load_config(write_config(tmp_path, f'[model]\npath = "{many_eos_model(tmp_path)}"\n{extra}'))
+    run = prepare_run_dir(cfg)
+    ledger, received = Ledger(), []
+    model, tok, _ = load_policy(cfg.model.path, cfg.lora)
+
+    def send(identity: bytes, kind: str, header: dict, arrays: dict | None = None) -> None:
+        sock.send_multipart([identity, *protocol.encode(kind, header, arrays)])
+
+    def attach() -> bytes:
+        identity, hello = recv(sock)
+        assert hello.kind == protocol.HELLO
+        ledger.attach(identity, 0)
+        cursor, skip = ledger.cursor_for(0)
+        send(identity, protocol.HELLO, {"role": "learner", "model": cfg.model.path, "pid": os.getpid(),
+                                        "tokenizer": hello["tokenizer"], "lora": as_dict(cfg.lora),
+                                        "data_cursor": cursor, "data_skip": skip})
+        send(identity, protocol.WEIGHTS, {"version": 0}, adapter_weights_numpy(model))
+        return identity
+
+    def take(identity: bytes, msg: protocol.Message) -> protocol.Message:
+        assert msg.kind == protocol.ROLLOUT
+        ledger.receive(identity)
+        ledger.received_group(identity, msg["cursor"], msg["start_cursor"])
+        received.append(msg)
+        return msg
+
+    with peer(run, "actor") as (actor, sock):
+        first = attach()
+        arrived = [take(*recv(sock)) for _ in range(6)]
+        cursors = [m["cursor"] for m in arrived]
+        longest = [int(m.arrays["completion_lens"].max()) for m in arrived]
+        assert cursors != sorted(cursors), cursors  # out of data order...
+        assert longest == sorted(longest), longest  # ...as each went out when its last row ended
+
+        # Credit for those six: the actor samples six more. SIGKILL after three arrive.
+        send(first, protocol.CREDIT, {"groups_consumed": 6})
+        for _ in range(3):
+            take(*recv(sock))
+        actor.send_signal(signal.SIGKILL)
+        actor.wait(30)
+        while sock.poll(1000):  # what it sent before it died still arrives
+            identity, *frames = sock.recv_multipart()
+            if (msg := protocol.decode(frames)).kind == protocol.ROLLOUT:
+                take(identity, msg)
+        assert ledger.cursor_for(0)[1], "no hole: the test needs groups that overtook others"
+
+        restarted = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(run)], cwd=ROOT,
+                                     stdout=open(run / "actor2.log", "w"), stderr=subprocess.STDOUT)
+        try:
+            second = attach()
+            for _ in range(6):
+                take(*recv(sock))
+            send(second, protocol.STOP, {"reason": "test over"})
+            assert restarted.wait(30) == 0
+        finally:
+            if restarted.poll() is None:
+                restarted.kill()
+                restarted.wait()
+    seen = [tuple(m["cursor"]) for m in received]
+    assert len(seen) == len(set(seen)), "a prompt sampled twice"
+    stream = PromptStream(load_prompts(cfg.data.prompts, tok, 1024), False, 0)
+    assert sorted(seen) == [(next(stream), stream.cursor)[1] for _ in seen]  # and none skipped

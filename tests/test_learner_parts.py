@@ -40,7 +40,7 @@ def test_the_ledger_accounts_for_every_group_and_the_credit_of_each_actor():
     for _ in range(5):
         ledger.receive()
     ledger.drop("stale", A, [0, 2])
-    ledger.train([(A, [0, 4]), (B, [0, 3])])
+    ledger.train([(A, [0, 4], None), (B, [0, 3], None)])
     assert ledger.counts(queued=2) == {"groups_received": 5, "groups_trained": 2, "groups_queued": 2,
                                        "groups_dropped": 1, "dropped_reasons": {"stale": 1},
                                        "messages_rejected": 0, "groups_received_by_actor": {}}
@@ -55,7 +55,7 @@ def test_a_ledger_from_a_checkpoint_counts_queued_groups_as_not_received():
     ledger = Ledger()
     for _ in range(4):
         ledger.receive()
-    ledger.train([(A, [1, 0])])
+    ledger.train([(A, [1, 0], None)])
     ledger.drop("stale", A)
     ledger.reject_message()
     restored = Ledger()
@@ -208,14 +208,57 @@ def test_each_actor_slot_continues_after_its_own_newest_group():
     for sender, cursor in [(a, [0, 1]), (b, [0, 2]), (a, [0, 3]), (b, [0, 4]), (b, [0, 6])]:
         ledger.receive(sender)
         ledger.received_group(sender, cursor)
-    ledger.train([(a, [0, 1]), (b, [0, 2]), (a, [0, 3]), (b, [0, 4])])  # [0, 6] still queued
+    # [0, 6] still queued
+    ledger.train([(a, [0, 1], None), (b, [0, 2], None), (a, [0, 3], None), (b, [0, 4], None)])
     ledger.attach(b2, 1)
-    assert ledger.cursor_for(1) == [0, 6] and ledger.cursor_for(0) == [0, 3]
+    assert ledger.cursor_for(1) == ([0, 6], []) and ledger.cursor_for(0) == ([0, 3], [])
     assert ledger.counts(1)["groups_received_by_actor"] == {"0": 2, "1": 3}
     resumed = Ledger()
     resumed.restore(ledger.state())
-    assert resumed.cursor_for(1) == [0, 4] and resumed.cursor_for(0) == [0, 3]
-    assert resumed.cursor_for(2) == [0, 4]  # the newest consumed of any slot
+    assert resumed.cursor_for(1) == ([0, 4], []) and resumed.cursor_for(0) == ([0, 3], [])
+    assert resumed.cursor_for(2) == ([0, 4], [])  # the newest consumed of any slot
+
+
+def spans(stream, n: int) -> list[tuple[list[int], list[int]]]:
+    """(start_cursor, cursor) of the stream's next n prompts, as an actor sends them."""
+    out = []
+    for _ in range(n):
+        next(stream)
+        out.append((list(stream.start), list(stream.cursor)))
+    return out
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_groups_that_arrive_out_of_data_order_leave_holes_a_restarted_actor_fills_and_nothing_else(slots):
+    """An actor sends each group when it finishes, not in data order. The learner keeps,
+    per slot, the cursor up to which it holds every prompt and the spans beyond it; a
+    restarted actor (and a resumed run, from the consumed ones) samples exactly the
+    holes and goes on after the newest, across an epoch's end."""
+    from policy.data import Prompt, PromptStream
+
+    prompts = [Prompt(f"p{i}", [i + 3], {}, i) for i in range(5)]
+    first = spans(PromptStream(prompts, True, 1, slot=slots - 1, slots=slots), 6)  # crosses an epoch
+    ledger, a = Ledger(), b"a"
+    ledger.attach(a, slots - 1)
+    arrived = [first[i] for i in (1, 3, 4)]  # 0, 2 and 5 still decoding when the actor dies
+    for start, cursor in arrived:
+        ledger.receive(a)
+        ledger.received_group(a, cursor, start)
+    ledger.train([(a, cursor, start) for start, cursor in arrived[:2]])
+    held, skip = ledger.cursor_for(slots - 1)
+    assert held is None and skip == [first[i][1] for i in (1, 3, 4)]
+
+    restarted = PromptStream(prompts, True, 1, (0, 0), slots - 1, slots, [tuple(c) for c in skip])
+    after = spans(PromptStream(prompts, True, 1, tuple(first[5][1]), slots - 1, slots), 1)
+    assert spans(restarted, 4) == [first[0], first[2], first[5], *after]
+    ledger.received_group(a, first[0][1], first[0][0])  # the first hole filled
+    assert ledger.cursor_for(slots - 1) == (first[1][1], [first[3][1], first[4][1]])
+
+    resumed = Ledger()  # from a checkpoint: it knows the consumed groups only
+    resumed.restore(json.loads(json.dumps(ledger.state())))
+    assert resumed.cursor_for(slots - 1) == (None, [first[1][1], first[3][1]])
+    resumed.attach(b"a2", slots - 1)
+    assert resumed.cursor_for(slots - 1) == (None, [first[1][1], first[3][1]])
 
 
 def test_rollouts_become_groups_or_counted_drops_and_credit_flows(socket_pair):
