@@ -8,10 +8,17 @@ incremental form (`Renderer`) and carries `loss_mask` 0, so the learner trains o
 model's tokens only. For chat prompts even the generation prompt of every model turn
 belongs to the environment's tokens: the prompt is rendered without it.
 
-Turns go in lockstep: once every environment has answered, all live episodes are sampled
-in one batch (each whole context prefilled again: simple, and cheap beside decoding at
-these lengths); then each sends its action to the env worker that holds it (`step`) and
-waits for the observation. The
+Episodes do not wait for each other. With the continuous engine (policy/engine.py) an
+episode's model turn joins the decode batch the moment its observation is in, continuing
+the KV cache its last turn left: only the environment's new tokens are prefilled, so an
+n-turn episode prefills its context once. When the turn ends it sends its action to the
+env worker that holds it (`step`) and waits, keeping its cache, while the others decode.
+Models whose caches the engine cannot batch (and `actor.engine = "static"`) take turns
+in lockstep instead: once every environment has answered, all live episodes are sampled
+in one batch, each whole context prefilled again. Both draw a turn's noise alike, so
+they sample the same tokens.
+
+The
 environment ends an episode with `done` (`env_done`) or an error (`env_error`); the
 per-episode token budget ends it too (`length`), and so does the environment's answer to
 the `env.max_turns`-th model turn (`max_turns`; that answer's reward counts).
@@ -28,13 +35,14 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.nn as nn
 import numpy as np
 
 import protocol
 from policy.data import DataError, Prompt
+from policy.engine import Engine
 from policy.sampler import sample_groups
 from protocol.config import EnvConfig, SamplingConfig
 from protocol.workers import Holder, WorkerPool
@@ -130,6 +138,7 @@ class Episode:
     model_turns: int = 0
     worker: Holder | None = None  # the env worker (its attachment) that holds the episode
     waiting: bool = False  # a request is out
+    decoding: bool = False  # its model turn is in the engine
     attempts: int = 0
     lost: str | None = None  # why it could not be completed: its group is dropped
 
@@ -187,12 +196,17 @@ class EpisodeRunner:
     """Runs batches of episodes against the env workers of one env socket."""
 
     def __init__(self, pool: WorkerPool, model: nn.Module, tokenizer: Any, eos_ids: set[int],
-                 sampling: SamplingConfig, env: EnvConfig) -> None:
+                 sampling: SamplingConfig, env: EnvConfig, engine: Engine | None = None) -> None:
+        """`engine`: turns decode in it, each as soon as its observation is in (else in
+        lockstep batches)."""
         self.pool, self.model, self.tokenizer = pool, model, tokenizer
         self.eos_ids, self.sampling, self.env = eos_ids, sampling, env
+        self.engine = engine
+        self.lockstep_prefilled = 0  # tokens the lockstep batches prefilled
         self.renderer = Renderer(tokenizer, eos_ids)
         self.retries = 0  # episodes started again because their worker was lost
         self.episodes: dict[str, Episode] = {}  # by request id
+        self.decoding: dict[str, Episode] = {}  # by episode id: its turn is in the engine
         self.counter = 0
 
     def run(self, prompts: list[Prompt], first_noise: list[int],
@@ -214,19 +228,54 @@ class EpisodeRunner:
         waited = False
         while any(e.finish is None for e in live):
             if interrupted():
+                if self.engine is not None:
+                    self.engine.clear()
+                    self.decoding.clear()
                 return None
-            for e in live:  # between turns and its worker lost: it starts again now, not at its next step
-                if e.finish is None and not e.waiting and e.worker and not self.pool.holds(e.worker):
+            ready = [e for e in live if e.finish is None and not (e.waiting or e.decoding)]
+            for e in ready:  # between turns and its worker lost: it starts again now, not at its next step
+                if e.worker and not self.pool.holds(e.worker):
                     self.retry(e, f"{self.pool.name}: the worker holding it is gone")
-            if not any(e.waiting for e in live):
+            ready = [e for e in ready if e.finish is None and not e.waiting]  # not those started again
+            if self.engine is not None:
+                if self.decode(ready):
+                    self.handle(*self.pool.poll(0))
+                    continue
+            elif not any(e.waiting for e in live):
                 # Every environment has answered: the next turn of all of them, one batch.
-                self.sample_turn([e for e in live if e.finish is None])
+                self.sample_turn(ready)
                 continue
             if not waited and self.pool.n_workers == 0:
                 log.info("waiting for an env worker on %s", self.pool.endpoint)
                 waited = True
             self.handle(*self.pool.poll(100))
         return groups
+
+    @property
+    def prefilled(self) -> int:
+        """Tokens prefilled so far, in the engine or in lockstep batches."""
+        return self.lockstep_prefilled + (self.engine.prefilled if self.engine is not None else 0)
+
+    def turn_seed(self, e: Episode) -> int:
+        """A turn's noise differs from the last turn's."""
+        return self.sampling.seed + TURN_SEED_STRIDE * e.model_turns
+
+    def decode(self, ready: list[Episode]) -> bool:
+        """The `ready` episodes' next turns join the engine (each continuing the cache its
+        last turn left), then one decode step; each turn that ends goes to its
+        environment. False when nothing decodes."""
+        engine = cast(Engine, self.engine)
+        for e in ready:
+            e.decoding = True
+            self.decoding[e.episode_id] = e
+            engine.add(e.episode_id, e.prompt_ids + e.ids, [e.noise], self.turn_seed(e), keep=True)
+        if not engine.busy:
+            return False
+        for key, (c,) in engine.step():
+            e = self.decoding.pop(cast(str, key))
+            e.decoding = False
+            self.model_turn(e, c.token_ids, c.logprobs)
+        return True
 
     def start(self, e: Episode) -> None:
         e.attempts += 1
@@ -243,10 +292,11 @@ class EpisodeRunner:
         by_turn: dict[int, list[Episode]] = {}
         for e in ready:
             by_turn.setdefault(e.model_turns, []).append(e)
-        for turn, batch in sorted(by_turn.items()):
-            seed = self.sampling.seed + TURN_SEED_STRIDE * turn
-            out = sample_groups(self.model, [e.prompt_ids + e.ids for e in batch], 1, self.sampling,
-                                self.eos_ids, seed, noise_ids=[e.noise for e in batch])
+        for _, batch in sorted(by_turn.items()):
+            contexts = [e.prompt_ids + e.ids for e in batch]
+            self.lockstep_prefilled += sum(map(len, contexts))
+            out = sample_groups(self.model, contexts, 1, self.sampling, self.eos_ids,
+                                self.turn_seed(batch[0]), noise_ids=[e.noise for e in batch])
             for e, (c,) in zip(batch, out):
                 self.model_turn(e, c.token_ids, c.logprobs)
 
@@ -283,6 +333,8 @@ class EpisodeRunner:
     def retry(self, e: Episode, reason: str) -> None:
         """Start an episode that lost its worker again, from `reset`, or give it up (its
         group is dropped) once it has had `env.max_attempts`."""
+        if self.engine is not None:  # its KV cache is of the context it leaves behind
+            self.engine.release(e.episode_id)
         if e.attempts >= self.env.max_attempts:
             log.error("episode %s: %s; %d attempts used, its group is dropped", e.episode_id, reason,
                       e.attempts)
@@ -326,5 +378,7 @@ class EpisodeRunner:
 
     def finish(self, e: Episode, reason: str) -> None:
         e.finish = reason
+        if self.engine is not None:
+            self.engine.release(e.episode_id)
         if e.worker is not None:
             self.pool.notify(e.worker, protocol.END, {"episode_id": e.wire_id})

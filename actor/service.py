@@ -8,7 +8,8 @@ ends, whatever the order of its prompt in the data (it names the span of the dat
 covers, `start_cursor` to `cursor`, so a restarted actor neither skips nor repeats).
 With `max_staleness >= 1` the newest weights land between two decode steps (each token
 records its version); with 0, and on the static path, between batches.
-Episodes decode in lockstep (actor/episodes.py).
+Episodes take their turns in the same engine, each as its observation comes in
+(actor/episodes.py); their groups go out a batch at a time.
 
 Flow control is by credit: the learner reports how many of this actor's groups it has
 consumed (trained or dropped), and the actor's window. With `max_staleness = k`, batch
@@ -120,10 +121,10 @@ class Actor:
         self.beating = threading.Event()
         log.info("connecting to the learner at %s%s", endpoints["learner"], " (CURVE)" if keys else "")
         self.learner_lost = False
-        self.engine: Engine | None = None
-        if not env.environment and self.cfg.actor.engine == "continuous" and plain_caches(self.model):
-            rows = self.cfg.actor.max_rows or -(-train.batch_size // self.cfg.actor.count) * s.group_size
-            self.engine = Engine(self.model, s, self.eos_ids, s.seed, rows)
+        engine = None
+        if self.cfg.actor.engine == "continuous" and plain_caches(self.model):
+            engine = Engine(self.model, s, self.eos_ids, s.seed, self.cfg.decode_rows)
+        self.engine = None if env.environment else engine  # episodes decode in theirs
         self.decoding: dict[int, Drawn] = {}  # groups in the engine, by key
         self.groups_added = 0
         self.decode_s = 0.0  # decoding time since groups last went out
@@ -132,7 +133,7 @@ class Actor:
             # max_attempts=1: the runner counts an episode's attempts itself.
             pool = WorkerPool(self.ctx, endpoints["env"], "env_worker", protocol.OBSERVATION, env.timeout_s,
                               max_attempts=1, owner_role="actor", keys=keys)
-            self.episodes = EpisodeRunner(pool, self.model, self.tokenizer, self.eos_ids, s, env)
+            self.episodes = EpisodeRunner(pool, self.model, self.tokenizer, self.eos_ids, s, env, engine)
             self.episodes.renderer.check(prompts[0].prompt)
 
     def send(self, kind: str, header: dict, arrays: dict | None = None) -> None:

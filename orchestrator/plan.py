@@ -157,6 +157,7 @@ class Shape:
     local_actors: int = 1  # those on this machine (actor.count - actor.remote)
     learner_ranks: int = 1  # learner.ranks: each trains its share of a batch's rows
     share_prompts: bool = True  # train.share_prompts (and no grad_checkpoint): each prompt once
+    decode_rows: int = 0  # rows an actor decodes at once (Config.decode_rows); 0: its share of a batch
 
     @property
     def actor_batch(self) -> int:
@@ -213,7 +214,9 @@ def activation_bytes(m: ModelShape, tokens: int, seq: int) -> float:
 
 
 def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
-    rows = s.actor_batch * s.group_size  # every group of an actor's batch decodes together
+    # The engine's live rows; and every episode of a batch holds its KV cache, decoding or
+    # waiting for its environment.
+    rows = max(s.decode_rows, s.actor_batch * s.group_size)
     ctx = math.ceil(s.tokens / KV_STEP) * KV_STEP
     kv = rows * ctx * m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes
     terms = {
@@ -320,7 +323,8 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
     return Shape(s.group_size, t.batch_size, prompt_tokens, cfg.max_completion_tokens, t.micro_batch_size,
                  t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, cfg.actor.quantize_bits,
                  t.logit_chunk_mb, t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1,
-                 cfg.actor.count, cfg.actor.count - cfg.actor.remote, cfg.learner.ranks, t.share_prompts)
+                 cfg.actor.count, cfg.actor.count - cfg.actor.remote, cfg.learner.ranks, t.share_prompts,
+                 cfg.decode_rows)
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:

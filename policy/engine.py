@@ -7,7 +7,9 @@ rows in one of mlx-lm's BatchKVCaches. When rows finish, the groups waiting take
 places: their prompts are prefilled together (left-padded and masked, each prompt once,
 its cache rows repeated for its G samples, as the static sampler does) and join the
 batch (`BatchKVCache.extend`) at the next step. A group is handed back the step its last
-row ends.
+row ends. A row that ends stays in the batch, dead, until a group needs its place or a
+quarter of the batch is dead: cutting rows out copies the whole cache, and one at a time
+that would be nearly every step.
 
 Determinism is the static sampler's: a row's token t draws the noise of (seed, the row's
 noise id, t), so its tokens depend only on those and its own logits, never on what else
@@ -18,6 +20,13 @@ new version to `step`). Each token records the version whose logits it was sampl
 and its behavior logprob is of those very logits. The keys and values already in a row's
 cache stay as the older weights computed them: the learner's importance weights correct
 for exactly that, token by token.
+
+Episodes keep their KV cache across turns: a group added with `keep` leaves, when it
+ends, its row's cache behind (mlx-lm's `BatchKVCache.extract`), and when the same key is
+added again with a context that continues it (the environment's answer after the
+model's turn) only the new tokens are prefilled onto that cache before the row rejoins
+the batch (`BatchKVCache.merge`, `extend`). An n-turn episode so prefills its context
+once, not the sum of its prefixes, and waits for no other episode.
 
 Only models whose caches are mlx-lm's plain KVCache can be batched this way
 (policy/logprobs.py::plain_caches); the actor keeps the static sampler for the others.
@@ -32,10 +41,17 @@ from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from policy.logprobs import output_head
-from policy.sampler import Completion, _noise_keys, _sample, prefill_batch
+from policy.sampler import Completion, _noise_keys, _sample, prefill_batch, prefill_logits
 from protocol.config import SamplingConfig
+
+# A row that ends stays in the batch, dead (its compute wasted), until a waiting group
+# needs its place or the dead are this share of the batch: cutting rows out copies every
+# live row's keys and values (mlx-lm's BatchKVCache.filter), which under long-tailed
+# lengths would happen at nearly every step.
+DEAD_SHARE = 0.25
 
 
 @dataclass
@@ -53,6 +69,17 @@ class _Group:
     prompt: list[int]
     rows: list[_Row]
     left: int = 0  # rows still decoding
+    seed: int = 0  # of its rows' noise
+    keep: bool = False  # leave its row's KV cache behind when it ends (an episode's turn)
+    kept: _Kept | None = None  # the cache it continues
+
+
+@dataclass
+class _Kept:
+    """A finished single-row group's KV cache, one KVCache per layer, and its tokens."""
+
+    cache: list[KVCache]
+    tokens: list[int]
 
 
 class Engine:
@@ -65,21 +92,39 @@ class Engine:
         self.max_rows = max_rows
         self.head = output_head(model)
         self.waiting: deque[_Group] = deque()
-        self.live: list[tuple[_Group, _Row]] = []  # in the batch's row order
+        self.live: list[tuple[_Group, _Row] | None] = []  # in the batch's row order; None: dead
         self.cache: list | None = None  # one BatchKVCache per layer, for the live rows
         self.logits: mx.array | None = None  # the live rows' next-token logits [rows, V]
         self.keys: mx.array | None = None  # the live rows' noise keys
         self.made_by: list[int] = []  # the policy version that computed each live row's logits
+        self.kept: dict[Hashable, _Kept] = {}  # the caches of finished `keep` groups, by key
+        self.prefilled = 0  # tokens run through a prefill, padding not counted
 
     def clear(self) -> None:
-        """Forget every group, waiting or decoding."""
+        """Forget every group, waiting or decoding, and every kept cache."""
         self.waiting.clear()
-        self._keep([])
+        self.kept.clear()
+        self.live = [None] * len(self.live)
+        self._drop_dead()
 
-    def add(self, key: Hashable, prompt_ids: list[int], noise_ids: list[int]) -> None:
-        """A group to decode: one row per noise id, all continuing `prompt_ids`."""
+    def add(self, key: Hashable, prompt_ids: list[int], noise_ids: list[int], seed: int | None = None,
+            keep: bool = False) -> None:
+        """A group to decode: one row per noise id, all continuing `prompt_ids`, with the
+        noise of `seed` (default: the engine's). `keep` (one row only): when it ends, keep
+        its KV cache for the next `add` of `key`, which then prefills only what its prompt
+        adds to that cache's tokens (a prompt that does not continue them starts afresh)."""
         rows = [_Row(n) for n in noise_ids]
-        self.waiting.append(_Group(key, list(prompt_ids), rows, len(rows)))
+        if keep and len(rows) != 1:
+            raise ValueError("only a single-row group can keep its KV cache")
+        kept = self.kept.pop(key, None)
+        if kept is not None and prompt_ids[:len(kept.tokens)] != kept.tokens:
+            kept = None
+        seed = self.seed if seed is None else seed
+        self.waiting.append(_Group(key, list(prompt_ids), rows, len(rows), seed, keep, kept))
+
+    def release(self, key: Hashable) -> None:
+        """Drop the KV cache kept for `key` (its episode ended)."""
+        self.kept.pop(key, None)
 
     @property
     def busy(self) -> bool:
@@ -87,22 +132,27 @@ class Engine:
 
     def step(self, version: int = 0) -> list[tuple[Hashable, list[Completion]]]:
         """Admit the waiting groups that fit, sample one token for every live row, queue
-        the next forward, and drop the rows that ended (EOS or max_tokens). `version`:
+        the next forward, and mark the rows that ended (EOS or max_tokens) dead. `version`:
         the policy version of the model's weights now."""
         self._admit(version)
         if not self.live:
             return []
         assert self.logits is not None and self.keys is not None and self.cache is not None  # rows are live
-        t = mx.array([len(r.tokens) for _, r in self.live], dtype=mx.uint32)
+        t = mx.array([len(e[1].tokens) if e else 0 for e in self.live], dtype=mx.uint32)
         sampled, picked = _sample(self.logits, self.keys, t, self.params)
         # The next forward is queued before this step's tokens are read back, so the
         # device never waits for Python; the rows that end now waste that one step.
         self.logits = self.model(sampled[:, None], cache=self.cache)[:, -1, :]
         mx.async_eval(self.logits)
         made_by, self.made_by = self.made_by, [version] * len(self.live)
-        done, keep = [], []
+        done = []
         tokens, logprobs = cast(list[int], sampled.tolist()), cast(list[float], picked.tolist())
-        for k, ((group, row), token, logprob) in enumerate(zip(self.live, tokens, logprobs)):
+        # The cache holds every sampled token now (the forward above): a `keep` row that
+        # ends leaves it behind, its prompt and all its tokens.
+        for k, (entry, token, logprob) in enumerate(zip(self.live, tokens, logprobs)):
+            if entry is None:
+                continue
+            group, row = entry
             row.tokens.append(token)
             row.logprobs.append(logprob)
             row.versions.append(made_by[k])
@@ -111,15 +161,19 @@ class Engine:
                 group.left -= 1
                 if group.left == 0:
                     done.append(group)
-            else:
-                keep.append(k)
-        if len(keep) < len(self.live):
-            self._keep(keep)
+                if group.keep:
+                    self.kept[group.key] = _Kept([c.extract(k) for c in cast(list, self.cache)],
+                                                 group.prompt + row.tokens)
+                self.live[k] = None
+        dead = self.live.count(None)
+        if dead and dead >= DEAD_SHARE * len(self.live):
+            self._drop_dead()
         return [(g.key, [Completion(r.tokens, r.logprobs, "stop" if r.stopped else "length", r.versions)
                          for r in g.rows]) for g in done]
 
-    def _keep(self, keep: list[int]) -> None:
-        """Only these rows (batch positions) stay."""
+    def _drop_dead(self) -> None:
+        """Cut the dead rows out of the batch."""
+        keep = [k for k, entry in enumerate(self.live) if entry is not None]
         if not keep:
             self.live, self.cache, self.logits, self.keys, self.made_by = [], None, None, None, []
             return
@@ -134,21 +188,45 @@ class Engine:
         """Prefill the waiting groups that fit in the free rows (whole groups, in order;
         one larger than max_rows goes alone into an empty batch) and join them."""
         joining: list[_Group] = []
-        free = self.max_rows - len(self.live)
-        while self.waiting and (len(self.waiting[0].rows) <= free or not (self.live or joining)):
+        alive = len(self.live) - self.live.count(None)
+        free = self.max_rows - alive
+        while self.waiting and (len(self.waiting[0].rows) <= free or not (alive or joining)):
             joining.append(group := self.waiting.popleft())
             free -= len(group.rows)
         if not joining:
             return
-        cache, logits = prefill_batch(self.model, self.head, [g.prompt for g in joining],
-                                      [len(g.rows) for g in joining])
-        keys = _noise_keys(self.seed, [r.noise for g in joining for r in g.rows])
-        if self.cache is None:
-            self.cache, self.logits, self.keys = cache, logits, keys
-        else:
-            for mine, theirs in zip(self.cache, cache):
-                mine.extend(theirs)
-            self.logits = mx.concatenate([cast(mx.array, self.logits), logits])
-            self.keys = mx.concatenate([cast(mx.array, self.keys), keys])
+        if alive < len(self.live):  # they take the dead rows' places
+            self._drop_dead()
+        fresh = [g for g in joining if g.kept is None]
+        parts = [prefill_batch(self.model, self.head, [g.prompt for g in fresh], [len(g.rows) for g in fresh])
+                 ] if fresh else []
+        self.prefilled += sum(len(g.prompt) for g in fresh)
+        if len(fresh) < len(joining):
+            parts.append(self._continue([g for g in joining if g.kept is not None]))
+        joining = fresh + [g for g in joining if g.kept is not None]  # in the order of `parts`
+        keys = mx.concatenate([_noise_keys(g.seed, [r.noise for r in g.rows]) for g in joining])
+        for cache, logits in parts:
+            if self.cache is None:
+                self.cache, self.logits = cache, logits
+            else:
+                for mine, theirs in zip(self.cache, cache):
+                    mine.extend(theirs)
+                self.logits = mx.concatenate([cast(mx.array, self.logits), logits])
+        self.keys = keys if self.keys is None else mx.concatenate([self.keys, keys])
         self.live += [(g, r) for g in joining for r in g.rows]
         self.made_by += [version] * sum(len(g.rows) for g in joining)
+
+    def _continue(self, groups: list[_Group]) -> tuple[list[BatchKVCache], mx.array]:
+        """Prefill what each group's prompt adds to its kept cache, one row at a time (their
+        caches and additions differ in length), and merge the rows into a batch."""
+        logits = []
+        for g in groups:
+            kept = cast(_Kept, g.kept)
+            new = g.prompt[len(kept.tokens):] or g.prompt[-1:]
+            if not g.prompt[len(kept.tokens):]:  # nothing added: the last token again
+                for c in kept.cache:
+                    c.trim(1)
+            self.prefilled += len(new)
+            logits.append(prefill_logits(self.model, self.head, mx.array([new]), kept.cache))
+        layers = zip(*(cast(_Kept, g.kept).cache for g in groups))
+        return [BatchKVCache.merge(list(layer)) for layer in layers], mx.concatenate(logits)

@@ -335,6 +335,13 @@ class Config:
     run: RunConfig = RunConfig()
 
     @property
+    def decode_rows(self) -> int:
+        """Rows an actor's continuous engine decodes at once: `actor.max_rows`, by default
+        the rows of the actor's share of a batch (what the memory plan counts)."""
+        share = -(-self.train.batch_size // self.actor.count) * self.sampling.group_size
+        return self.actor.max_rows or share
+
+    @property
     def max_completion_tokens(self) -> int:
         """The longest completion: `sampling.max_tokens`, or for episodes (model and
         environment tokens together) `env.max_episode_tokens`."""

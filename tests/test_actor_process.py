@@ -201,7 +201,9 @@ def test_groups_go_out_as_they_finish_and_a_restarted_actor_samples_what_the_lea
         assert cursors != sorted(cursors), cursors  # out of data order...
         assert longest == sorted(longest), longest  # ...as each went out when its last row ended
 
-        # Credit for those six: the actor samples six more. SIGKILL after three arrive.
+        # Its window is full (max_staleness 0: a batch of 6 in flight): nothing more until
+        # credit comes. Credit for those six: it samples six more. SIGKILL after three arrive.
+        assert heartbeats_only(sock, 2.0) >= 1
         send(first, protocol.CREDIT, {"groups_consumed": 6})
         for _ in range(3):
             take(*recv(sock))

@@ -1,6 +1,7 @@
 """The continuous engine: rows that refill a batch as others end still get exactly the
 reference sampler's tokens, and groups come back as they complete, not in batch order."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -24,7 +25,7 @@ def run_engine(model, prompts, params, eos, seed, max_rows, reverse=False):
     step = 0
     while engine.busy:
         finished = engine.step()
-        for group, _ in engine.live:
+        for group, _ in filter(None, engine.live):
             first.setdefault(group.key, step)
             last[group.key] = step
         for key, completions in finished:
@@ -137,3 +138,45 @@ def test_a_group_that_joins_at_a_weight_change_is_the_new_weights_from_its_first
     assert all(set(row.versions) == {0} for row in out["first"])
     assert all(set(row.versions) == {1} for row in out["second"])
     assert_same(out["second"], second)
+
+
+def test_episodes_keep_their_kv_cache_across_turns_and_prefill_only_what_the_environment_adds(policy):  # noqa: F811
+    """Three episodes of three turns, at most two rows live: each turn is added the moment
+    the previous one ends (no lockstep), continuing its kept cache with the environment's
+    tokens. Every turn equals the reference sampler on the whole context (a full forward
+    every step): its tokens exactly, its logprobs to 1e-5 (float32). The learner's
+    full-context forward gives the same logprobs. The prefill is each context once:
+    prompts and environment tokens, never a model turn again."""
+    from policy.logprobs import sequence_logprobs
+
+    model, tok = policy
+    eos = {*tok.eos_token_ids, tok.encode("f")[0], tok.encode("3")[0]}
+    params = SamplingConfig(temperature=0.7, top_p=0.9, max_tokens=8)
+    prompts = {k: tok.encode(t) for k, t in enumerate(["repeat 5", "hi", "repeat 12345 please"])}
+    observations = [tok.encode(t) for t in ("ok 1", "no", "try again 77")]
+    engine = Engine(model, params, eos, 0, max_rows=2)
+    context = {k: list(p) for k, p in prompts.items()}
+    model_tokens: dict[int, list[tuple[int, float]]] = {k: [] for k in prompts}  # (position, logprob)
+    turn = dict.fromkeys(prompts, 0)
+    for k in prompts:
+        engine.add(k, context[k], [k], seed=100, keep=True)
+    while engine.busy:
+        for k, (c,) in engine.step():
+            (ref,) = reference_sample(model, context[k], 1, params, eos, 100 + turn[k], noise_offset=k)
+            assert c.token_ids == ref.token_ids, (k, turn[k])
+            np.testing.assert_allclose(c.logprobs, ref.logprobs, atol=1e-5)
+            model_tokens[k] += [(len(context[k]) + i, lp) for i, lp in enumerate(c.logprobs)]
+            context[k] += c.token_ids
+            turn[k] += 1
+            if turn[k] == 3:
+                engine.release(k)
+                continue
+            context[k] += observations[(k + turn[k]) % 3]  # the environment's answer
+            engine.add(k, context[k], [k], seed=100 + turn[k], keep=True)
+    assert not engine.kept
+    added = sum(len(observations[(k + t) % 3]) for k in prompts for t in (1, 2))
+    assert engine.prefilled == sum(map(len, prompts.values())) + added
+    for k in prompts:  # the learner's recompute: one forward over the whole episode
+        full = np.array(sequence_logprobs(model, mx.array([context[k]]), params.temperature))[0]
+        positions, logprobs = zip(*model_tokens[k])
+        np.testing.assert_allclose(full[np.array(positions) - 1], logprobs, atol=1e-5)

@@ -236,7 +236,7 @@ def test_groups_that_arrive_out_of_data_order_leave_holes_a_restarted_actor_fill
     holes and goes on after the newest, across an epoch's end."""
     from policy.data import Prompt, PromptStream
 
-    prompts = [Prompt(f"p{i}", [i + 3], {}, i) for i in range(5)]
+    prompts = [Prompt(i, f"p{i}", [i + 3], {}) for i in range(5)]
     first = spans(PromptStream(prompts, True, 1, slot=slots - 1, slots=slots), 6)  # crosses an epoch
     ledger, a = Ledger(), b"a"
     ledger.attach(a, slots - 1)

@@ -345,3 +345,24 @@ def test_each_learner_rank_is_planned_with_its_share_of_the_rows():
     shares = ranks.shares()
     assert shares["actor"] + 2 * shares["learner"] == pytest.approx(1e9, abs=3)
     assert "ranks     x2" in render(ranks)
+
+
+def test_the_actor_s_decode_rows_are_planned(tmp_path):
+    """actor.max_rows above the share of a batch: the engine's KV cache and sampling terms
+    count those rows (the config gives the plan the same number the actor decodes);
+    below it, the share still holds (an episode waiting for its environment keeps its
+    cache)."""
+    from orchestrator.plan import shape_from_config
+    from protocol.config import load_config
+    from tests.helpers import write_config
+
+    m = read_shape(str(TINY_MODEL))
+    share = make_plan(m, shape(batch_size=4), 1e9, "")
+    rows = 4 * shape().group_size  # the share of a batch
+    wide = make_plan(m, shape(batch_size=4, decode_rows=4 * rows), 1e9, "")
+    narrow = make_plan(m, shape(batch_size=4, decode_rows=4), 1e9, "")
+    assert wide.actor["kv_cache"] == 4 * share.actor["kv_cache"]
+    assert wide.actor["sampling"] == 4 * share.actor["sampling"]
+    assert narrow.actor == share.actor
+    cfg = load_config(write_config(tmp_path, "[actor]\nmax_rows = 40"))
+    assert shape_from_config(cfg, 16).decode_rows == 40
