@@ -43,17 +43,22 @@ def main(args: dict) -> None:
             return generate_prefix_cached_group_rollouts(**kw, compile_decode_step=True)
     else:
         generate = generate_group_rollouts  # what `mlxrl train` runs
+    batch_size = args.get("batch_size", 1)
     for step in range(args["steps"]):
-        row = rows[step % len(rows)]
+        batch_rows = [rows[(step * batch_size + i) % len(rows)] for i in range(batch_size)]
         t0 = time.perf_counter()
-        completions = generate(model=model, tokenizer=tokenizer, prompts=[row["prompt"]],
+        prompts = [row["prompt"] for row in batch_rows]
+        completions = generate(model=model, tokenizer=tokenizer, prompts=prompts,
                                group_size=args["group_size"], config=sampling, seed=args["seed"] + step,
                                use_chat_template=False)
         t1 = time.perf_counter()
         ids = [list(c.completion_tokens) for c in completions]
-        columns = {k: v for k, v in row.items() if k != "prompt"}
-        inputs = reward_inputs(row["prompt"], [c.text for c in completions], ids, columns)
-        rewards = [r or 0.0 for r in call_reward(reward, inputs, args["reward"])]
+        rewards = []
+        for i, row in enumerate(batch_rows):  # completions come prompt by prompt, G each
+            group = slice(i * args["group_size"], (i + 1) * args["group_size"])
+            columns = {k: v for k, v in row.items() if k != "prompt"}
+            inputs = reward_inputs(row["prompt"], [c.text for c in completions[group]], ids[group], columns)
+            rewards += [r or 0.0 for r in call_reward(reward, inputs, args["reward"])]
         batch = batch_from_rollouts(model=model, completions=completions, rewards=rewards,
                                     group_size=args["group_size"], pad_token_id=pad,
                                     compute_reference=args["beta"] != 0.0, algorithm=algorithm)

@@ -90,7 +90,8 @@ def parameters(shape: dict) -> int:
 
 
 def run_ours(model: Path, work: Path, tag: str, staleness: int, a: argparse.Namespace,
-             actor_bits: int = 0) -> dict:
+             actor_bits: int = 0, batch_size: int = 1, sets: tuple[str, ...] = ()) -> dict:
+    """`sets`: `key=value` settings on top of the run's config (`orchestrator up --set`)."""
     run_dir = work / tag  # short: ipc socket paths must stay < 100 bytes
     toml = work / f"{tag}.toml"
     toml.write_text(f"""
@@ -105,7 +106,7 @@ top_p = {SETTINGS['top_p']}
 max_tokens = {a.max_tokens}
 [train]
 steps = {a.steps}
-batch_size = 1
+batch_size = {batch_size}
 learning_rate = {SETTINGS['learning_rate']}
 max_staleness = {staleness}
 checkpoint_every = 0
@@ -121,13 +122,17 @@ dir = "{run_dir}"
 """)
     plan = planned(toml)
     log(f"{tag}: this project, max_staleness={staleness}, actor.quantize_bits={actor_bits}, {a.steps} steps")
-    run = watch_up(["--config", str(toml)], run_dir, work / f"{tag}.out", staleness, a.steps)
+    args = ["--config", str(toml), *(f"--set={kv}" for kv in sets)]
+    run = watch_up(args, run_dir, work / f"{tag}.out", staleness, a.steps)
     if run.exit_code != 0:
         raise RuntimeError(f"{tag} failed ({run.exit_code}):\n" + (work / f"{tag}.out").read_text()[-3000:])
     m = run.metrics[1:]  # the first step is a warm-up
     learner = max(x["learner_peak_mb"] for x in run.metrics)
     actor = max(x["actor_peak_mb"] for x in run.metrics)
+    measured = run.arrivals[-1] - run.arrivals[0]
     return {"it_s": run.steps_per_s,
+            "completion_tok_s": (sum(x["completions/mean_length"] for x in m) * batch_size * a.group_size
+                                 / measured),
             "rollout_tok_s": statistics.median(x["rollout_tokens_per_s"] for x in m),
             "learner_step_s": statistics.median(x["step_s"] for x in m),
             "learner_peak_mb": learner, "actor_peak_mb": actor, "peak_mb": learner + actor,
@@ -144,9 +149,11 @@ def planned(toml: Path) -> dict:
     return {"actor": sum(plan.actor.values()) / MB, "learner": sum(plan.learner.values()) / MB}
 
 
-def run_mlxrl(model: Path, work: Path, tag: str, a: argparse.Namespace, rollout: str) -> dict:
+def run_mlxrl(model: Path, work: Path, tag: str, a: argparse.Namespace, rollout: str,
+              batch_size: int = 1) -> dict:
     args = {"model": str(model), "prompts": str(PROMPTS), "reward": "tiny_task:reward",
             "search_path": str(EXAMPLES), "steps": a.steps, "group_size": a.group_size,
+            "batch_size": batch_size,
             "max_tokens": a.max_tokens, "rollout": rollout, **SETTINGS}
     log(f"{tag}: mlxrl ({rollout} rollout), {a.steps} steps")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.mlxrl_driver", json.dumps(args)], cwd=ROOT,
@@ -157,6 +164,7 @@ def run_mlxrl(model: Path, work: Path, tag: str, a: argparse.Namespace, rollout:
     steps = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     m = steps[1:]
     return {"it_s": len(m) / sum(x["step_s"] for x in m),
+            "completion_tok_s": sum(x["completion_tokens"] for x in m) / sum(x["step_s"] for x in m),
             "rollout_tok_s": statistics.median(x["completion_tokens"] / x["rollout_s"] for x in m),
             "learner_step_s": statistics.median(x["learner_s"] for x in m),
             "peak_mb": max(x["peak_mb"] for x in steps),

@@ -1,0 +1,130 @@
+"""Whole runs under long-tailed completion lengths: this project against mlxrl, against
+its own paths before the continuous engine, and against the same run at uniform lengths.
+
+    python -m benchmarks.e2e_lengths            # Qwen3-shaped, 16,384 vocabulary
+    python -m benchmarks.e2e_lengths --quick    # smaller, one repeat: checks the harness
+
+The model is built offline with random weights and a nearly flat next-token distribution,
+in two copies that differ only in config.json's `eos_token_id` (every system here reads
+its EOS set from there, mlxrl included):
+
+- long tail: V/64 EOS ids, so completion lengths are geometric with mean 64, cut at 512,
+  as reasoning traces are;
+- uniform: one EOS whose embedding is zero (never sampled) and `max_tokens` = 64: every
+  completion at the long tail's mean length.
+
+Each repeat runs, interleaved, `orchestrator up` (real processes) with a batch of 8
+prompts x G 4 a step, temperature 0.7, top-p 0.95, beta 0.04, LoRA rank 8:
+
+- long tail at `max_staleness` 0, 1 and 2 (the defaults: continuous engine, micro-batches
+  by length, each prompt once);
+- long tail at `max_staleness` 1 "before": `actor.engine = "static"`,
+  `train.sort_by_length = false`, `train.share_prompts = false` (the paths this project
+  had when issue 22 was filed);
+- uniform at `max_staleness` 1;
+- mlxrl 0.2.4's loop on its best path (prefix-cached rollout, compiled decode step), the
+  same 8 prompts a step, on the long-tail model (skipped when mlxrl is not installed).
+
+The first step of every run is a warm-up and is left out. Reported: it/s, completion
+tokens/s, and the ratios the issue sets targets for.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import harness, log, write_results
+from benchmarks.learner_lengths import QUICK_SHAPE, SMALL_SHAPE
+from benchmarks.real_shape import build_model, have_mlxrl, parameters, run_mlxrl, run_ours
+
+BEFORE = ("actor.engine=static", "train.sort_by_length=false", "train.share_prompts=false")
+
+
+def long_tail_copy(model: Path, mean: int) -> Path:
+    """`model` with the last V/mean token ids as its EOS set: a 1/mean chance to stop a step."""
+    out = model.with_name(model.name + f"-eos{mean}")
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(model, tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        vocab = config["vocab_size"]
+        config["eos_token_id"] = list(range(vocab - vocab // mean, vocab))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tmp.rename(out)
+    return out
+
+
+def table(runs: dict[str, list[dict]]) -> str:
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("it_s", "completion_tok_s")}
+           for name, rs in runs.items() if rs}
+    base = med.get("mlxrl")
+    lines = ["| run | it/s | completion tok/s | it/s vs mlxrl | it/s vs before |", "|---|---|---|---|---|"]
+    for name, m in med.items():
+        vs_mlxrl = f"{m['it_s'] / base['it_s']:.2f}x" if base else "-"
+        vs_before = f"{m['it_s'] / med['long tail, k=1, before']['it_s']:.2f}x"
+        lines.append(f"| {name} | {m['it_s']:.3f} | {m['completion_tok_s']:.0f} | {vs_mlxrl} | {vs_before} |")
+    tail, uniform = med["long tail, k=1"], med["uniform, k=1"]
+    lines.append("")
+    lines.append(f"Long tail against uniform lengths, completion tokens/s at k=1: "
+                 f"{tail['completion_tok_s'] / uniform['completion_tok_s']:.2f}x (target >= 0.85x); "
+                 f"it/s at k=1 against before: {tail['it_s'] / med['long tail, k=1, before']['it_s']:.2f}x "
+                 f"(target >= 1.8x).")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = harness(__doc__)
+    p.add_argument("--steps", type=int, default=6, help="steps a run, the first a warm-up")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--mean", type=int, default=64, help="mean completion length (EOS odds 1/mean a step)")
+    p.add_argument("--max-tokens", type=int, default=512)
+    a = p.parse_args(argv)
+    shape = QUICK_SHAPE if a.quick else SMALL_SHAPE
+    if a.quick:
+        a.repeats, a.steps, a.batch_size, a.group_size, a.max_tokens, a.mean = 1, 3, 2, 2, 64, 16
+    name = f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-float32-x1"
+    uniform = build_model(a.models_dir / name, shape, None, "float32", logit_scale=1.0)
+    tail = long_tail_copy(uniform, a.mean)
+    mean_only = {**vars(a), "max_tokens": a.mean}
+    started = time.time()
+    names = ["mlxrl", "long tail, k=0", "long tail, k=1", "long tail, k=2", "long tail, k=1, before",
+             "uniform, k=1"]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    bs = a.batch_size
+    with tempfile.TemporaryDirectory(prefix="e2el") as tmp:
+        work = Path(tmp)
+        for r in range(a.repeats):
+            if have_mlxrl():
+                runs["mlxrl"].append(run_mlxrl(tail, work, f"mlxrl{r}", a, "best", bs))
+            for k in (0, 1, 2):
+                runs[f"long tail, k={k}"].append(run_ours(tail, work, f"k{k}r{r}", k, a, batch_size=bs))
+            before = run_ours(tail, work, f"b{r}", 1, a, batch_size=bs, sets=BEFORE)
+            runs["long tail, k=1, before"].append(before)
+            runs["uniform, k=1"].append(run_ours(uniform, work, f"u{r}", 1, _ns(mean_only), batch_size=bs))
+            log(f"repeat {r + 1} of {a.repeats} done")
+    report = (f"End to end, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters (vocabulary "
+              f"{shape['vocab_size']}), float32, LoRA rank 8; {bs} prompts x G {a.group_size} a step, "
+              f"completions geometric (mean {a.mean}, max {a.max_tokens}; uniform: every one {a.mean}); "
+              f"{a.steps - 1} timed steps a run, medians of {a.repeats} repeats\n\n" + table(runs))
+    out = {"shape": shape, "args": {k: str(v) for k, v in vars(a).items()}, "runs": runs,
+           "wall_s": time.time() - started}
+    write_results(a.results_dir, "e2e_lengths_quick" if a.quick else "e2e_lengths", out, report)
+    return 0
+
+
+def _ns(values: dict):
+    import argparse
+
+    return argparse.Namespace(**values)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
