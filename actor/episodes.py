@@ -16,10 +16,10 @@ env worker that holds it (`step`) and waits, keeping its cache, while the others
 Models whose caches the engine cannot batch (and `actor.engine = "static"`) take turns
 in lockstep instead: once every environment has answered, all live episodes are sampled
 in one batch, each whole context prefilled again. Both draw a turn's noise alike, so
-they sample the same tokens.
+they sample the same tokens (in float32, where an incremental and a full prefill agree
+to 1e-5; at a near-tie a lower precision may break them differently).
 
-The
-environment ends an episode with `done` (`env_done`) or an error (`env_error`); the
+The environment ends an episode with `done` (`env_done`) or an error (`env_error`); the
 per-episode token budget ends it too (`length`), and so does the environment's answer to
 the `env.max_turns`-th model turn (`max_turns`; that answer's reward counts).
 
@@ -138,7 +138,7 @@ class Episode:
     model_turns: int = 0
     worker: Holder | None = None  # the env worker (its attachment) that holds the episode
     waiting: bool = False  # a request is out
-    decoding: bool = False  # its model turn is in the engine
+    in_engine: bool = False  # its model turn decodes in the engine (never while `waiting`)
     attempts: int = 0
     lost: str | None = None  # why it could not be completed: its group is dropped
 
@@ -149,6 +149,7 @@ class Episode:
         return f"{self.episode_id}/a{self.attempts}"
 
     def restart(self) -> None:
+        """Back to before `reset` (only between turns: never while its turn is in the engine)."""
         self.ids, self.mask, self.logprobs, self.turns, self.rewards = [], [], [], [], []
         self.finish, self.model_turns, self.worker, self.waiting = None, 0, None, False
 
@@ -206,7 +207,7 @@ class EpisodeRunner:
         self.renderer = Renderer(tokenizer, eos_ids)
         self.retries = 0  # episodes started again because their worker was lost
         self.episodes: dict[str, Episode] = {}  # by request id
-        self.decoding: dict[str, Episode] = {}  # by episode id: its turn is in the engine
+        self.in_engine: dict[str, Episode] = {}  # by episode id: those whose turn decodes
         self.counter = 0
 
     def run(self, prompts: list[Prompt], first_noise: list[int],
@@ -230,15 +231,15 @@ class EpisodeRunner:
             if interrupted():
                 if self.engine is not None:
                     self.engine.clear()
-                    self.decoding.clear()
+                    self.in_engine.clear()
                 return None
-            ready = [e for e in live if e.finish is None and not (e.waiting or e.decoding)]
+            ready = [e for e in live if e.finish is None and not (e.waiting or e.in_engine)]
             for e in ready:  # between turns and its worker lost: it starts again now, not at its next step
                 if e.worker and not self.pool.holds(e.worker):
                     self.retry(e, f"{self.pool.name}: the worker holding it is gone")
             ready = [e for e in ready if e.finish is None and not e.waiting]  # not those started again
             if self.engine is not None:
-                if self.decode(ready):
+                if self.decode_step(ready):
                     self.handle(*self.pool.poll(0))
                     continue
             elif not any(e.waiting for e in live):
@@ -260,20 +261,20 @@ class EpisodeRunner:
         """A turn's noise differs from the last turn's."""
         return self.sampling.seed + TURN_SEED_STRIDE * e.model_turns
 
-    def decode(self, ready: list[Episode]) -> bool:
+    def decode_step(self, ready: list[Episode]) -> bool:
         """The `ready` episodes' next turns join the engine (each continuing the cache its
         last turn left), then one decode step; each turn that ends goes to its
         environment. False when nothing decodes."""
         engine = cast(Engine, self.engine)
         for e in ready:
-            e.decoding = True
-            self.decoding[e.episode_id] = e
+            e.in_engine = True
+            self.in_engine[e.episode_id] = e
             engine.add(e.episode_id, e.prompt_ids + e.ids, [e.noise], self.turn_seed(e), keep=True)
         if not engine.busy:
             return False
         for key, (c,) in engine.step():
-            e = self.decoding.pop(cast(str, key))
-            e.decoding = False
+            e = self.in_engine.pop(cast(str, key))
+            e.in_engine = False
             self.model_turn(e, c.token_ids, c.logprobs)
         return True
 

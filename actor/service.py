@@ -190,8 +190,14 @@ class Actor:
             # Where the slot's data continues (a restarted actor, a resumed run, a new
             # connection): after the groups the learner holds, skipping those it holds beyond.
             cursor, skip = msg.header.get("data_cursor"), msg.header.get("data_skip")
-            cursor = cursor if is_cursor(cursor) else [0, 0]
+            if cursor is not None and not is_cursor(cursor):
+                log.warning("the learner's data_cursor %r is no [epoch, position]; starting the data over",
+                            cursor)
+            cursor = cursor if is_cursor(cursor) else [0, 0]  # nil: the data's start
             skip = [tuple(c) for c in skip if is_cursor(c)] if isinstance(skip, list) else []
+            if self.engine is not None:  # groups drawn from the stream being replaced
+                self.engine.clear()
+                self.decoding.clear()
             s = self.stream
             self.stream = PromptStream(s.prompts, s.shuffle, s.seed, (cursor[0], cursor[1]), s.slot, s.slots,
                                        skip)
@@ -233,7 +239,7 @@ class Actor:
             episodes = self.episodes.run([d.prompt for d in drawn], [d.first_noise for d in drawn],
                                          self.interrupted)
             if episodes is None:
-                return  # stopping: the learner's data cursor still points before these prompts
+                return  # stopping: the learner holds none of these; a restarted actor samples them
             rollouts = [e.fields(self.decode) for e in episodes]
         gen_s = (time.perf_counter() - t0) / n
         for d, (fields, arrays) in zip(drawn, rollouts):

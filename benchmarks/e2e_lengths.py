@@ -10,8 +10,8 @@ its EOS set from there, mlxrl included):
 
 - long tail: V/64 EOS ids, so completion lengths are geometric with mean 64, cut at 512,
   as reasoning traces are;
-- uniform: one EOS whose embedding is zero (never sampled) and `max_tokens` = 64: every
-  completion at the long tail's mean length.
+- uniform: one EOS (a 1/V chance a step) and `max_tokens` = 64: nearly every completion
+  at the long tail's mean length.
 
 Each repeat runs, interleaved, `orchestrator up` (real processes) with a batch of 8
 prompts x G 4 a step, temperature 0.7, top-p 0.95, beta 0.04, LoRA rank 8:
@@ -41,7 +41,7 @@ from pathlib import Path
 
 from benchmarks.common import harness, log, write_results
 from benchmarks.learner_lengths import QUICK_SHAPE, SMALL_SHAPE
-from benchmarks.real_shape import build_model, have_mlxrl, parameters, run_mlxrl, run_ours
+from benchmarks.real_shape import flat_model, have_mlxrl, parameters, run_mlxrl, run_ours
 
 BEFORE = ("actor.engine=static", "train.sort_by_length=false", "train.share_prompts=false")
 
@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = QUICK_SHAPE if a.quick else SMALL_SHAPE
     if a.quick:
         a.repeats, a.steps, a.batch_size, a.group_size, a.max_tokens, a.mean = 1, 3, 2, 2, 64, 16
-    name = f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-float32-x1"
-    uniform = build_model(a.models_dir / name, shape, None, "float32", logit_scale=1.0)
+    uniform = flat_model(a.models_dir, shape)
     tail = long_tail_copy(uniform, a.mean)
     mean_only = {**vars(a), "max_tokens": a.mean}
     started = time.time()

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchmarks.common import ROOT, harness, log, write_results
 from benchmarks.learner_lengths import QUICK_SHAPE, SMALL_SHAPE
-from benchmarks.real_shape import build_model, parameters
+from benchmarks.real_shape import flat_model, parameters
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 "
 
@@ -125,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     from protocol.lifecycle import Lifeline
     from protocol.workers import WorkerPool
 
-    name = f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-float32-x1"
-    path = build_model(a.models_dir / name, shape, None, "float32", logit_scale=1.0)
-    model, tok, _ = load_policy(str(path), LoraConfig(rank=8))
+    model, tok, _ = load_policy(str(flat_model(a.models_dir, shape)), LoraConfig(rank=8))
     vocab = shape["vocab_size"]
     eos = set(range(vocab - vocab // a.mean, vocab))
     sampling = SamplingConfig(group_size=a.group_size, temperature=1.0, max_tokens=a.max_tokens)

@@ -82,6 +82,14 @@ def build_model(out: Path, shape: dict, bits: int | None, dtype: str,
     return out
 
 
+def flat_model(models_dir: Path, shape: dict) -> Path:
+    """A float32 model of `shape` whose next-token distribution stays nearly flat (random
+    weights, no logit scaling), cached: an EOS set of V/m tokens then gives completion
+    lengths geometric with mean m."""
+    name = f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-float32-x1"
+    return build_model(models_dir / name, shape, None, "float32", logit_scale=1.0)
+
+
 def parameters(shape: dict) -> int:
     h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d

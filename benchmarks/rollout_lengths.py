@@ -29,7 +29,7 @@ import time
 
 from benchmarks.common import harness, log, write_results
 from benchmarks.learner_lengths import QUICK_SHAPE, SMALL_SHAPE
-from benchmarks.real_shape import build_model, parameters
+from benchmarks.real_shape import flat_model, parameters
 
 
 def engines(model, prompts: list[list[int]], batches: int, group_size: int, eos: set[int],
@@ -124,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from policy.model import load_policy
     from protocol.config import LoraConfig
 
-    name = f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-float32-x1"
-    model, _, _ = load_policy(str(build_model(a.models_dir / name, shape, None, "float32", logit_scale=1.0)),
-                              LoraConfig(rank=8))
+    model, _, _ = load_policy(str(flat_model(a.models_dir, shape)), LoraConfig(rank=8))
     vocab = shape["vocab_size"]
     eos = set(range(vocab - vocab // a.mean, vocab))  # V / mean tokens: 1 / mean odds a step
     rng = np.random.default_rng(0)

@@ -60,6 +60,23 @@ def data_cursor(value: Any) -> list[int] | None:
     return value if ok else None
 
 
+def data_span(header: dict) -> tuple[list[int] | None, list[int] | None]:
+    """A rollout's place in its actor's data: (`cursor`, `start_cursor`). A `cursor` that is
+    no cursor counts as absent (the group is trained, its place unknown). A `start_cursor`
+    that is given but malformed, or not before `cursor`, raises ValueError (the drop
+    reason): read as absent it would say every prompt before `cursor` is held, and a
+    restarted actor would skip those never sent."""
+    cursor = data_cursor(header.get("cursor"))
+    given = header.get("start_cursor")
+    if given is None:
+        return cursor, None
+    start = data_cursor(given)
+    if start is None or cursor is None or not start < cursor:
+        raise ValueError(f"start_cursor {given!r} is not an [epoch, position] before cursor "
+                         f"{header.get('cursor')!r}")
+    return cursor, start
+
+
 def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size: int) -> Group:
     """Build a Group; raise ValueError (the drop reason) if it cannot be trained on."""
     if msg.header.get("error") is not None:
@@ -77,6 +94,7 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
         # A completion without a sampled token has nothing to carry its advantage; training
         # on it would silently shrink the batch's loss.
         raise ValueError("empty completion")
+    cursor, start_cursor = data_span(msg.header)
     gen_s = msg.header.get("gen_s", 0.0)
     peak = msg.header.get("peak_memory_mb")
     return Group(
@@ -92,8 +110,8 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
         finish_reasons=msg["finish_reasons"],
         gen_s=float(gen_s) if isinstance(gen_s, (int, float)) else 0.0,
         actor_peak_mb=float(peak) if isinstance(peak, (int, float)) else None,
-        cursor=data_cursor(msg.header.get("cursor")),
-        start_cursor=data_cursor(msg.header.get("start_cursor")),
+        cursor=cursor,
+        start_cursor=start_cursor,
         row=row if type(row := msg.header.get("row")) is int else None,
         timings={k: float(v) for k in ("weights_transfer_s", "weights_apply_s")
                  if isinstance(v := msg.header.get(k), (int, float)) and not isinstance(v, bool)},

@@ -40,14 +40,15 @@ class Progress:
     def add(self, start: Cursor | None, end: Cursor) -> None:
         """The prompt between `start` and `end` is covered. A group without `start` comes
         from a peer that sends in data order: everything before its `end` is covered."""
-        if start is None or list(start) == (self.upto or [0, 0]):
+        before = self.upto
+        if start is None or list(start) == (self.upto or [0, 0]):  # None: the data's start
             if self.upto is None or list(end) > self.upto:
                 self.upto = list(end)
         elif self.upto is None or list(end) > self.upto:
             self.ahead[tuple(start)] = list(end)
         while self.upto is not None and tuple(self.upto) in self.ahead:  # a hole filled
             self.upto = self.ahead.pop(tuple(self.upto))
-        if self.upto is not None:
+        if self.upto != before and self.upto is not None:  # spans a jump passed (no `start`)
             self.ahead = {s: e for s, e in self.ahead.items() if e > self.upto}
 
     def skip(self) -> list[Cursor]:
@@ -97,8 +98,10 @@ class Ledger:
         """Where an attaching actor of `slot` continues in the data, and the prompts beyond
         it to skip: after the groups of its slot that the learner holds (received; a
         checkpoint knows only the consumed ones), else after the newest consumed of any slot."""
-        known = self.slot_received.get(slot) or self.slot_consumed.get(slot)
-        return (known.upto, known.skip()) if known else (self.data_cursor, [])
+        for books in (self.slot_received, self.slot_consumed):
+            if slot in books:
+                return books[slot].upto, books[slot].skip()
+        return self.data_cursor, []
 
     def reject_message(self) -> None:
         self.rejected += 1
@@ -160,8 +163,11 @@ class Ledger:
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps. Queued groups are not in it: a resumed actor rewinds to
         the data cursor and samples their prompts again, so they count as not received."""
+        # "slot_cursors": the name checkpoints had when they kept one cursor a slot. Every
+        # slot goes in, one with nothing consumed too (null: the data's start), or a resumed
+        # run would start it after another slot's newest.
         return {"data_cursor": self.data_cursor,
-                "slot_cursors": {str(s): p.upto for s, p in self.slot_consumed.items() if p.upto is not None},
+                "slot_cursors": {str(s): p.upto for s, p in self.slot_consumed.items()},
                 "slot_ahead": {str(s): [[list(a), e] for a, e in p.ahead.items()]
                                for s, p in self.slot_consumed.items() if p.ahead},
                 "counts": {"groups_trained": self.trained, "messages_rejected": self.rejected,

@@ -28,7 +28,7 @@ import msgpack
 import zmq
 
 import protocol
-from learner.groups import Group
+from learner.groups import Group, data_span
 from learner.ledger import Ledger
 from protocol import sockets
 from protocol.wire import HELLO_MODEL_FIELDS
@@ -181,12 +181,17 @@ class RolloutSocket:
             self.ledger.drop("no handshake", actor, group_id=msg["group_id"])
             return None
         try:
-            group = self.check_group(actor, msg)
-        except ValueError as e:
+            cursor, start = data_span(msg.header)
+        except ValueError as e:  # its place in the data unknown: its prompt is sampled again
             self.ledger.drop(str(e), actor, group_id=msg["group_id"])
             return None
-        self.ledger.received_group(actor, group.cursor, group.start_cursor)
-        return group
+        # Held from here on, trained or dropped: a restarted actor skips its prompt.
+        self.ledger.received_group(actor, cursor, start)
+        try:
+            return self.check_group(actor, msg)
+        except ValueError as e:
+            self.ledger.drop(str(e), actor, cursor, msg["group_id"], start)
+            return None
 
     def publish(self, policy_version: int, actors: list[bytes] | None = None) -> None:
         """Send the adapter weights, as `policy_version`, to `actors` (default: every attached

@@ -175,7 +175,8 @@ def check_context(prompts: list[Prompt], context: int | None, max_tokens: int) -
 class PromptStream:
     """Endless iteration over prompts, reshuffled each epoch with a seeded RNG.
 
-    `cursor` (epoch, position) is all a resumed run needs to continue where it stopped.
+    `cursor` (epoch, position), and the prompts beyond it to pass over (`skip`), are all a
+    restarted actor or a resumed run needs to continue where it stopped.
     With several actors, actor `slot` of `slots` takes every slots-th prompt of the one
     stream the run reads: the i-th prompt of the stream goes to the actor of slot
     i mod slots, whatever the epoch, so actors never sample the same prompt twice.
@@ -191,7 +192,9 @@ class PromptStream:
         self.slot, self.slots = slot, slots
         self.skip = {tuple(c) for c in skip}
         self.index = -1  # the stream index of the prompt last returned
-        self.start = self.cursor  # the cursor before it (after the prompt of this slot before it)
+        # The cursor before it: after the slot's previous prompt, sampled or skipped (or
+        # where the stream started).
+        self.start = self.cursor
         self._order = self._epoch_order()
 
     def _epoch_order(self) -> list[int]:

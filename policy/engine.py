@@ -138,8 +138,7 @@ class Engine:
         if not self.live:
             return []
         assert self.logits is not None and self.keys is not None and self.cache is not None  # rows are live
-        t = mx.array([len(e[1].tokens) if e else 0 for e in self.live], dtype=mx.uint32)
-        sampled, picked = _sample(self.logits, self.keys, t, self.params)
+        sampled, picked = self._sample()
         # The next forward is queued before this step's tokens are read back, so the
         # device never waits for Python; the rows that end now waste that one step.
         self.logits = self.model(sampled[:, None], cache=self.cache)[:, -1, :]
@@ -149,6 +148,7 @@ class Engine:
         tokens, logprobs = cast(list[int], sampled.tolist()), cast(list[float], picked.tolist())
         # The cache holds every sampled token now (the forward above): a `keep` row that
         # ends leaves it behind, its prompt and all its tokens.
+        left: list[_Kept] = []  # caches that `keep` rows leave behind this step
         for k, (entry, token, logprob) in enumerate(zip(self.live, tokens, logprobs)):
             if entry is None:
                 continue
@@ -164,12 +164,32 @@ class Engine:
                 if group.keep:
                     self.kept[group.key] = _Kept([c.extract(k) for c in cast(list, self.cache)],
                                                  group.prompt + row.tokens)
+                    left.append(self.kept[group.key])
                 self.live[k] = None
+        # Copied out now: a lazy slice would keep the whole batch's cache alive while its
+        # episode waits for its environment.
+        mx.eval([(c.keys, c.values) for kept in left for c in kept.cache])
         dead = self.live.count(None)
         if dead and dead >= DEAD_SHARE * len(self.live):
             self._drop_dead()
         return [(g.key, [Completion(r.tokens, r.logprobs, "stop" if r.stopped else "length", r.versions)
                          for r in g.rows]) for g in done]
+
+    def _sample(self) -> tuple[mx.array, mx.array]:
+        """A token and its logprob for every row in the batch: the live rows' sampled, the
+        dead rows' 0 (what they compute is not read). Dead rows are left out of the
+        sampling: their logits (after an EOS) can be flat, which would push the whole
+        batch off the sampler's fast path."""
+        logits, keys = cast(mx.array, self.logits), cast(mx.array, self.keys)
+        alive = [k for k, entry in enumerate(self.live) if entry is not None]
+        t = mx.array([len(cast(tuple, self.live[k])[1].tokens) for k in alive], dtype=mx.uint32)
+        if len(alive) == len(self.live):
+            return _sample(logits, keys, t, self.params)
+        index = mx.array(alive)
+        tokens, logprobs = _sample(logits[index], keys[index], t, self.params)
+        sampled, picked = mx.zeros(len(self.live), dtype=tokens.dtype), mx.zeros(len(self.live))
+        sampled[index], picked[index] = tokens, logprobs
+        return sampled, picked
 
     def _drop_dead(self) -> None:
         """Cut the dead rows out of the batch."""
@@ -186,7 +206,8 @@ class Engine:
 
     def _admit(self, version: int) -> None:
         """Prefill the waiting groups that fit in the free rows (whole groups, in order;
-        one larger than max_rows goes alone into an empty batch) and join them."""
+        one larger than max_rows goes alone into an empty batch) and join them. Dead rows
+        count as free, and are cut out before a group joins."""
         joining: list[_Group] = []
         alive = len(self.live) - self.live.count(None)
         free = self.max_rows - alive
@@ -223,7 +244,9 @@ class Engine:
         for g in groups:
             kept = cast(_Kept, g.kept)
             new = g.prompt[len(kept.tokens):] or g.prompt[-1:]
-            if not g.prompt[len(kept.tokens):]:  # nothing added: the last token again
+            if not g.prompt[len(kept.tokens):]:
+                # Nothing added (an empty observation): the kept cache has no logits for its
+                # last token, so that token runs again.
                 for c in kept.cache:
                     c.trim(1)
             self.prefilled += len(new)

@@ -180,3 +180,27 @@ def test_episodes_keep_their_kv_cache_across_turns_and_prefill_only_what_the_env
         full = np.array(sequence_logprobs(model, mx.array([context[k]]), params.temperature))[0]
         positions, logprobs = zip(*model_tokens[k])
         np.testing.assert_allclose(full[np.array(positions) - 1], logprobs, atol=1e-5)
+
+
+def test_a_kept_cache_holds_its_own_row_not_the_batch_s(policy):  # noqa: F811
+    """An episode's turn ends with 31 other rows live: what it keeps while it waits for its
+    environment is its own row's keys and values, not (through a lazy slice) the whole
+    batch's cache."""
+    import gc
+
+    model, tok = policy
+    params, eos = SamplingConfig(max_tokens=6), set(tok.eos_token_ids)
+    engine = Engine(model, params, eos, 0, max_rows=32)
+    engine.add("episode", tok.encode("hi"), [0], keep=True)
+    for i in range(31):
+        engine.add(i, tok.encode("repeat 12345 please " * 8), [i + 1])
+    while "episode" not in engine.kept:
+        engine.step()
+    kept = engine.kept.pop("episode")
+    engine.clear()
+    gc.collect()
+    own = sum(c.keys.nbytes + c.values.nbytes for c in kept.cache)
+    before = mx.get_active_memory()
+    del kept
+    gc.collect()
+    assert before - mx.get_active_memory() < 4 * own

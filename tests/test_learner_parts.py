@@ -22,12 +22,14 @@ from rewards.scorer import Scored, Scorer
 A, B = b"actor-a", b"actor-b"
 
 
-def rollout(group_id: str, version: int = 0, row: int = 0, lens=(2, 2), cursor=None) -> protocol.Message:
+def rollout(group_id: str, version: int = 0, row: int = 0, lens=(2, 2), cursor=None,
+            start_cursor=None) -> protocol.Message:
     ids = np.arange(1, sum(lens) + 1, dtype=np.int32)
     frames = protocol.encode(protocol.ROLLOUT, {
         "group_id": group_id, "policy_version": version, "prompt": "repeat 1", "columns": {"target": "1"},
         "texts": ["1" * n for n in lens], "finish_reasons": ["length"] * len(lens), "row": row,
-        **({"cursor": cursor} if cursor else {})}, {
+        **({"cursor": cursor} if cursor else {}),
+        **({"start_cursor": start_cursor} if start_cursor else {})}, {
         "prompt_ids": np.array([3, 4], np.int32), "completion_ids": ids,
         "completion_lens": np.array(lens, np.int32), "logprobs": np.full(len(ids), -1.0, np.float32)})
     return protocol.decode(frames)
@@ -279,6 +281,45 @@ def test_rollouts_become_groups_or_counted_drops_and_credit_flows(socket_pair):
     # before its hello is not its to count (it counts from its hello too).
     assert credit[-1]["groups_consumed"] == 1
     assert credit[-1]["window"] == 1  # (k + 1) * B = 1 in flight, for slot 0 and slot 1 (loading)
+
+
+def test_a_dropped_group_still_holds_its_place_in_the_data_and_a_bad_span_is_refused(socket_pair):
+    """A group the learner drops (here: G 3 where the config says 2) is held as much as a
+    trained one: the slot's cursor passes it, so a restarted actor neither samples it again
+    nor leaves a hole that never closes. A start_cursor that is not before its cursor is
+    dropped with a reason naming it, and covers nothing."""
+    sock, actor, ledger = socket_pair
+    actor.send_multipart(actor_hello())
+    pump(sock, actor, 3)
+    assert ledger.cursor_for(0) == ([0, 3], [])  # the fixture's newest consumed of any slot
+    for msg in (rollout("wrong size", lens=(2, 2, 2), cursor=[0, 4], start_cursor=[0, 3]),
+                rollout("backwards", cursor=[0, 5], start_cursor=[0, 9]),
+                rollout("ok", cursor=[0, 7], start_cursor=[0, 6])):
+        actor.send_multipart(protocol.encode(protocol.ROLLOUT, msg.header, msg.arrays))
+    groups = []
+    for _ in range(50):
+        groups += sock.receive(10, 5)
+        if ledger.received == 3:
+            break
+    assert [g.group_id for g in groups] == ["ok"]
+    assert ledger.dropped == {"group of 3 completions, config says 2": 1,
+                              "start_cursor [0, 9] is not an [epoch, position] before cursor [0, 5]": 1}
+    assert ledger.cursor_for(0) == ([0, 4], [[0, 7]])  # [0, 4] -> [0, 6] is a hole: sampled again
+
+
+def test_a_slot_that_consumed_nothing_yet_resumes_at_its_own_start():
+    """Checkpointed with nothing of slot 1 consumed, a resumed run starts slot 1 at the
+    data's start, not after slot 0's newest (which would skip slot 1's first prompts)."""
+    ledger = Ledger()
+    ledger.attach(A, 0)
+    ledger.attach(B, 1)
+    ledger.receive(A)
+    ledger.received_group(A, [0, 1], [0, 0])
+    ledger.train([(A, [0, 1], [0, 0])])
+    resumed = Ledger()
+    resumed.restore(json.loads(json.dumps(ledger.state())))
+    resumed.attach(b"b2", 1)
+    assert resumed.cursor_for(1) == (None, []) and resumed.cursor_for(0) == ([0, 1], [])
 
 
 # -- the metrics file --------------------------------------------------------------------
