@@ -31,8 +31,6 @@ tokens/s, and the ratios the issue sets targets for.
 
 from __future__ import annotations
 
-import json
-import shutil
 import statistics
 import sys
 import tempfile
@@ -41,24 +39,9 @@ from pathlib import Path
 
 from benchmarks.common import harness, log, write_results
 from benchmarks.learner_lengths import QUICK_SHAPE, SMALL_SHAPE
-from benchmarks.real_shape import flat_model, have_mlxrl, parameters, run_mlxrl, run_ours
+from benchmarks.real_shape import flat_model, have_mlxrl, long_tail_copy, parameters, run_mlxrl, run_ours
 
 BEFORE = ("actor.engine=static", "train.sort_by_length=false", "train.share_prompts=false")
-
-
-def long_tail_copy(model: Path, mean: int) -> Path:
-    """`model` with the last V/mean token ids as its EOS set: a 1/mean chance to stop a step."""
-    out = model.with_name(model.name + f"-eos{mean}")
-    if not out.exists():
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(model, tmp)
-        config = json.loads((tmp / "config.json").read_text())
-        vocab = config["vocab_size"]
-        config["eos_token_id"] = list(range(vocab - vocab // mean, vocab))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        tmp.rename(out)
-    return out
 
 
 def table(runs: dict[str, list[dict]]) -> str:

@@ -90,6 +90,21 @@ def flat_model(models_dir: Path, shape: dict) -> Path:
     return build_model(models_dir / name, shape, None, "float32", logit_scale=1.0)
 
 
+def long_tail_copy(model: Path, mean: int) -> Path:
+    """`model` with the last V/mean token ids as its EOS set: a 1/mean chance to stop a step."""
+    out = model.with_name(model.name + f"-eos{mean}")
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(model, tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        vocab = config["vocab_size"]
+        config["eos_token_id"] = list(range(vocab - vocab // mean, vocab))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tmp.rename(out)
+    return out
+
+
 def parameters(shape: dict) -> int:
     h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d

@@ -17,8 +17,10 @@ geometric lengths with mean 64. The same batches go through:
 
 Interleaved, repeat by repeat, after a warm-up; medians of rollout tokens/s and ratios
 against the ceiling and static, written to `benchmarks/results/rollout_lengths[_quick]`.
-mlxrl's rollout is not here: it stops only on its tokenizer's EOS, so it cannot be given
-this workload's EOS set.
+- mlxrl: mlxrl 0.2.4's best path (its prefix-cached rollout with the compiled decode
+  step), batch by batch, on a copy of the model whose config lists the EOS set (mlxrl
+  stops on its tokenizer's EOS ids) and prompts of the same length (text, as it takes
+  them); skipped when mlxrl is not installed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 
 from benchmarks.common import harness, log, write_results
 from benchmarks.learner_lengths import QUICK_SHAPE, SMALL_SHAPE
-from benchmarks.real_shape import flat_model, parameters
+from benchmarks.real_shape import flat_model, have_mlxrl, long_tail_copy, parameters
 
 
 def engines(model, prompts: list[list[int]], batches: int, group_size: int, eos: set[int],
@@ -83,6 +85,34 @@ def engines(model, prompts: list[list[int]], batches: int, group_size: int, eos:
     return {"continuous": continuous, "static": static, "BatchGenerator": batch_generator, "ceiling": ceiling}
 
 
+def mlxrl_rollout(path, batches: int, per_batch: int, group_size: int, max_tokens: int, prompt_len: int):
+    """mlxrl's best rollout path over the same batches, as a contender."""
+    import random
+
+    from mlxrl.policy.model import LoRAConfig, load_policy_with_lora
+    from mlxrl.rollout.naive import SamplingConfig as MlxrlSampling
+    from mlxrl.rollout.optimized import generate_prefix_cached_group_rollouts
+
+    from policy.tiny import CHARS
+
+    model, tokenizer, _ = load_policy_with_lora(model_id=str(path), config=LoRAConfig(rank=8, scale=20.0))
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(CHARS[:36]) for _ in range(prompt_len)) for _ in range(batches * per_batch)]
+    sampling = MlxrlSampling(max_tokens=max_tokens, temperature=1.0, top_p=1.0)
+
+    def run(seed: int) -> int:
+        tokens = 0
+        for b in range(batches):
+            out = generate_prefix_cached_group_rollouts(
+                model=model, tokenizer=tokenizer, prompts=texts[b * per_batch:(b + 1) * per_batch],
+                group_size=group_size, config=sampling, seed=seed, use_chat_template=False,
+                compile_decode_step=True)
+            tokens += sum(len(c.completion_tokens) for c in out)
+        return tokens
+
+    return run
+
+
 def measure(contenders: dict, repeats: int) -> dict[str, dict]:
     runs: dict[str, dict] = {name: {"tok_s": [], "tokens": []} for name in contenders}
     for rep in range(repeats + 1):  # the first: a warm-up
@@ -134,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         f"lengths geometric mean {a.mean}, max {a.max_tokens}")
     started = time.time()
     contenders = engines(model, prompts, a.batches, a.group_size, eos, a.max_tokens, a.mean, rows)
+    if have_mlxrl():
+        path = long_tail_copy(flat_model(a.models_dir, shape), a.mean)
+        contenders["mlxrl"] = mlxrl_rollout(path, a.batches, a.prompts, a.group_size, a.max_tokens, 32)
     runs = measure(contenders, a.repeats)
     report = (f"Rollout, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters (vocabulary "
               f"{vocab}), float32, LoRA rank 8; {a.batches} batches of {a.prompts} prompts x G "
