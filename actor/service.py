@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeGuard, cast
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -190,11 +190,11 @@ class Actor:
             # Where the slot's data continues (a restarted actor, a resumed run, a new
             # connection): after the groups the learner holds, skipping those it holds beyond.
             cursor, skip = msg.header.get("data_cursor"), msg.header.get("data_skip")
-            if cursor is not None and not is_cursor(cursor):
+            if cursor is not None and not protocol.is_data_cursor(cursor):
                 log.warning("the learner's data_cursor %r is no [epoch, position]; starting the data over",
                             cursor)
-            cursor = cursor if is_cursor(cursor) else [0, 0]  # nil: the data's start
-            skip = [tuple(c) for c in skip if is_cursor(c)] if isinstance(skip, list) else []
+            cursor = cursor if protocol.is_data_cursor(cursor) else [0, 0]  # nil: the data's start
+            skip = [tuple(c) for c in skip if protocol.is_data_cursor(c)] if isinstance(skip, list) else []
             if self.engine is not None:  # groups drawn from the stream being replaced
                 self.engine.clear()
                 self.decoding.clear()
@@ -418,11 +418,6 @@ class Actor:
             self.watch.close()
         self.sock.close()
         sockets.close_context(self.ctx)
-
-
-def is_cursor(value: object) -> TypeGuard[list[int]]:
-    """A data cursor, [epoch, position], as the learner's hello carries them."""
-    return isinstance(value, list) and len(value) == 2 and all(type(c) is int and c >= 0 for c in value)
 
 
 def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str | None = None) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from learner.step import Sample
-from protocol import Message
+from protocol import Message, is_data_cursor
 
 
 @dataclass
@@ -54,25 +54,19 @@ def oldest_version(msg: Message) -> int:
     return min(msg["policy_version"], oldest)
 
 
-def data_cursor(value: Any) -> list[int] | None:
-    """A rollout's `cursor` or `start_cursor` if it is one ([epoch, position]), else None."""
-    ok = isinstance(value, list) and len(value) == 2 and all(type(c) is int and c >= 0 for c in value)
-    return value if ok else None
-
-
 def data_span(header: dict) -> tuple[list[int] | None, list[int] | None]:
     """A rollout's place in its actor's data: (`cursor`, `start_cursor`). A `cursor` that is
     no cursor counts as absent (the group is trained, its place unknown). A `start_cursor`
     that is given but malformed, or not before `cursor`, raises ValueError (the drop
     reason): read as absent it would say every prompt before `cursor` is held, and a
     restarted actor would skip those never sent."""
-    cursor = data_cursor(header.get("cursor"))
-    given = header.get("start_cursor")
-    if given is None:
+    cursor = header.get("cursor")
+    cursor = cursor if is_data_cursor(cursor) else None
+    start = header.get("start_cursor")
+    if start is None:
         return cursor, None
-    start = data_cursor(given)
-    if start is None or cursor is None or not start < cursor:
-        raise ValueError(f"start_cursor {given!r} is not an [epoch, position] before cursor "
+    if not is_data_cursor(start) or cursor is None or not start < cursor:
+        raise ValueError(f"start_cursor {start!r} is not an [epoch, position] before cursor "
                          f"{header.get('cursor')!r}")
     return cursor, start
 

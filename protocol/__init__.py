@@ -21,11 +21,13 @@ from protocol.wire import (
     ProtocolError,
     decode,
     encode,
+    is_data_cursor,
     newer_weights,
 )
 
 __all__ = [
     "CREDIT", "END", "HEARTBEAT", "HELLO", "INCOMPATIBLE", "OBSERVATION", "PROTOCOL_VERSION", "READY",
     "RESET", "ROLLOUT", "SCORE", "SCORE_REPLY", "STEP", "STOP", "WEIGHTS", "Message", "ProtocolError",
-    "decode", "encode", "make_endpoints", "newer_weights", "read_endpoints", "write_endpoints",
+    "decode", "encode", "is_data_cursor", "make_endpoints", "newer_weights", "read_endpoints",
+    "write_endpoints",
 ]

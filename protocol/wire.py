@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 import numpy as np
@@ -164,6 +164,11 @@ def decode(frames: list, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     elif kind == STOP and head.get("code") is not None and not isinstance(head["code"], str):
         raise ProtocolError("stop: field 'code' must be a string")
     return msg
+
+
+def is_data_cursor(value: Any) -> TypeGuard[list[int]]:
+    """A data cursor, `[epoch, position]` (PROTOCOL.md, "Where the data continues")."""
+    return isinstance(value, list) and len(value) == 2 and all(type(c) is int and c >= 0 for c in value)
 
 
 def newer_weights(held: Message | None, msg: Message) -> Message:
