@@ -138,7 +138,6 @@ class Episode:
     model_turns: int = 0
     worker: Holder | None = None  # the env worker (its attachment) that holds the episode
     waiting: bool = False  # a request is out
-    in_engine: bool = False  # its model turn decodes in the engine (never while `waiting`)
     attempts: int = 0
     lost: str | None = None  # why it could not be completed: its group is dropped
 
@@ -207,7 +206,7 @@ class EpisodeRunner:
         self.renderer = Renderer(tokenizer, eos_ids)
         self.retries = 0  # episodes started again because their worker was lost
         self.episodes: dict[str, Episode] = {}  # by request id
-        self.in_engine: dict[str, Episode] = {}  # by episode id: those whose turn decodes
+        self.in_engine: dict[str, Episode] = {}  # by episode id: those whose turn decodes (never `waiting`)
         self.counter = 0
 
     def run(self, prompts: list[Prompt], first_noise: list[int],
@@ -233,7 +232,8 @@ class EpisodeRunner:
                     self.engine.clear()
                     self.in_engine.clear()
                 return None
-            ready = [e for e in live if e.finish is None and not (e.waiting or e.in_engine)]
+            ready = [e for e in live
+                     if e.finish is None and not e.waiting and e.episode_id not in self.in_engine]
             for e in ready:  # between turns and its worker lost: it starts again now, not at its next step
                 if e.worker and not self.pool.holds(e.worker):
                     self.retry(e, f"{self.pool.name}: the worker holding it is gone")
@@ -267,15 +267,12 @@ class EpisodeRunner:
         environment. False when nothing decodes."""
         engine = cast(Engine, self.engine)
         for e in ready:
-            e.in_engine = True
             self.in_engine[e.episode_id] = e
             engine.add(e.episode_id, e.prompt_ids + e.ids, [e.noise], self.turn_seed(e), keep=True)
         if not engine.busy:
             return False
         for key, (c,) in engine.step():
-            e = self.in_engine.pop(cast(str, key))
-            e.in_engine = False
-            self.model_turn(e, c.token_ids, c.logprobs)
+            self.model_turn(self.in_engine.pop(cast(str, key)), c.token_ids, c.logprobs)
         return True
 
     def start(self, e: Episode) -> None:

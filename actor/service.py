@@ -198,6 +198,7 @@ class Actor:
             if self.engine is not None:  # groups drawn from the stream being replaced
                 self.engine.clear()
                 self.decoding.clear()
+                self.decode_s = 0.0
             s = self.stream
             self.stream = PromptStream(s.prompts, s.shuffle, s.seed, (cursor[0], cursor[1]), s.slot, s.slots,
                                        skip)
@@ -345,12 +346,10 @@ class Actor:
         sends weights and where the slot's data continues, and the credit counts from 0."""
         self.receive(0)  # what the old connection brought, before starting over
         self.greeted = max(self.watch.connections, 1)  # the first hello goes on the first connection
+        # What the engine holds is the old connection's: it waits (no weights) and goes when
+        # the learner's hello says where the data continues.
         self.policy_version, self.pending, self.groups_sent, self.groups_consumed = None, None, 0, 0
         self.strange = False
-        if self.engine is not None:  # what it decodes is the old connection's: the learner's
-            self.engine.clear()      # hello says where the data continues
-            self.decoding.clear()
-            self.decode_s = 0.0
         if not self.can_send():
             self.greeted = 0  # the loop says why (refused: exit 4), or says hello again
             return

@@ -219,12 +219,13 @@ class Engine:
         if alive < len(self.live):  # they take the dead rows' places
             self._drop_dead()
         fresh = [g for g in joining if g.kept is None]
+        continued = [g for g in joining if g.kept is not None]
         parts = [prefill_batch(self.model, self.head, [g.prompt for g in fresh], [len(g.rows) for g in fresh])
                  ] if fresh else []
         self.prefilled += sum(len(g.prompt) for g in fresh)
-        if len(fresh) < len(joining):
-            parts.append(self._continue([g for g in joining if g.kept is not None]))
-        joining = fresh + [g for g in joining if g.kept is not None]  # in the order of `parts`
+        if continued:
+            parts.append(self._continue(continued))
+        joining = fresh + continued  # in the order of `parts`
         keys = mx.concatenate([_noise_keys(g.seed, [r.noise for r in g.rows]) for g in joining])
         for cache, logits in parts:
             if self.cache is None:
@@ -243,12 +244,13 @@ class Engine:
         logits = []
         for g in groups:
             kept = cast(_Kept, g.kept)
-            new = g.prompt[len(kept.tokens):] or g.prompt[-1:]
-            if not g.prompt[len(kept.tokens):]:
+            new = g.prompt[len(kept.tokens):]
+            if not new:
                 # Nothing added (an empty observation): the kept cache has no logits for its
                 # last token, so that token runs again.
                 for c in kept.cache:
                     c.trim(1)
+                new = g.prompt[-1:]
             self.prefilled += len(new)
             logits.append(prefill_logits(self.model, self.head, mx.array([new]), kept.cache))
         layers = zip(*(cast(_Kept, g.kept).cache for g in groups))
