@@ -113,8 +113,8 @@ def prepare(
         run = prepare_run_dir(cfg, overwrite=overwrite)
     except RunExists as e:
         lifecycle.fail(f"error: {e}")
-    typer.echo(f"wrote {run}: start the learner (or its ranks) with `python -m learner --run-dir {run}` and "
-               f"each actor with `actor run --run-dir {run} --slot I`")
+    typer.echo(f"wrote {run}: start the learner (or its ranks) with `python -P -m learner --run-dir {run}` "
+               f"and each actor with `actor run --run-dir {run} --slot I`")
 
 
 @app.command("reward-worker")

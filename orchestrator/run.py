@@ -53,10 +53,12 @@ def start(config: str | Path | None = None, settings: Mapping[str, Any] | None =
     if overwrite:
         args.append("--overwrite")
     # What imports here imports in the run: reward modules named by path (also a resumed
-    # run's, whose config.json names them).
+    # run's, whose config.json names them). Our packages come first, so that a caller's
+    # folder holding a `rewards.py` does not shadow them.
     env = lifecycle.child_env()
-    env["PYTHONPATH"] = os.pathsep.join([*(p for p in sys.path if p and os.path.isdir(p)), env["PYTHONPATH"]])
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", *args, *extra], env=env, text=True,
+    callers = [p for p in sys.path if p and os.path.isdir(p)]
+    env["PYTHONPATH"] = os.pathsep.join([str(lifecycle.SOURCE_ROOT), *callers, env["PYTHONPATH"]])
+    proc = subprocess.Popen(lifecycle.python_module("orchestrator", "up", *args, *extra), env=env, text=True,
                             stdout=output, stderr=None if output is None else subprocess.STDOUT)
     return Run(proc, Path(resume) if resume is not None else None, config, run_dir, settings or {})
 

@@ -91,7 +91,7 @@ def spawn(name: str, args: list[str], run_dir: Path, lifeline: lifecycle.Lifelin
         # (A user who set OPENBLAS_NUM_THREADS, e.g. to run several runs at once, keeps it.)
         env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     with open(log_path, "a") as log_file:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([sys.executable, "-m", *args, "--run-dir", str(run_dir)],
+        proc = subprocess.Popen([*lifecycle.python_module(*args), "--run-dir", str(run_dir)],
                                 stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, pass_fds=(lifeline.read_fd, lock_fd))
     return Child(name, proc, log_path)

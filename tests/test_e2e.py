@@ -78,14 +78,50 @@ def test_default_run_raises_the_reward(default_run):
 
 
 
-def test_a_user_s_rewards_py_beside_the_config_is_theirs(tmp_path):
-    """A user's module named like one of the project's packages is loaded from the config's
-    directory, not taken for the package (it failed: "rewards has no function ...")."""
+SHADOWS = ("protocol", "policy", "learner", "actor", "orchestrator")
+
+
+def a_user_s_folder(tmp_path: Path) -> Path:
+    """A folder as a user keeps one: the config, their `rewards.py`, and modules named like
+    each of the project's other packages, which fail loudly if imported in their place."""
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "rewards.py").write_text("def correctness(prompts, completions, **columns):\n"
                                          "    return [0.25] * len(completions)\n")
-    code, out = run_up(write_config(tmp_path, steps=1, reward="rewards:correctness"))
-    assert code == 0, out
-    assert read_metrics(tmp_path / "run")[0]["reward"] == 0.25
+    for name in SHADOWS:
+        (tmp_path / f"{name}.py").write_text(f"raise ImportError('{name}.py of the user shadowed ours')\n")
+    write_config(tmp_path, steps=1, reward="rewards:correctness")
+    return tmp_path
+
+
+def test_a_user_s_folder_never_shadows_the_project(tmp_path):
+    """`orchestrator up` run in a folder holding `rewards.py` (and `protocol.py`, ...): the
+    children started as `python -m learner` put that folder first on sys.path, and the
+    learner died on `No module named 'rewards.functions'`. The user's `rewards.py` is still
+    theirs: its reward function scores the run."""
+    folder = a_user_s_folder(tmp_path)
+    script = Path(sys.executable).parent / "orchestrator"  # the console script, as a user runs it
+    assert script.exists(), "pip install -e . puts the orchestrator command beside python"
+    done = subprocess.run([str(script), "up", "--config", "run.toml"], cwd=folder, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr + (folder / "run" / "learner.log").read_text()
+    assert read_metrics(folder / "run")[0]["reward"] == 0.25
+
+
+def test_orchestrator_start_from_a_user_s_folder(tmp_path):
+    """`orchestrator.start` called by a script elsewhere while the working directory is a
+    user's folder that shadows the project's packages."""
+    folder = a_user_s_folder(tmp_path / "user")
+    script = tmp_path / "scripts" / "train.py"
+    script.parent.mkdir()
+    script.write_text("import orchestrator\n"
+                      "with orchestrator.start('run.toml', {'train.steps': 2}) as run:\n"
+                      "    print([m['reward'] for m in run.metrics()])\n"
+                      "    raise SystemExit(run.wait())\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(script)], cwd=folder, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[0.25, 0.25]" in done.stdout
 
 
 def test_learner_survives_malformed_messages(tmp_path):
