@@ -117,6 +117,21 @@ def prepare(
                f"and each actor with `actor run --run-dir {run} --slot I`")
 
 
+@app.command("convert-gguf")
+def convert_gguf(
+    gguf_file: str = typer.Argument(..., help="A .gguf model file (llama.cpp, Ollama, LM Studio)."),
+    out: str = typer.Argument(..., help="The mlx-lm model folder to write (model.path in a config)."),
+) -> None:
+    """Turn a GGUF file into an mlx-lm model folder: Llama-family and Qwen2/Qwen3 models;
+    Q4_0, Q4_1 and Q8_0 stay quantized, other types are dequantized (the `gguf` extra)."""
+    from policy.from_gguf import GGUFError, convert
+
+    try:
+        convert(gguf_file, out, say=typer.echo)
+    except GGUFError as e:
+        lifecycle.fail(f"error: {e}")
+
+
 @app.command("reward-worker")
 def reward_worker(
     function: str = typer.Argument(..., help="Reward function as module:function (TRL signature)."),

