@@ -15,7 +15,7 @@ import zmq
 
 from policy.data import load_prompts
 from policy.evaluation import Sampled, eval_sampling, load_eval_prompts, rewards_of, sample_prompts, summarize
-from policy.model import load_policy
+from policy.model import dequantizes, load_policy
 from protocol.config import Config, LoraConfig
 from rewards.functions import RewardError
 from rewards.scorer import Scored, Scorer
@@ -47,7 +47,8 @@ def wait_for_scores(scorer: Scorer, n: int, err: IO[str]) -> dict[str, Scored | 
 
 def load_model(cfg: Config, adapter: str | None):
     lora = adapter_lora(adapter) if adapter else cfg.lora
-    model, tok, _ = load_policy(cfg.model.path, lora, adapter_path=adapter)
+    model, tok, _ = load_policy(cfg.model.path, lora, adapter_path=adapter,
+                                dequantize=dequantizes(cfg.model.dequantize_on_cpu))
     return model, tok
 
 

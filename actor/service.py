@@ -43,7 +43,13 @@ from policy.data import DataError, Prompt, PromptStream, check_context, load_pro
 from policy.engine import Engine
 from policy.logprobs import plain_caches
 from policy.memory import apply_memory_share
-from policy.model import load_policy, set_adapter_weights, tokenizer_fingerprint, weights_frame_bytes
+from policy.model import (
+    dequantizes,
+    load_policy,
+    set_adapter_weights,
+    tokenizer_fingerprint,
+    weights_frame_bytes,
+)
 from policy.sampler import Completion, sample_groups
 from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
@@ -84,7 +90,9 @@ class Actor:
         self.sampling = s = self.cfg.sampling
         bits = self.cfg.actor.quantize_bits
         log.info("loading %s (base weights: %s)", self.cfg.model.path, f"{bits}-bit" if bits else "as saved")
-        self.model, self.tokenizer, _ = load_policy(self.cfg.model.path, self.cfg.lora, quantize_bits=bits)
+        dequantize = dequantizes(self.cfg.model.dequantize_on_cpu, bits)
+        self.model, self.tokenizer, _ = load_policy(self.cfg.model.path, self.cfg.lora, quantize_bits=bits,
+                                                    dequantize=dequantize)
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         data = self.cfg.data
         prompts = load_prompts(data.prompts, self.tokenizer, s.max_prompt_tokens, data.split,

@@ -168,7 +168,7 @@ def planned(toml: Path) -> dict:
     from orchestrator.plan import MB, plan_for
     from protocol.config import load_config
 
-    plan, _, _ = plan_for(load_config(toml), available_gb=1024)
+    plan = plan_for(load_config(toml), available_gb=1024)[0].plan
     return {"actor": sum(plan.actor.values()) / MB, "learner": sum(plan.learner.values()) / MB}
 
 

@@ -15,7 +15,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from policy.evaluation import Sampled, eval_sampling, load_eval_prompts, sample_prompts, summarize
+from policy.evaluation import Report, Sampled, eval_sampling, load_eval_prompts, sample_prompts, summarize
+from policy.sampler import Stopped
 from protocol.config import Config
 from rewards.functions import RewardError
 from rewards.scorer import Scored, Scorer
@@ -42,13 +43,17 @@ class Evaluator:
         return step != self.last_step and (step in (0, self.cfg.train.steps) or periodic)
 
     def run(self, model, step: int, scorer: Scorer, pass_on: PassOn,
-            stopping: Callable[[], bool]) -> dict | None:
-        """The eval/* metrics of `model` at `step`; None if a stop came while scoring."""
+            stopping: Callable[[], bool], report: Report | None = None) -> dict | None:
+        """The eval/* metrics of `model` at `step`; None if a stop came while sampling or
+        scoring (checked after every decode step). `report` sees the sampling's progress."""
         t0 = time.perf_counter()
         model.eval()
         try:
             rows, rate = sample_prompts(model, self.tokenizer, self.prompts, self.cfg.eval.num_samples,
-                                        self.params, self.params.seed)
+                                        self.params, self.params.seed, stopping=stopping, report=report)
+        except Stopped:
+            log.info("evaluation at step %d stopped by a signal", step)
+            return None
         finally:
             model.train()
         scores = self.score(rows, step, scorer, pass_on, stopping)

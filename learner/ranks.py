@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from learner.step import Batch, Prepared, Trainer, combine_stats
 from policy.memory import apply_memory_share
-from policy.model import load_policy
+from policy.model import dequantizes, load_policy
 from protocol import lifecycle
 from protocol.config import Config, read_run_config
 from protocol.heartbeat import learner_name, start_heartbeat
@@ -177,7 +177,8 @@ def load_trainer(cfg: Config) -> tuple[nn.Module, Any, dict, Trainer]:
     its Trainer: the same on every rank."""
     mx.random.seed(cfg.train.seed)
     log.info("loading %s", cfg.model.path)
-    model, tokenizer, adapter_config = load_policy(cfg.model.path, cfg.lora)
+    model, tokenizer, adapter_config = load_policy(cfg.model.path, cfg.lora,
+                                                   dequantize=dequantizes(cfg.model.dequantize_on_cpu))
     model.train()
     if cfg.train.grad_checkpoint:
         from mlx_lm.tuner.trainer import grad_checkpoint

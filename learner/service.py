@@ -134,6 +134,7 @@ class Learner:
         """Train on one batch: `num_iterations` optimizer steps, each published at once."""
         t0 = time.perf_counter()
         train = self.cfg.train
+        self.write_status("stepping", since=time.time())  # a stop signal now waits for the step
         rewards = np.stack([cast(np.ndarray, g.rewards) for g in groups])  # a batch's groups are scored
         advantages = self.trainer.algorithm.advantages(rewards)
         samples = [sample for g in groups for sample in g.samples()]
@@ -174,7 +175,8 @@ class Learner:
             return
         self.write_status("evaluating")
         line = self.evaluator.run(self.model, self.step, self.scorer, self.intake.take,
-                                  lambda: self.signals.requested)
+                                  lambda: self.signals.requested,
+                                  lambda tally: self.write_status("evaluating", eval=tally.summary()))
         if line is not None:
             self.metrics.write(line)
 
@@ -199,9 +201,11 @@ class Learner:
             return "waiting_for_reward_worker"
         return "training"
 
-    def write_status(self, phase: str) -> None:
+    def write_status(self, phase: str, **extra: object) -> None:
+        """status.json: the phase (and `extra`, e.g. an evaluation's progress) for `up`."""
         self.status.write({"phase": phase, "step": self.step, "steps": self.cfg.train.steps,
-                           "actors": len(self.rollouts.actors), "time": time.time(), **self.group_counts()})
+                           "actors": len(self.rollouts.actors), "time": time.time(), **self.group_counts(),
+                           **extra})
 
     def close(self, reason: str = "training finished", final: bool = True) -> None:
         """Stop the ranks and the sockets; `final`: the run is over, so actors and reward

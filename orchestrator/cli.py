@@ -42,20 +42,22 @@ def up(
 
     for problem in missing_backends(cfg.log.report_to):
         lifecycle.fail(f"config error: {problem}")
-    shares = check_plan(cfg, available_memory_gb)
+    cfg, shares = check_plan(cfg, available_memory_gb)
     from orchestrator.supervisor import up as run_up
 
     raise typer.Exit(run_up(cfg, resume=resume is not None, shares_mb=shares, overwrite=overwrite))
 
 
-def check_plan(cfg: Config, available_gb: float | None, show: bool = False) -> dict[str, float]:
-    """Refuse (exit 3) a run that does not fit, naming the knob, and (exit 4) data that
-    does not parse or fit the model's context; else return the shares."""
+def check_plan(cfg: Config, available_gb: float | None,
+               show: bool = False) -> tuple[Config, dict[str, float]]:
+    """Refuse (exit 3) a run that nothing makes fit, naming the knob, and (exit 4) data
+    that does not parse or fit the model's context; else return the config as it will
+    run (with the knobs the plan picked, said on stdout) and the shares."""
     from orchestrator.plan import MB, PlanError, plan_for, render, suggestion
     from policy.data import DataError
 
     try:
-        plan, model, shape = plan_for(cfg, available_gb)
+        fitted, model = plan_for(cfg, available_gb)
     except DataError as e:
         lifecycle.fail(f"data error: {e}", lifecycle.EXIT_USER_ERROR)
     except ConfigError as e:
@@ -67,7 +69,10 @@ def check_plan(cfg: Config, available_gb: float | None, show: bool = False) -> d
         # the run can go on; it just cannot be planned (or held to shares) beforehand.
         typer.echo(f"warning: no memory check: {e}. Run `orchestrator plan` once it is "
                    "downloaded.", err=True)
-        return {}
+        return cfg, {}
+    plan, shape = fitted.plan, fitted.shape
+    for note in fitted.notes:
+        typer.echo(note)
     if show or not plan.fits:
         typer.echo(render(plan))
     if not plan.fits:
@@ -77,7 +82,7 @@ def check_plan(cfg: Config, available_gb: float | None, show: bool = False) -> d
     shares = {k: v / MB for k, v in plan.shares().items()}
     if show:
         typer.echo(f"fits: actor share {shares['actor']:.0f} MB, learner share {shares['learner']:.0f} MB")
-    return shares
+    return fitted.cfg, shares
 
 
 @app.command()
@@ -105,7 +110,7 @@ def prepare(
     ranks on several Macs under `mlx.launch --hostfile` (README)."""
     with config_errors():
         cfg = load_config(config, set_, run_dir=run_dir)
-    check_plan(cfg, None)
+    cfg, _ = check_plan(cfg, None)
     from orchestrator.supervisor import prepare_run_dir
     from protocol.rundir import RunExists
 

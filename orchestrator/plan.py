@@ -16,6 +16,7 @@ import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from policy.model import runs_on_cpu
 from protocol.config import QUANT_GROUP, Config, ConfigError, logit_chunk_positions
 
 MB = 1 << 20
@@ -65,6 +66,7 @@ class ModelShape:
     lora_in_out: dict[str, tuple[int, int]]  # per linear of a block: (in, out) features
     context: int | None = None  # max_position_embeddings, when config.json says
     bits: int | None = None  # the saved weights' quantization, if any
+    dense_bytes: int = 0  # the weights dequantized to float32 (policy.model.dequantize_base)
 
 
 def quantized_bytes(m: ModelShape, bits: int) -> float:
@@ -112,8 +114,16 @@ def read_shape(path: str) -> ModelShape:
     tensors: dict[str, dict] = {}
     for f in files:
         tensors.update({k: v for k, v in _safetensors_header(f).items() if k != "__metadata__"})
-    bits = (hf.get("quantization") or {}).get("bits")
+    quantization = hf.get("quantization") or {}
+    bits = quantization.get("bits")
     lora: dict[str, tuple[int, int]] = {}
+    values = 0  # weights, counted unpacked
+    for name, info in tensors.items():
+        if bits and name.endswith((".scales", ".biases")):
+            continue
+        count = math.prod(info["shape"])
+        module_bits = (quantization.get(name.rsplit(".", 1)[0]) or {}).get("bits", bits)
+        values += count * 32 // module_bits if info["dtype"] == "U32" and module_bits else count
     for name, info in tensors.items():
         parts = name.split(".")
         if "layers" not in parts or parts[-1] != "weight" or len(info["shape"]) != 2:
@@ -134,7 +144,7 @@ def read_shape(path: str) -> ModelShape:
         heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hidden // heads, vocab=hf["vocab_size"],
         act_bytes=2 if dtype in ("float16", "bfloat16") else 4, lora_in_out=lora,
-        context=hf.get("max_position_embeddings"), bits=bits)
+        context=hf.get("max_position_embeddings"), bits=bits, dense_bytes=4 * values)
 
 
 @dataclass(frozen=True)
@@ -158,6 +168,8 @@ class Shape:
     learner_ranks: int = 1  # learner.ranks: each trains its share of a batch's rows
     share_prompts: bool = True  # train.share_prompts (and no grad_checkpoint): each prompt once
     decode_rows: int = 0  # rows an actor decodes at once (Config.decode_rows); 0: its share of a batch
+    dequantize: bool = False  # a quantized checkpoint loads as float32 (policy.model.dequantizes)
+    episodes: bool = False  # an environment: every episode of a batch keeps its KV cache while it waits
 
     @property
     def actor_batch(self) -> int:
@@ -214,9 +226,10 @@ def activation_bytes(m: ModelShape, tokens: int, seq: int) -> float:
 
 
 def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
-    # The engine's live rows; and every episode of a batch holds its KV cache, decoding or
-    # waiting for its environment.
-    rows = max(s.decode_rows, s.actor_batch * s.group_size)
+    # The engine's live rows; with episodes, every episode of a batch holds its KV cache,
+    # decoding or waiting for its environment.
+    share = s.actor_batch * s.group_size
+    rows = max(s.decode_rows, share) if s.episodes else (s.decode_rows or share)
     ctx = math.ceil(s.tokens / KV_STEP) * KV_STEP
     kv = rows * ctx * m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes
     terms = {
@@ -324,11 +337,101 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
                  t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, cfg.actor.quantize_bits,
                  t.logit_chunk_mb, t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1,
                  cfg.actor.count, cfg.actor.count - cfg.actor.remote, cfg.learner.ranks, t.share_prompts,
-                 cfg.decode_rows)
+                 cfg.decode_rows, cfg.model.dequantize_on_cpu and runs_on_cpu(), bool(cfg.env.environment))
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:
-    return Plan(actor_terms(m, s), learner_terms(m, s), budget, source, s.local_actors, s.learner_ranks)
+    # Dequantized, weights and activations are float32; an actor told to quantize keeps
+    # the checkpoint's own quantization instead.
+    dense = replace(m, weight_bytes=m.dense_bytes, act_bytes=4, bits=None) if s.dequantize and m.bits else m
+    return Plan(actor_terms(m if s.actor_bits else dense, s), learner_terms(dense, s), budget, source,
+                s.local_actors, s.learner_ranks)
+
+
+@dataclass
+class Fit:
+    """The run as it will go: its config (with the knobs `fit` picked), plan and shape,
+    and what `up` says about them; `plan.fits` is False when nothing made it fit."""
+
+    cfg: Config
+    plan: Plan
+    shape: Shape
+    notes: list[str]
+
+
+def halvings(n: int, floor: int = 1) -> list[int]:
+    """n/2, n/4, ... down to `floor` (included once reached), for shrinking a knob."""
+    out, k = [], n // 2
+    while k >= floor:
+        out.append(k)
+        k //= 2
+    if out and out[-1] != floor and n > floor:
+        out.append(floor)
+    return out
+
+
+def knob_choices(s: Shape) -> list[tuple[Shape, dict[str, dict]]]:
+    """The shape as configured, then the knobs in the order they cost least:
+    train.micro_batch_size (the same update, exactly, in more passes), then
+    grad_checkpoint (a second forward per block), then the actor's actor.max_rows (fewer
+    rows decoded at once)."""
+    micros = halvings(s.rows)
+    out: list[tuple[Shape, dict[str, dict]]] = [(s, {})]
+    out += [(replace(s, micro_batch_size=k), {"train": {"micro_batch_size": k}}) for k in micros]
+    if not s.grad_checkpoint:
+        for k in [s.micro_batch_size, *micros]:
+            out.append((replace(s, grad_checkpoint=True, micro_batch_size=k),
+                        {"train": {"grad_checkpoint": True, "micro_batch_size": k}}))
+    smallest, train = out[-1]
+    if not s.episodes:
+        share = s.actor_batch * s.group_size
+        for rows in halvings(s.decode_rows or share, floor=s.group_size):
+            out.append((replace(smallest, decode_rows=rows), {**train, "actor": {"max_rows": rows}}))
+    return out
+
+
+def fit(cfg: Config, m: ModelShape, s: Shape, budget: float, source: str) -> Fit:
+    """The run as configured if it fits the budget; else the first of `knob_choices` that
+    does, with a quantized checkpoint on the CPU loaded dequantized if that fits at all,
+    quantized (and slow, said so) if only that fits."""
+    notes: list[str] = []
+    for dense in ([True, False] if s.dequantize and m.bits else [s.dequantize]):
+        shape = replace(s, dequantize=dense)
+        for candidate, changes in knob_choices(shape):
+            plan = make_plan(m, candidate, budget, source)
+            if not plan.fits:
+                continue
+            if s.dequantize and m.bits:
+                notes.append(dequantize_note(m, dense))
+            if changes:
+                notes.append(knob_note(make_plan(m, shape, budget, source), changes))
+            if s.dequantize and m.bits and not dense:
+                changes = {**changes, "model": {"dequantize_on_cpu": False}}
+            return Fit(cfg.replace(**changes) if changes else cfg, plan, candidate, notes)
+    return Fit(cfg, make_plan(m, s, budget, source), s, notes)
+
+
+def dequantize_note(m: ModelShape, dense: bool) -> str:
+    if dense:
+        return (f"the checkpoint is {m.bits}-bit and MLX runs on the CPU here, where quantized matmuls are "
+                f"many times slower: the learner and actor load it dequantized to float32 "
+                f"({m.dense_bytes / MB:.0f} MB instead of {m.weight_bytes / MB:.0f} MB each; "
+                "model.dequantize_on_cpu = false keeps it quantized)")
+    return (f"warning: the checkpoint is {m.bits}-bit and MLX runs on the CPU here, where its quantized "
+            f"matmuls run many times slower than float32 (about 18x measured on a 135M model); there "
+            f"is no room to dequantize it ({m.dense_bytes / MB:.0f} MB each), so it stays quantized: "
+            "expect a slow run")
+
+
+def knob_note(configured: Plan, changes: dict[str, dict]) -> str:
+    picked = ", ".join(f"{section}.{k} = {str(v).lower() if isinstance(v, bool) else v}"
+                       for section, keys in changes.items() for k, v in keys.items() if section != "model")
+    why = {"micro_batch_size": "micro-batches: the same update in more passes",
+           "grad_checkpoint": "checkpointing: a second forward per block",
+           "max_rows": "fewer rows decoded at once"}
+    costs = "; ".join(why[k] for keys in changes.values() for k in keys if k in why)
+    return (f"as configured the run needs {configured.total / MB:.0f} MB (+10% margin) of "
+            f"{configured.budget / MB:.0f} MB; it fits with {picked} ({costs})")
 
 
 def suggestion(m: ModelShape, s: Shape, budget: float) -> str:
@@ -390,14 +493,15 @@ def prompt_tokens(cfg: Config, context: int | None = None) -> int:
     return max(len(p.prompt_ids) for p in prompts)
 
 
-def plan_for(cfg: Config, available_gb: float | None = None) -> tuple[Plan, ModelShape, Shape]:
+def plan_for(cfg: Config, available_gb: float | None = None) -> tuple[Fit, ModelShape]:
+    """The run's plan, with the knobs that make it fit picked (`fit`)."""
     m = read_shape(cfg.model.path)
     s = shape_from_config(cfg, prompt_tokens(cfg, m.context))
     if available_gb is not None:
         budget, source = available_gb * GB, "--available-memory-gb"
     else:
         budget, source = detect_budget()
-    return make_plan(m, s, budget, source), m, s
+    return fit(cfg, m, s, budget, source), m
 
 
 def thread_count(overlapped: bool) -> int:

@@ -10,6 +10,7 @@ is not a terminal (a file, a pipe, CI) nothing is redrawn: only the lines are wr
 from __future__ import annotations
 
 import os
+import time
 from typing import IO
 
 
@@ -42,6 +43,14 @@ def format_eval(m: dict) -> str:
             f"({m.get('eval/prompts', 0)} prompts, {m.get('eval/runtime_s', 0):.1f} s)")
 
 
+def format_eval_progress(step: int, e: dict) -> str:
+    """An evaluation under way (status.json's `eval`): prompts done, speed, time left."""
+    eta = e.get("eta_s")
+    left = f"~{eta:.0f} s left" if eta is not None else "time left unknown yet"
+    speed = f"{e.get('tokens_per_s', 0):.0f} tok/s"
+    return f"evaluating at step {step}: {e['done']}/{e['total']} prompts  {speed}  {left}"
+
+
 def health(m: dict) -> str:
     """The live bar's figures from the newest step."""
     memory = "  ".join(f"{name} {m[f'{name}_peak_mb']:.0f}/{m[f'{name}_share_mb']:.0f} MB"
@@ -52,16 +61,27 @@ def health(m: dict) -> str:
 
 
 class Lines:
-    """Plain lines, for anything that is not a terminal."""
+    """Plain lines, for anything that is not a terminal. An evaluation under way gets a
+    line when it starts and one every EVAL_EVERY_S."""
+
+    EVAL_EVERY_S = 10.0
 
     def __init__(self, out: IO[str], steps: int) -> None:
         self.out, self.steps = out, steps
+        self.eval_said: tuple[int, float] | None = None  # (step, when) of the last progress line
 
     def say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
 
     def metrics(self, m: dict) -> None:
         self.say(format_eval(m) if is_eval(m) else format_step(m, self.steps))
+
+    def eval_progress(self, step: int, e: dict) -> None:
+        now = time.monotonic()
+        said = self.eval_said
+        if said is None or said[0] != step or now - said[1] >= self.EVAL_EVERY_S:
+            self.say(format_eval_progress(step, e))
+            self.eval_said = (step, now)
 
     def close(self) -> None:
         pass
@@ -95,13 +115,17 @@ class Live(Lines):
     def say(self, text: str) -> None:
         self.console.print(text, markup=False)
 
+    def eval_progress(self, step: int, e: dict) -> None:
+        """On the bar, redrawn in place (the finished evaluation's line is printed above)."""
+        self.bar.update(self.task, health=self.fit(format_eval_progress(step, e)))
+
+    def fit(self, figures: str) -> str:
+        return figures if len(figures) <= self.room else figures[:max(self.room - 1, 0)] + "…"
+
     def metrics(self, m: dict) -> None:
         super().metrics(m)
         if not is_eval(m):
-            figures = health(m)
-            if len(figures) > self.room:
-                figures = figures[:max(self.room - 1, 0)] + "…"
-            self.bar.update(self.task, completed=m["step"], health=figures)
+            self.bar.update(self.task, completed=m["step"], health=self.fit(health(m)))
 
     def close(self) -> None:
         self.bar.stop()

@@ -232,7 +232,8 @@ class Supervisor:
         self.env_workers = [name for name, spec in self.specs.items() if spec.kind == "env-worker"]
         self.restarts = {name: 0 for name in (*self.learners, *self.actors, *self.env_workers)}
         self.metrics = MetricsFollower(self.run_dir, resume)
-        self.phase = None
+        self.phase: str | None = None
+        self.last_step_s = 0.0  # the newest step's step_s: how long a step under way may take
 
     def say(self, text: str) -> None:
         self.display.say(text)
@@ -278,13 +279,19 @@ class Supervisor:
             self.display.metrics(metrics)
             if not is_eval(metrics):
                 self.check_memory(metrics)
+                self.last_step_s = metrics.get("step_s") or self.last_step_s
         status_path = self.run_dir / "status.json"
         try:
             status = json.loads(status_path.read_text())
         except (OSError, ValueError):
             status = None
-        if status and status["phase"] != self.phase:
-            self.phase = status["phase"]
+        if not status:
+            return
+        if status["phase"] == "evaluating" and isinstance(status.get("eval"), dict):
+            self.display.eval_progress(status["step"], status["eval"])
+        phase = "training" if status["phase"] == "stepping" else status["phase"]  # a step: still training
+        if phase != self.phase:
+            self.phase = phase
             reward_socket = protocol.read_endpoints(self.run_dir)["reward"]
             label = {
                 "waiting_for_actor": "learner ready; waiting for the actor's handshake",
@@ -292,7 +299,7 @@ class Supervisor:
                     f"waiting for a reward worker on {reward_socket}; attach one with "
                     f"`orchestrator reward-worker module:function --run-dir {self.run_dir}`"),
                 "training": "training",
-            }.get(status["phase"])
+            }.get(phase)
             if label:  # the end of the run is announced by up(), after the last step
                 self.say(label)
 
@@ -368,6 +375,22 @@ class Supervisor:
             time.sleep(poll_s)
         self.poll_progress()
 
+    def step_under_way(self) -> float:
+        """If the learner is in the middle of an optimizer step, say so and return how long
+        the rest of it may take (twice the last step's time): a step is finished, never
+        cut, so that nothing of it is lost."""
+        try:
+            status = json.loads((self.run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return 0.0
+        if status.get("phase") != "stepping":
+            return 0.0
+        took = f"; the last took {self.last_step_s:.0f} s" if self.last_step_s else ""
+        started = time.time() - status.get("since", time.time())
+        self.say(f"the learner is finishing step {status['step'] + 1} (started {started:.0f} s ago{took}); "
+                 "it stops after it")
+        return 2 * self.last_step_s
+
     def stop_child(self, name: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
         self.stop_children([name], timeout_s)
 
@@ -406,7 +429,7 @@ class Supervisor:
         if self.signals.requested:
             self.say(f"{self.signals.name}: asking the learner to checkpoint and every process to "
                      "stop (send it again to kill them now)")
-            self.stop()
+            self.stop(STOP_TIMEOUT_S + self.step_under_way())
             self.poll_progress()  # the steps finished while stopping
             self.say(f"stopped; resume with `orchestrator up --resume {self.run_dir}`")
             return self.signals.exit_code()

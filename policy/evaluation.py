@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
 
 import numpy as np
 
 from policy.data import Prompt, load_prompts
-from policy.sampler import Completion, sample_groups
+from policy.sampler import Completion, Stopped, sample_groups
 from protocol.config import Config, SamplingConfig
 from rewards.scorer import Scored
 
@@ -62,6 +63,33 @@ class Sampled:
     texts: list[str]
 
 
+@dataclass
+class Tally:
+    """How far a sampling pass has come: prompts done, and the batch under way counted by
+    its decode steps (each at most max_tokens), for a fraction done and a time left."""
+
+    total: int
+    max_tokens: int
+    done: int = 0
+    tokens: int = 0
+    batch: int = 0  # prompts in the batch under way
+    steps: int = 0  # its decode steps so far
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def fraction(self) -> float:
+        under_way = self.batch * min(1.0, self.steps / max(1, self.max_tokens))
+        return min(1.0, (self.done + under_way) / max(1, self.total))
+
+    def summary(self) -> dict[str, float | int | None]:
+        elapsed, f = time.perf_counter() - self.start, self.fraction()
+        return {"done": self.done, "total": self.total,
+                "tokens_per_s": self.tokens / elapsed if elapsed else 0.0, "elapsed_s": elapsed,
+                "eta_s": elapsed * (1 - f) / f if f > 0 else None}
+
+
+Report = Callable[[Tally], None]
+
+
 class Progress:
     """"sampling N/M prompts": rewritten in place on a terminal; into a file or a pipe, a
     line every PROGRESS_EVERY_S and the last one (no carriage returns in a log)."""
@@ -89,25 +117,47 @@ class Progress:
 
 
 def sample_prompts(model, tok, prompts: list[Prompt], num_samples: int, params: SamplingConfig, seed: int,
-                   err: IO[str] | None = None) -> tuple[list[Sampled], float]:
+                   err: IO[str] | None = None, stopping: Callable[[], bool] | None = None,
+                   report: Report | None = None, report_every_s: float = 1.0) -> tuple[list[Sampled], float]:
     """`num_samples` completions of each prompt, about 64 rows decoding as one batch; and
     the tokens per second. Row ids follow the prompt's position, so a prompt's samples
-    depend only on the seed and the model."""
-    rows, tokens, t0 = [], 0, time.perf_counter()
+    depend only on the seed and the model. `stopping` is asked after every decode step
+    (True: raise Stopped); `report` gets the tally at the start, then at most every
+    `report_every_s` and at the end."""
+    rows: list[Sampled] = []
     per_batch = max(1, 64 // num_samples)
     progress = Progress(err, len(prompts))
+    tally = Tally(len(prompts), params.max_tokens)
+    last = time.monotonic()
+
+    def watch(live: int) -> None:
+        nonlocal last
+        tally.tokens, tally.steps = tally.tokens + live, tally.steps + 1
+        if stopping is not None and stopping():
+            raise Stopped
+        if report is not None and time.monotonic() - last >= report_every_s:
+            report(tally)
+            last = time.monotonic()
+
+    if report is not None:
+        report(tally)
     for start in range(0, len(prompts), per_batch):
         batch = prompts[start:start + per_batch]
+        tally.batch, tally.steps = len(batch), 0
         groups = sample_groups(model, [p.prompt_ids for p in batch], num_samples, params,
-                               set(tok.eos_token_ids), seed=seed, noise_offset=start * num_samples)
+                               set(tok.eos_token_ids), seed=seed, noise_offset=start * num_samples,
+                               watch=watch)
         for p, completions in zip(batch, groups):
             texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-            tokens += sum(len(c.token_ids) for c in completions)
             rows.append(Sampled(p, completions, texts))
-        progress.show(len(rows), tokens / (time.perf_counter() - t0))
+        tally.done, tally.batch = len(rows), 0
+        tally.tokens = sum(len(c.token_ids) for r in rows for c in r.completions)  # exact, past the EOS steps
+        progress.show(len(rows), tally.summary()["tokens_per_s"] or 0.0)
     progress.close()
-    elapsed = time.perf_counter() - t0
-    return rows, tokens / elapsed if elapsed > 0 else 0.0
+    if report is not None:
+        report(tally)
+    elapsed = time.perf_counter() - tally.start
+    return rows, tally.tokens / elapsed if elapsed > 0 else 0.0
 
 
 def rewards_of(scored: Scored | None) -> list[float | None] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -23,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from protocol.config import QUANT_GROUP, LoraConfig
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
+log = logging.getLogger(__name__)
 
 
 def lora_settings(lora: LoraConfig, num_model_layers: int) -> dict[str, Any]:
@@ -71,19 +73,37 @@ def dequantize_base(model: nn.Module) -> int:
     return len(replaced)
 
 
-def load_policy(model_path: str, lora: LoraConfig, adapter_path: str | None = None, quantize_bits: int = 0):
+def runs_on_cpu() -> bool:
+    """Whether MLX computes on the CPU here (Linux, or a Mac told to)."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def dequantizes(dequantize_on_cpu: bool, quantize_bits: int = 0) -> bool:
+    """Whether a process loads a quantized checkpoint dequantized: on the CPU, unless the
+    config says no or the process samples from quantized weights on purpose
+    (actor.quantize_bits). The orchestrator turns `dequantize_on_cpu` off in a run's config
+    when the plan has no room for float32 weights."""
+    return dequantize_on_cpu and not quantize_bits and runs_on_cpu()
+
+
+def load_policy(model_path: str, lora: LoraConfig, adapter_path: str | None = None, quantize_bits: int = 0,
+                dequantize: bool = False):
     """Load a model through mlx-lm, freeze it and attach LoRA layers.
 
     Returns (model, tokenizer, adapter_config). With `adapter_path`, the saved adapter
     weights are loaded into the fresh LoRA layers (its LoRA settings must match). With
     `quantize_bits` the base weights are quantized as they load (lazily, so the full
-    precision weights never all exist at once); the LoRA layers stay float32.
+    precision weights never all exist at once); the LoRA layers stay float32. With
+    `dequantize`, a quantized checkpoint's layers become float32 ones (dequantize_base).
     """
     from mlx_lm import load
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     model, tokenizer = load(model_path, lazy=bool(quantize_bits))[:2]
     model.freeze()
+    if dequantize and (layers := dequantize_base(model)):
+        log.info("loaded %d quantized layers dequantized to float32 (MLX runs on the CPU here, where "
+                 "quantized matmuls are slow; model.dequantize_on_cpu = false keeps them)", layers)
     if quantize_bits:
         quantize_base(model, quantize_bits)
     settings = lora_settings(lora, len(model.layers))

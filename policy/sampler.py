@@ -156,8 +156,17 @@ def _sample_all(scaled: mx.array, lse: mx.array, row_keys: mx.array, t: int | mx
     return tokens, picked_logprobs(scaled, lse, tokens)
 
 
-def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
-            params: SamplingConfig, eos_ids: set[int], seed: int) -> list[Completion]:
+class Stopped(Exception):
+    """A `watch` callback ended sampling early (a stop signal): nothing is returned."""
+
+
+# Called after every decode step with the rows still decoding (the tokens that step made);
+# it may raise Stopped. Progress and Ctrl-C reach a long batch through it.
+Watch = Callable[[int], None]
+
+
+def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int], params: SamplingConfig,
+            eos_ids: set[int], seed: int, watch: Watch | None = None) -> list[Completion]:
     """Decode the batch whose next-token logits are `logits` ([len(rows), V]); row i has the
     noise id rows[i]. Each row stops at its first EOS.
 
@@ -187,6 +196,8 @@ def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int],
                 tokens[i].append(tok)
                 lps[i].append(lp)
                 done[i] = tok in eos_ids
+        if watch is not None:
+            watch(len(live))
         if all(done) or last:
             break
         sampled, picked = nxt
@@ -227,8 +238,10 @@ def prefill_batch(model: nn.Module, head: Callable[[mx.array], mx.array] | None,
 
 def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
                   params: SamplingConfig, eos_ids: set[int], seed: int,
-                  noise_offset: int = 0, noise_ids: list[int] | None = None) -> list[list[Completion]]:
-    """`group_size` completions of each prompt, all rows decoding as one batch.
+                  noise_offset: int = 0, noise_ids: list[int] | None = None,
+                  watch: Watch | None = None) -> list[list[Completion]]:
+    """`group_size` completions of each prompt, all rows decoding as one batch. `watch`
+    sees every decode step (and may stop the batch by raising Stopped).
 
     Row j of prompt i has the noise id noise_offset + i * group_size + j (or
     noise_ids[i * group_size + j] when given): its tokens depend only on (seed, that id)
@@ -247,7 +260,7 @@ def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
 
     if plain_caches(model):
         cache, logits = prefill_batch(model, head, prompts, [group_size] * len(prompts))
-        flat = _decode(model, cache, logits, rows, params, eos_ids, seed)
+        flat = _decode(model, cache, logits, rows, params, eos_ids, seed, watch)
     elif all(hasattr(c, "merge") for c in make_prompt_cache(model)):
         caches, firsts = [], []
         for p in prompts:
@@ -258,7 +271,7 @@ def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
         batch = [layer.merge([c[i] for c in caches for _ in range(group_size)])
                  for i, layer in enumerate(caches[0])]
         logits = mx.repeat(mx.concatenate(firsts), group_size, axis=0)
-        flat = _decode(model, batch, logits, rows, params, eos_ids, seed)
+        flat = _decode(model, batch, logits, rows, params, eos_ids, seed, watch)
     else:
         # Caches mlx-lm cannot batch: decode each prompt's G rows on their own, prefilled
         # as G identical rows since these caches expose no plain tensor to copy.
@@ -267,7 +280,7 @@ def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
             cache = make_prompt_cache(model)
             logits = prefill(mx.array([p] * group_size), cache)
             flat += _decode(model, cache, logits, rows[i * group_size:(i + 1) * group_size],
-                            params, eos_ids, seed)
+                            params, eos_ids, seed, watch)
     return [flat[i:i + group_size] for i in range(0, len(flat), group_size)]
 
 

@@ -101,6 +101,9 @@ def key(default: Any = MISSING, doc: str = "", check: Check | None = None, shown
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = key(doc="local model directory or hub id (mlx-lm's loader)")
+    dequantize_on_cpu: bool = key(True, "where MLX runs on the CPU, load a quantized checkpoint dequantized "
+                                  "to float32 (MLX's quantized matmuls are many times slower there) when "
+                                  "the memory plan has room; on a GPU nothing changes")
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # xdist hands out files in collection order (pyproject's --no-loadscope-reorder; by
 # default it puts files with many tests first), so a long file collected last would run
 # alone at the end while the other worker idles.
-LONGEST_FIRST = ("test_episodes", "test_chaos_actors", "test_chaos", "test_arithmetic", "test_scale_out",
-                 "test_e2e", "test_serve", "test_supervision", "test_lifecycle", "test_reward_workers",
-                 "test_plan", "test_data_and_sample", "test_flood")
+LONGEST_FIRST = ("test_episodes", "test_chaos_actors", "test_chaos", "test_arithmetic", "test_real_model",
+                 "test_scale_out", "test_e2e", "test_serve", "test_supervision", "test_lifecycle",
+                 "test_reward_workers", "test_plan", "test_data_and_sample", "test_flood")
 
 
 def pytest_collection_modifyitems(items: list) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import re
 import subprocess
 import sys
@@ -161,3 +162,46 @@ def test_evaluation_waits_for_a_reward_worker_and_training_loses_nothing(tmp_pat
     for m in evals:
         assert m["eval/prompts"] == 8 and m["eval/unscored_prompts"] == 0
         assert 0.0 <= m["eval/reward_mean"] <= 1.0
+
+
+def test_the_first_evaluation_shows_progress_and_ctrl_c_stops_it_within_5_s(tmp_path):
+    """A long step-0 evaluation: `up` (not a terminal) says it has started and then how far
+    it is, every 10 s; SIGINT to the process group, as a terminal's Ctrl-C sends it, ends
+    the run within 5 s (the learner checks after every decode step), and the run resumes."""
+    import os
+    import signal
+    import threading
+    import time
+
+    rows = [{"prompt": f"repeat {i % 10}", "target": str(i % 10)} for i in range(400)]
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = write_config(tmp_path, f'[eval]\nprompts = "{tmp_path / "held_out.jsonl"}"\nnum_samples = 16\n'
+                                 "max_tokens = 400\ntemperature = 2.0", steps=2)
+    proc = orchestrator("up", "--config", str(cfg), start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 180
+    progress = re.compile(r"evaluating at step 0: (\d+)/400 prompts  (\d+) tok/s  ")
+    while len([x for x in lines if progress.match(x)]) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.2)
+    first, second = (progress.match(x) for x in lines if progress.match(x))
+    assert int(first.group(1)) == 0 and int(second.group(2)) > 0, "".join(lines)
+    assert not any(x.startswith("eval at step 0") for x in lines)  # still under way
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=60)
+    stopped_in = time.monotonic() - t0
+    reader.join(timeout=10)
+    assert proc.returncode == 130, "".join(lines)
+    assert stopped_in < 5, (stopped_in, "".join(lines))
+    assert "did not stop" not in "".join(lines)
+    run = tmp_path / "run"
+    assert json.loads((run / "status.json").read_text())["phase"] == "stopped"
+    resumed = orchestrator("up", "--resume", str(run), "--set", "eval.limit=4", "--set", "eval.max_tokens=6")
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics if "eval/pass@1" in m] == [0, 2]
+    assert [m["step"] for m in metrics if "eval/pass@1" not in m] == [1, 2]

@@ -49,7 +49,7 @@ def test_plan_accepts_a_config_that_fits():
 
 @pytest.mark.slow
 def test_plan_refuses_a_config_that_cannot_fit_and_names_the_knob():
-    proc = plan_cli("--available-memory-gb", "0.015")
+    proc = plan_cli("--available-memory-gb", "0.002")
     assert proc.returncode == 3
     assert "does not fit" in proc.stderr and "Try: set train." in proc.stderr
 
@@ -58,7 +58,7 @@ def test_plan_refuses_a_config_that_cannot_fit_and_names_the_knob():
 def test_up_refuses_before_loading_any_model(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "up", "--config",
                            str(EXAMPLES / "tiny.toml"), "--run-dir", str(tmp_path / "run"),
-                           "--available-memory-gb", "0.01"],
+                           "--available-memory-gb", "0.002"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3 and "does not fit" in proc.stderr
     assert not (tmp_path / "run").exists()
@@ -166,7 +166,7 @@ def test_each_process_stays_under_its_share_when_the_budget_is_as_small_as_the_p
     from orchestrator.plan import SAFETY, plan_for
     from protocol.config import load_config
 
-    plan, _, _ = plan_for(load_config(EXAMPLES / "tiny.toml"), 1.0)
+    plan = plan_for(load_config(EXAMPLES / "tiny.toml"), 1.0)[0].plan
     budget_gb = plan.total * SAFETY * 1.001 / (1 << 30)
     command = ["up", "--config", str(EXAMPLES / "tiny.toml"), "--run-dir", str(tmp_path / "run"),
                "--steps", "6", "--available-memory-gb", f"{budget_gb:.9f}"]
@@ -186,7 +186,7 @@ def test_up_goes_on_without_a_plan_for_a_hub_model_not_downloaded_yet(capsys):
     from protocol.config import load_config
 
     cfg = load_config(EXAMPLES / "tiny.toml", ["model.path=nobody/not-a-downloaded-model"])
-    assert check_plan(cfg, None) == {}
+    assert check_plan(cfg, None) == (cfg, {})
     assert "warning: no memory check" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         check_plan(cfg, None, show=True)
@@ -309,7 +309,8 @@ def test_episodes_are_planned_and_checked_at_their_whole_token_budget():
     from protocol.config import load_config
 
     cfg = load_config(EXAMPLES / "digits.toml")
-    _, model, shape = plan_for(cfg, 1.0)
+    fitted, model = plan_for(cfg, 1.0)
+    shape = fitted.shape
     assert (shape.max_tokens, cfg.sampling.max_tokens) == (cfg.env.max_episode_tokens, 4)
     too_long = cfg.replace(env={"max_episode_tokens": model.context})
     with pytest.raises(DataError, match="context"):
@@ -350,7 +351,8 @@ def test_each_learner_rank_is_planned_with_its_share_of_the_rows():
 def test_the_actor_s_decode_rows_are_planned(tmp_path):
     """actor.max_rows above the share of a batch: the engine's KV cache and sampling terms
     count those rows (the config gives the plan the same number the actor decodes);
-    below it, the share still holds (an episode waiting for its environment keeps its
+    below it, those rows too (a finished group frees its rows for the next), except with
+    episodes, where the share holds (an episode waiting for its environment keeps its
     cache)."""
     from orchestrator.plan import shape_from_config
     from protocol.config import load_config
@@ -360,9 +362,67 @@ def test_the_actor_s_decode_rows_are_planned(tmp_path):
     share = make_plan(m, shape(batch_size=4), 1e9, "")
     rows = 4 * shape().group_size  # the share of a batch
     wide = make_plan(m, shape(batch_size=4, decode_rows=4 * rows), 1e9, "")
-    narrow = make_plan(m, shape(batch_size=4, decode_rows=4), 1e9, "")
+    narrow = make_plan(m, shape(batch_size=4, decode_rows=rows // 4), 1e9, "")
+    episodes = make_plan(m, shape(batch_size=4, decode_rows=rows // 4, episodes=True), 1e9, "")
     assert wide.actor["kv_cache"] == 4 * share.actor["kv_cache"]
     assert wide.actor["sampling"] == 4 * share.actor["sampling"]
-    assert narrow.actor == share.actor
+    assert narrow.actor["kv_cache"] == share.actor["kv_cache"] / 4
+    assert episodes.actor == share.actor
     cfg = load_config(write_config(tmp_path, "[actor]\nmax_rows = 40"))
     assert shape_from_config(cfg, 16).decode_rows == 40
+
+
+def test_fit_picks_micro_batches_then_checkpointing_then_fewer_decode_rows():
+    """Each budget between two candidates' totals gets the first candidate that fits, in
+    the documented order; below the last, nothing fits and the run is as configured."""
+    from orchestrator.plan import SAFETY, fit, knob_choices
+    from protocol.config import load_config
+
+    cfg = load_config(EXAMPLES / "tiny.toml")
+    m = read_shape(str(TINY_MODEL))
+    s = shape(batch_size=8, max_tokens=8, prompt_tokens=8, decode_rows=64)
+    choices = knob_choices(s)
+    assert [c[1] for c in choices[:3]] == [{}, {"train": {"micro_batch_size": 32}},
+                                           {"train": {"micro_batch_size": 16}}]
+    kinds = [tuple(sorted({k for keys in ch.values() for k in keys})) for _, ch in choices]
+    first = {kind: kinds.index(kind) for kind in kinds}
+    assert first[("micro_batch_size",)] < first[("grad_checkpoint", "micro_batch_size")] \
+        < first[("grad_checkpoint", "max_rows", "micro_batch_size")]
+    totals = [make_plan(m, c, 1e12, "").total * SAFETY for c, _ in choices]
+    for i, (_, changes) in enumerate(choices):
+        if any(t <= totals[i] for t in totals[:i]):
+            continue  # an earlier candidate fits wherever this one does
+        got = fit(cfg, m, s, totals[i] * 1.0001, "test")
+        assert got.plan.fits and got.shape == choices[i][0], (i, changes)
+        for section, keys in changes.items():
+            for k, v in keys.items():
+                assert getattr(getattr(got.cfg, section), k) == v
+        assert bool(got.notes) == bool(changes)
+    nothing = fit(cfg, m, s, min(totals) * 0.99, "test")
+    assert not nothing.plan.fits and nothing.cfg is cfg
+
+
+@pytest.mark.slow
+def test_up_runs_a_config_that_fits_only_with_micro_batches_and_says_so(tmp_path):
+    """A budget below the configured run's plan but above its plan with micro-batches:
+    `up` runs it, says what it picked, and the run's config holds the pick."""
+    from orchestrator.plan import SAFETY, knob_choices, plan_for, shape_from_config
+    from protocol.config import load_config
+
+    cfg = load_config(EXAMPLES / "tiny.toml")
+    fitted, m = plan_for(cfg, 1.0)
+    s = fitted.shape
+    micro = next(c for c, ch in knob_choices(s) if ch == {"train": {"micro_batch_size": 16}})
+    low, high = (make_plan(m, x, 1, "").total * SAFETY for x in (micro, s))
+    assert low < high
+    assert shape_from_config(cfg, s.prompt_tokens) == s
+    budget_gb = (low + high) / 2 / (1 << 30)
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "up", "--config",
+                           str(EXAMPLES / "tiny.toml"), "--run-dir", str(tmp_path / "run"), "--steps", "2",
+                           "--available-memory-gb", f"{budget_gb:.9f}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "it fits with train.micro_batch_size = " in proc.stdout, proc.stdout
+    picked = json.loads((tmp_path / "run" / "config.json").read_text())["train"]["micro_batch_size"]
+    assert picked >= 16 and f"train.micro_batch_size = {picked}" in proc.stdout
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]

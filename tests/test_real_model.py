@@ -1,0 +1,113 @@
+"""Real models: a quantized checkpoint on the CPU, and the real SmolLM2-135M-Instruct
+trained for a few steps by real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import ROOT, TINY_MODEL, read_metrics, run_up, write_config
+
+pytestmark = pytest.mark.slow  # real processes end to end
+
+
+@pytest.fixture(scope="module")
+def quantized_tiny(tmp_path_factory) -> Path:
+    """The tiny model quantized to 4 bits (groups of 32) by mlx-lm's converter."""
+    out = tmp_path_factory.mktemp("quantized") / "tiny-4bit"
+    command = ["convert", "--hf-path", str(TINY_MODEL), "--mlx-path", str(out), "-q", "--q-bits", "4",
+               "--q-group-size", "32"]
+    done = subprocess.run([sys.executable, "-m", "mlx_lm", *command], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
+    return out
+
+
+def test_a_quantized_checkpoint_on_the_cpu_trains_dequantized(tmp_path, quantized_tiny):
+    """Both processes load it as float32 (the run says so at start, each log too) and
+    agree: step 0's mismatch is nil."""
+    cfg = write_config(tmp_path, f'[model]\npath = "{quantized_tiny}"', steps=2)
+    code, out = run_up(cfg)
+    assert code == 0, out
+    assert "load it dequantized to float32" in out
+    run = tmp_path / "run"
+    for log in ("learner.log", "actor.log"):
+        assert "quantized layers dequantized to float32" in (run / log).read_text()
+    first = read_metrics(run)[0]
+    assert first["mismatch_kl"] < 1e-8 and first["sampling/sampling_logp_difference/max"] < 1e-4
+
+
+def test_without_room_to_dequantize_it_stays_quantized_and_the_run_warns(tmp_path, quantized_tiny):
+    """A budget where only the quantized weights fit: the run goes on quantized, warns how
+    slow that is, and its config turns dequantizing off for the processes."""
+    from orchestrator.plan import SAFETY, knob_choices, make_plan, plan_for
+    from protocol.config import load_config
+
+    cfg_path = write_config(tmp_path, f'[model]\npath = "{quantized_tiny}"', steps=1)
+    fitted, m = plan_for(load_config(cfg_path), 1.0)
+    s = fitted.shape
+    assert s.dequantize and m.bits == 4 and m.dense_bytes > m.weight_bytes
+
+    def least(dense: bool) -> float:
+        return min(make_plan(m, c, 1, "").total for c, _ in knob_choices(s.__class__(**{
+            **s.__dict__, "dequantize": dense}))) * SAFETY
+
+    quantized, dense = least(False), least(True)
+    assert quantized < dense
+    code, out = run_up(cfg_path, "--available-memory-gb", f"{(quantized + dense) / 2 / (1 << 30):.9f}")
+    assert code == 0, out
+    assert "no room to dequantize it" in out and "expect a slow run" in out
+    run = tmp_path / "run"
+    assert json.loads((run / "config.json").read_text())["model"]["dequantize_on_cpu"] is False
+    assert "dequantized" not in (run / "learner.log").read_text()
+    assert np.isfinite(read_metrics(run)[0]["loss"])
+
+
+def test_the_real_model_trains_a_few_steps(tmp_path, smollm2):
+    """SmolLM2-135M-Instruct, converted from its GGUF file (4-bit, loaded dequantized on
+    this CPU), in chat format: step 0's ratio is 1, every metric is finite, and mlx-lm
+    loads the adapters it leaves."""
+    cfg = tmp_path / "run.toml"
+    (tmp_path / "prompts.jsonl").write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number."}],
+                    "answer": str(a + b)}) + "\n" for a, b in [(3, 4), (12, 5), (20, 22), (7, 8)]))
+    (tmp_path / "check.py").write_text(
+        "def correct(prompts, completions, answer, **kw):\n"
+        "    return [float(a in c[0]['content']) for c, a in zip(completions, answer)]\n")
+    cfg.write_text(f"""
+[model]
+path = "{smollm2}"
+[data]
+prompts = "prompts.jsonl"
+[sampling]
+group_size = 4
+max_tokens = 16
+[train]
+steps = 2
+batch_size = 2
+learning_rate = 1e-4
+checkpoint_every = 0
+[reward]
+functions = ["check:correct"]
+[run]
+dir = "{tmp_path / 'run'}"
+""")
+    code, out = run_up(cfg, timeout=900)
+    assert code == 0, out
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert metrics[0]["mismatch_kl"] < 1e-8
+    assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-3
+    for m in metrics:
+        assert all(np.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    command = ["generate", "--model", str(smollm2), "--adapter-path", str(tmp_path / "run" / "adapters"),
+               "--prompt", "What is 3 + 4?", "--max-tokens", "8"]
+    done = subprocess.run([sys.executable, "-m", "mlx_lm", *command], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
