@@ -100,10 +100,10 @@ def load_policy(model_path: str, lora: LoraConfig, adapter_path: str | None = No
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     model, tokenizer = load(model_path, lazy=bool(quantize_bits))[:2]
-    model.freeze()
-    if dequantize and (layers := dequantize_base(model)):
+    if dequantize and (layers := dequantize_base(model)):  # before freeze(): the new layers are frozen too
         log.info("loaded %d quantized layers dequantized to float32 (MLX runs on the CPU here, where "
                  "quantized matmuls are slow; model.dequantize_on_cpu = false keeps them)", layers)
+    model.freeze()
     if quantize_bits:
         quantize_base(model, quantize_bits)
     settings = lora_settings(lora, len(model.layers))

@@ -60,6 +60,22 @@ def answer_match(completions: list, answer: list, **kwargs) -> list[float]:
     return rewards
 
 
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(completions: list, answer: list, **kwargs) -> list[float]:
+    """1.0 when the last number in the completion (digits, with an optional sign, thousands
+    commas and decimals) equals the row's `answer` as a number; 0.0 otherwise, and when
+    the completion holds no number. For a model that answers in its own words ("7 + 5 =
+    12.", "The answer is 12"): no tag to learn, and an explanation that ends on a wrong
+    number fails."""
+    rewards = []
+    for c, expected in zip(completions, answer):
+        found = NUMBER.findall(text_of(c))
+        rewards.append(1.0 if found and _same(found[-1].rstrip(","), str(expected).strip()) else 0.0)
+    return rewards
+
+
 def math_answer(completions: list, solution: list | None = None, answer: list | None = None,
                 **kwargs) -> list[float | None]:
     """math-verify's judgement (the `math` extra), as TRL's `accuracy_reward`: the gold is the

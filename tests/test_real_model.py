@@ -39,8 +39,22 @@ def test_a_quantized_checkpoint_on_the_cpu_trains_dequantized(tmp_path, quantize
     run = tmp_path / "run"
     for log in ("learner.log", "actor.log"):
         assert "quantized layers dequantized to float32" in (run / log).read_text()
-    first = read_metrics(run)[0]
-    assert first["mismatch_kl"] < 1e-8 and first["sampling/sampling_logp_difference/max"] < 1e-4
+    for m in read_metrics(run):  # after an update too: both hold the same base, only LoRA trains
+        assert m["mismatch_kl"] < 1e-8 and m["sampling/sampling_logp_difference/max"] < 1e-4, m
+
+
+def test_a_dequantized_checkpoint_trains_only_its_adapters(quantized_tiny):
+    """The float32 layers that replace the quantized ones are frozen like the rest of the
+    base: the learner's gradient and the weights it sends are the LoRA matrices alone."""
+    from mlx.utils import tree_flatten
+
+    from policy.model import ADAPTER_LEAVES, load_policy
+    from protocol.config import LoraConfig
+
+    model, _, _ = load_policy(str(quantized_tiny), LoraConfig(), dequantize=True)
+    assert type(model.model.layers[0].self_attn.q_proj.linear).__name__ == "Linear"
+    names = [k for k, _ in tree_flatten(model.trainable_parameters())]
+    assert names and all(k.rsplit(".", 1)[-1] in ADAPTER_LEAVES for k in names), names
 
 
 def test_without_room_to_dequantize_it_stays_quantized_and_the_run_warns(tmp_path, quantized_tiny):

@@ -7,7 +7,7 @@ import pytest
 
 from protocol.config import RewardConfig
 from rewards.scorer import Scorer
-from rewards.verifiable import answer_format, answer_match, math_answer, soft_overlong_punishment
+from rewards.verifiable import answer_format, answer_match, final_number, math_answer, soft_overlong_punishment
 
 
 def chat(text: str) -> list[dict]:
@@ -19,6 +19,14 @@ def test_answer_format():
                    "<answer></answer>", "<answer> </answer>", "12", "<answer>1</answer><answer>2</answer>",
                    "<answer>1</answer> <answer>", "<answer>1", chat("<answer>x</answer>")]
     assert answer_format(completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_final_number():
+    completions = ["7 + 5 = 12", "The answer is 12.", "12, not 13", "1,200 apples", "-3", "twelve", "12.0",
+                   [{"role": "assistant", "content": "so 5 + 7 is 12"}], "12 + 0 = 12 or 13"]
+    answers = ["12", "12", "12", "1200", "-3", "12", "12", "12", "12"]
+    assert final_number(completions, answers) == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+    assert final_number(["it is 85."], [85]) == [1.0]  # a numeric column
 
 
 def test_answer_match():
