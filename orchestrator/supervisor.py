@@ -27,7 +27,7 @@ from protocol import lifecycle, sockets
 from protocol.config import MEMORY_SHARE_ENV, Config, write_run_config
 from protocol.heartbeat import actor_name, heartbeat_path, learner_name, seconds_since_beat
 from protocol.keys import AUTHORIZED, create_run_keys, run_keys
-from protocol.rundir import RunExists, clear_results, refuse_to_overwrite
+from protocol.rundir import Phase, RunExists, clear_results, refuse_to_overwrite
 
 STOP_TIMEOUT_S = 30.0
 # How long a new run waits for the orphans of a killed orchestrator to stop (they get
@@ -111,7 +111,7 @@ def exposure_note(cfg: Config, run_dir: Path) -> str | None:
               f"closes connections that have not finished their handshake after {sockets.HANDSHAKE_S:.0f} s "
               f"and holds at most {sockets.MAX_CONNECTIONS} at a time.")
     firewall = ("Nothing here stops a flood of connections from keeping new peers out: let only the run's "
-                "machines reach these ports (README, 'TCP and CURVE keys').")
+                "machines reach these ports (docs/scale-out.md, 'TCP and CURVE keys').")
     if r.insecure:
         return (f"exposed on {r.host} (ports: {ports}) in PLAIN TCP (run.insecure): anyone who reaches them "
                 f"can join the run, send it rollouts and read its weights. {limits} {firewall}")
@@ -287,18 +287,18 @@ class Supervisor:
             status = None
         if not status:
             return
-        if status["phase"] == "evaluating" and isinstance(status.get("eval"), dict):
+        if status["phase"] == Phase.EVALUATING and isinstance(status.get("eval"), dict):
             self.display.eval_progress(status["step"], status["eval"])
-        phase = "training" if status["phase"] == "stepping" else status["phase"]  # a step: still training
+        phase = Phase.TRAINING if status["phase"] == Phase.STEPPING else status["phase"]  # still training
         if phase != self.phase:
             self.phase = phase
             reward_socket = protocol.read_endpoints(self.run_dir)["reward"]
             label = {
-                "waiting_for_actor": "learner ready; waiting for the actor's handshake",
-                "waiting_for_reward_worker": (
+                Phase.WAITING_FOR_ACTOR: "learner ready; waiting for the actor's handshake",
+                Phase.WAITING_FOR_REWARD_WORKER: (
                     f"waiting for a reward worker on {reward_socket}; attach one with "
                     f"`orchestrator reward-worker module:function --run-dir {self.run_dir}`"),
-                "training": "training",
+                Phase.TRAINING: "training",
             }.get(phase)
             if label:  # the end of the run is announced by up(), after the last step
                 self.say(label)
@@ -383,7 +383,7 @@ class Supervisor:
             status = json.loads((self.run_dir / "status.json").read_text())
         except (OSError, ValueError):
             return 0.0
-        if status.get("phase") != "stepping":
+        if status.get("phase") != Phase.STEPPING:
             return 0.0
         took = f"; the last took {self.last_step_s:.0f} s" if self.last_step_s else ""
         started = time.time() - status.get("since", time.time())

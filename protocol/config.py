@@ -1,7 +1,7 @@
 """The run configuration: one TOML file, validated in full before any model loads.
 
 Each `[section]` is a frozen dataclass below; its fields are the section's keys, with their
-defaults, one line of help each (README's configuration reference is generated from them:
+defaults, one line of help each (docs/configuration.md's reference is generated from them:
 `python -m protocol.config`) and a check. `validate` turns a TOML-shaped dict into a
 `Config` and names the key of the first problem; `load_config` reads a file, applies
 `--set section.key=value` overrides and makes paths absolute. The orchestrator writes the
@@ -38,6 +38,8 @@ AlgorithmName = Literal["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo", "cisp
 ScaleRewards = Literal["group", "batch", "none"]
 CorrectionMode = Literal["none", "truncate", "mask"]
 CorrectionLevel = Literal["token", "sequence"]
+EngineName = Literal["continuous", "static"]
+Transport = Literal["ipc", "tcp"]
 ALGORITHM_NAMES: tuple[str, ...] = get_args(AlgorithmName)
 
 
@@ -92,7 +94,7 @@ def _environment(v: str) -> str | None:
 
 def key(default: Any = MISSING, doc: str = "", check: Check | None = None, shown: str | None = None):
     """A config key: its default (none = required), one line of help, a check of its value
-    returning the problem or None, and how README shows the default when not literally."""
+    returning the problem or None, and how docs/configuration.md shows the default when not literally."""
     return field(default=default, metadata={"doc": doc, "check": check, "shown": shown})
 
 
@@ -221,11 +223,12 @@ class ActorConfig:
                         "ceil((max_staleness + 1) * batch_size / count) groups in flight", _range(1))
     remote: int = key(0, "how many of them join from other machines (`actor run --slot I`, slots "
                          "count - remote to count - 1); `up` starts the others", _range(0))
-    engine: str = key("continuous", "`continuous`: rows refill the decode batch as others end, each group "
-                                    "is sent the step its last row ends, and with "
-                                    "max_staleness >= 1 new weights land between two decode steps; "
-                                    "`static`: each share of a batch decodes until its longest row ends",
-                      _one_of("continuous", "static"))
+    engine: EngineName = key("continuous", "`continuous`: rows refill the decode batch as others end, each "
+                                           "group is sent the step its last row ends, and with "
+                                           "max_staleness >= 1 new weights land between two decode "
+                                           "steps; `static`: each share of a batch decodes until its "
+                                           "longest row ends",
+                             _one_of(*get_args(EngineName)))
     max_rows: int = key(0, "rows the continuous engine decodes at once; 0 = the rows of the actor's share "
                            "of a batch, ceil(batch_size / count) * group_size (what the memory plan counts)",
                         _range(0))
@@ -235,7 +238,7 @@ class ActorConfig:
 class LearnerConfig:
     ranks: int = key(1, "data-parallel learner processes on this machine (mlx.core.distributed, ring "
                         "backend); each trains its share of every batch, rank 0 owns the sockets and "
-                        "checkpoints. Several Macs: `mlx.launch --hostfile` (README)", _range(1))
+                        "checkpoints. Several Macs: `mlx.launch --hostfile` (docs/scale-out.md)", _range(1))
 
 
 @dataclass(frozen=True)
@@ -307,8 +310,9 @@ class RewardConfig:
 @dataclass(frozen=True)
 class RunConfig:
     dir: str = key("runs/default", "run directory (relative to where you run the command)")
-    transport: str = key("ipc", "`ipc` (private socket files) or `tcp` (encrypted, and only peers "
-                                "with the run's CURVE keys get in; see `insecure`)", _one_of("ipc", "tcp"))
+    transport: Transport = key("ipc", "`ipc` (private socket files) or `tcp` (encrypted, and only peers "
+                                      "with the run's CURVE keys get in; see `insecure`)",
+                               _one_of(*get_args(Transport)))
     insecure: bool = key(False, "`tcp` without CURVE keys: plain ZeroMQ, no encryption, no "
                                 "authentication; anyone who reaches the ports can join the run")
     host: str = key("127.0.0.1", "for `tcp`")
@@ -581,7 +585,7 @@ def _shown(f: dataclasses.Field) -> str:
 
 
 def reference_table() -> str:
-    """README's configuration reference, one row per key, from the dataclasses above."""
+    """docs/configuration.md's reference, one row per key, from the dataclasses above."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for name, cls in SECTIONS.items():
         rows += [f"| `{name}.{f.name}` | {_shown(f)} | {f.metadata['doc']} |" for f in fields(cls)]

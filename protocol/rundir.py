@@ -11,11 +11,26 @@ from __future__ import annotations
 
 import json
 import shutil
+from enum import StrEnum
 from pathlib import Path
 
-# What a run's training leaves (README, "What a run leaves behind"); `--overwrite` deletes it.
+# What a run's training leaves (docs/run-directory.md); `--overwrite` deletes it.
 RESULTS = ("metrics.jsonl", "completions.jsonl", "checkpoints", "adapters", "tensorboard", "trackio", "wandb",
            "curves.png")
+
+
+class Phase(StrEnum):
+    """Where the learner stands: status.json's `phase`, written by the learner, read by
+    `up` (docs/run-directory.md lists them with the file's other fields)."""
+
+    WAITING_FOR_ACTOR = "waiting_for_actor"  # no actor has said hello yet
+    WAITING_FOR_REWARD_WORKER = "waiting_for_reward_worker"  # a "worker" reward has no worker
+    TRAINING = "training"  # gathering and scoring groups for the next batch
+    STEPPING = "stepping"  # an optimizer step under way (`since`: when it began): a stop waits for it
+    EVALUATING = "evaluating"  # held-out evaluation (`eval`: its progress)
+    DONE = "done"  # every step trained
+    STOPPED = "stopped"  # stopped by a signal, checkpointed
+    FAILED = "failed"  # a reward function failed; checkpointed, resumable once fixed
 
 
 class RunExists(RuntimeError):

@@ -92,9 +92,10 @@ def wide_vocab_model(tmp_path_factory) -> str:
 
 
 def measured_learner_peak(model_path: str, rows: int, prompt: int, completion: int, checkpoint: bool,
-                          temperature: float = 1.0, fused: bool = True, chunk: int = 0) -> int:
+                          temperature: float = 1.0, fused: bool = True, chunk: int = 0,
+                          lora: LoraConfig = LoraConfig(), groups: int = 1, dequantize: bool = False) -> int:
     mx.random.seed(0)
-    model, _, _ = load_policy(model_path, LoraConfig())
+    model, _, _ = load_policy(model_path, lora, dequantize=dequantize)
     model.train()
     logits = Logits(output_head(model), chunk) if chunk else WHOLE
     block = type(model.layers[0])
@@ -105,9 +106,9 @@ def measured_learner_peak(model_path: str, rows: int, prompt: int, completion: i
         grad_checkpoint(model.layers[0])  # patches the class
     try:
         rng = np.random.default_rng(0)
-        shared = rng.integers(5, 50, prompt)  # one group, as the planned shape has it
-        samples = [Sample(shared, rng.integers(5, 50, completion), np.full(completion, -4.0), "length")
-                   for _ in range(rows)]
+        prompts = [rng.integers(5, 50, prompt) for _ in range(groups)]  # each shared by its group
+        samples = [Sample(prompts[i * groups // rows], rng.integers(5, 50, completion),
+                          np.full(completion, -4.0), "length") for i in range(rows)]
         batch = make_batch(samples, 0)
         mx.eval(batch.tokens, batch.mask, batch.behavior)
         mx.clear_cache()
@@ -426,3 +427,22 @@ def test_up_runs_a_config_that_fits_only_with_micro_batches_and_says_so(tmp_path
     picked = json.loads((tmp_path / "run" / "config.json").read_text())["train"]["micro_batch_size"]
     assert picked >= 16 and f"train.micro_batch_size = {picked}" in proc.stdout
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+@pytest.mark.slow
+def test_the_plan_counts_the_real_example_s_learner_peak_within_15_percent(smollm2):
+    """examples/smollm2.toml's learner step with every completion at max_tokens (8 chat
+    prompts, G 8, LoRA on the last 16 of 30 blocks, whole logits), on the real model
+    loaded dequantized as the run loads it: the plan's learner total within 15% of the
+    measured peak."""
+    from orchestrator.plan import plan_for
+    from protocol.config import load_config
+
+    cfg = load_config(EXAMPLES / "smollm2.toml", [f'model.path="{smollm2}"'])
+    fitted, _ = plan_for(cfg, 64)
+    s = fitted.shape
+    assert s.dequantize and s.lora_layers == 16 and s.logit_chunk_mb == 0
+    measured = measured_learner_peak(str(smollm2), s.batch_size * s.group_size, s.prompt_tokens, s.max_tokens,
+                                     False, lora=cfg.lora, groups=s.batch_size, dequantize=True)
+    planned = sum(fitted.plan.learner.values())
+    assert abs(planned / measured - 1) <= 0.15, (planned / MB, measured / MB)
