@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 class DigitsEnv:
-    """One instance per episode (PROTOCOL.md, "The env socket"; README, "Episodes")."""
+    """One instance per episode (PROTOCOL.md, "The env socket"; docs/environments.md)."""
 
     def reset(self, prompt: str, digits: str, **columns) -> str:
         self.digits, self.turn = digits, 0

@@ -1,5 +1,5 @@
 """What the learner reports: one JSON line per optimizer step in `RUN/metrics.jsonl`
-(README, "What a run leaves behind", lists every key)."""
+(docs/run-directory.md lists every key)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ log = logging.getLogger("learner")
 def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarray, advantages: np.ndarray,
                   step: int, metric_name: Callable[[str], str]) -> dict[str, Any]:
     """What a batch says before any optimizer step, under TRL's names where TRL has the
-    metric (README, "Metrics"): its rewards, completions and how stale it was at `step`,
+    metric (docs/run-directory.md, "Metrics"): its rewards, completions and how stale it was at `step`,
     and what the actor measured sampling it.
 
     As in TRL, a completion that every reward function left unscored (its reward NaN, as
@@ -125,7 +125,7 @@ def function_rewards(groups: list[Group], metric_name: Callable[[str], str]) -> 
 def completion_rows(step: int, groups: list[Group], advantages: np.ndarray,
                     metric_name: Callable[[str], str]) -> list[dict[str, Any]]:
     """`completions.jsonl` lines for `groups`, trained at `step`: one per completion, with
-    what a user needs to judge it (README, "What a run leaves behind")."""
+    what a user needs to judge it (docs/run-directory.md)."""
     size = len(groups[0].completion_ids)
     rows = []
     for gi, g in enumerate(groups):

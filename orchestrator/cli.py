@@ -107,7 +107,7 @@ def prepare(
 ) -> None:
     """Check a config and write its run directory (config.json, endpoints.json, keys for
     TCP) without starting anything: for processes you start yourself, such as learner
-    ranks on several Macs under `mlx.launch --hostfile` (README)."""
+    ranks on several Macs under `mlx.launch --hostfile` (docs/scale-out.md)."""
     with config_errors():
         cfg = load_config(config, set_, run_dir=run_dir)
     cfg, _ = check_plan(cfg, None)

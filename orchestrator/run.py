@@ -96,7 +96,7 @@ class Run:
             time.sleep(poll_s)
 
     def wait(self, timeout: float | None = None) -> int:
-        """Up's exit code (README, "Exit codes"): 0 when the run trained every step."""
+        """Up's exit code (docs/faults.md, "Exit codes"): 0 when the run trained every step."""
         return self.proc.wait(timeout)
 
     def stop(self, timeout: float = 120.0) -> int:

@@ -3,7 +3,7 @@
 Both sides take logprobs from the temperature-scaled, *untruncated* distribution
 `log_softmax(logits / temperature)`. Top-k / top-p / min-p only shape what the actor
 samples; they are applied to neither side's logprobs, so at equal weights the learner's
-recomputed logprobs equal the actor's behavior logprobs (see README, "Logprobs").
+recomputed logprobs equal the actor's behavior logprobs (see docs/design.md).
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def _chunk_terms(head: Callable[[mx.array], mx.array], h: mx.array, targets: mx.
     softmax) / temperature, with the softmax taken from the very exponential that gave
     the logsumexp. Traced, the same terms cost three vocabulary-sized exponentials (the
     logsumexp, the entropy's softmax, the logsumexp's backward): on a CPU each is as slow
-    as a third of the head's matmul (README, "Where the learner's step goes")."""
+    as a third of the head's matmul (docs/benchmarks.md, "Where the learner's step goes")."""
     logits = head(h)
     scaled = tempered(logits, temperature)
     if not (entropy or jacobian):

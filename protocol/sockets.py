@@ -7,7 +7,7 @@ socket lingers on close, so a last `stop` still leaves. Reading is the same ever
 `incoming` polls, receives and decodes, and hands a malformed message to the caller as a
 ProtocolError instead of raising: a process never crashes on a peer's bad message.
 
-A bound TCP socket may be reached by strangers (README, "TCP and CURVE keys"). CURVE keeps
+A bound TCP socket may be reached by strangers (docs/scale-out.md, "TCP and CURVE keys"). CURVE keeps
 them from joining; these keep them from ending the run:
 - every socket refuses a frame larger than the run's messages can hold (ZMQ_MAXMSGSIZE)
   before buffering it;
@@ -284,7 +284,8 @@ class ConnectionCap:
         if self.refused and now - self.last_said >= 60:
             self.last_said = now
             log.warning("the %s socket is over its cap of %d connections: closed %d silent ones in the last "
-                        "minute (a flood? README, 'TCP and CURVE keys', says how to firewall the port)",
+                        "minute (a flood? docs/scale-out.md, 'TCP and CURVE keys', says how to firewall "
+                        "the port)",
                         self.name, self.limit, len(self.refused))
 
 

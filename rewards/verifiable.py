@@ -3,7 +3,7 @@
 
 Each takes the completions (strings, or `[{"role": "assistant", "content": ...}]` for chat
 prompts) and the row's columns, and returns one reward per completion. Their scoring is
-exact and written in each docstring; README lists them.
+exact and written in each docstring; docs/data-and-rewards.md lists them.
 """
 
 from __future__ import annotations

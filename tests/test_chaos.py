@@ -1,6 +1,6 @@
 """The chaos command, short, in its episodes scenario (multi-turn episodes, two external
 env workers, two external reward workers): one SIGKILL of each kind, then its checks
-(README, "Chaos"). The actors scenario has a file of its own, so that the suite runs the
+(docs/faults.md, "Chaos"). The actors scenario has a file of its own, so that the suite runs the
 two side by side."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The chaos command, short, in its actors scenario (two actors, the second remote, two
-external reward workers): one SIGKILL of each kind, then its checks (README, "Chaos")."""
+external reward workers): one SIGKILL of each kind, then its checks (docs/faults.md, "Chaos")."""
 
 from __future__ import annotations
 

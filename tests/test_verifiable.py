@@ -7,7 +7,13 @@ import pytest
 
 from protocol.config import RewardConfig
 from rewards.scorer import Scorer
-from rewards.verifiable import answer_format, answer_match, final_number, math_answer, soft_overlong_punishment
+from rewards.verifiable import (
+    answer_format,
+    answer_match,
+    final_number,
+    math_answer,
+    soft_overlong_punishment,
+)
 
 
 def chat(text: str) -> list[dict]:
