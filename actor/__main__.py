@@ -9,19 +9,34 @@ import typer
 from protocol import lifecycle
 from protocol.config import config_errors
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="The MLX rollout actor: samples completions with behavior logprobs.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="The MLX rollout actor: samples completions with behavior logprobs.",
+)
 
 
 @app.command()
-def run(run_dir: str = typer.Option(..., help="Run directory written by `orchestrator up` (on another "
-                                   "machine: one holding a copy of its config.json)."),
-        connect: str | None = typer.Option(None, help="The learner's rollout endpoint, e.g. "
-                                           "tcp://mac-a.local:5555; default: RUN/endpoints.json."),
-        key_dir: str | None = typer.Option(None, help="CURVE key directory for a TCP run (`orchestrator "
-                                           "keys add-peer`); default: the run directory's keys."),
-        slot: int = typer.Option(0, help="Which of the run's actor.count actors this is: its share of "
-                                 "the data (a remote actor takes one `up` does not start).")) -> None:
+def run(
+    run_dir: str = typer.Option(
+        ...,
+        help="Run directory written by `orchestrator up` (on another "
+        "machine: one holding a copy of its config.json).",
+    ),
+    connect: str | None = typer.Option(
+        None, help="The learner's rollout endpoint, e.g. tcp://mac-a.local:5555; default: RUN/endpoints.json."
+    ),
+    key_dir: str | None = typer.Option(
+        None,
+        help="CURVE key directory for a TCP run (`orchestrator "
+        "keys add-peer`); default: the run directory's keys.",
+    ),
+    slot: int = typer.Option(
+        0,
+        help="Which of the run's actor.count actors this is: its share of "
+        "the data (a remote actor takes one `up` does not start).",
+    ),
+) -> None:
     """Connect to the run's learner and stream rollout groups until it says stop.
 
     Exit codes (protocol.lifecycle): 0 told to stop by the learner, 4 a user error (the
@@ -33,15 +48,17 @@ def run(run_dir: str = typer.Option(..., help="Run directory written by `orchest
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from actor.service import main
 
-    lifecycle.exit_with(lambda: main(run_dir, key_dir, slot, connect), logging.getLogger("actor"),
-                        (DataError, KeysError))
+    lifecycle.exit_with(
+        lambda: main(run_dir, key_dir, slot, connect), logging.getLogger("actor"), (DataError, KeysError)
+    )
 
 
 @app.command()
 def sample(
     config: str = typer.Option(..., "--config", "-c", help="TOML run config (model, sampling, rewards)."),
-    prompts: str | None = typer.Option(None, help="Prompt rows (any form data.prompts takes); "
-                                       "default: the config's data.prompts."),
+    prompts: str | None = typer.Option(
+        None, help="Prompt rows (any form data.prompts takes); default: the config's data.prompts."
+    ),
     num_samples: int = typer.Option(4, "--num-samples", "-k", min=1, help="Completions per prompt."),
     out: str = typer.Option("samples.jsonl", help="Where to write one JSON row per sample."),
     adapter: str | None = typer.Option(None, help="mlx-lm adapter directory; default: the base model."),
@@ -90,8 +107,11 @@ def eval_(
 @app.command()
 def serve(
     config: str | None = typer.Option(None, "--config", "-c", help="TOML run config (model, LoRA)."),
-    run_dir: str | None = typer.Option(None, help="Follow a training run: serve its adapter, each new "
-                                       "version as it is trained (instead of --config)."),
+    run_dir: str | None = typer.Option(
+        None,
+        help="Follow a training run: serve its adapter, each new "
+        "version as it is trained (instead of --config).",
+    ),
     adapter: str | None = typer.Option(None, help="mlx-lm adapter directory; default: the base model."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (no authentication: loopback)."),
     port: int = typer.Option(8000, help="Port; 0 picks a free one."),

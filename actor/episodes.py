@@ -78,8 +78,9 @@ class Renderer:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     def template(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                  tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False
+        )
 
     def prompt_ids(self, prompt: Any) -> list[int]:
         """A chat prompt without its generation prompt: that comes with the first
@@ -101,7 +102,7 @@ class Renderer:
         close = self.turn_close
         if after_eos:  # the model sampled its turn's end itself: keep those ids, add the rest
             eos = next((t for t in self.eos_texts if close.startswith(t)), "")
-            close = close[len(eos):]
+            close = close[len(eos) :]
         return self.encode(close + self.extension(_A_TURN, observation))
 
     @functools.cached_property
@@ -109,7 +110,7 @@ class Renderer:
         """What the template puts after a model turn's text to close it (the same for every
         turn; worked out on first use, as text-only tokenizers have no template)."""
         closed = self.template(_A_TURN, False)
-        return closed[closed.index(_MARK) + len(_MARK):]
+        return closed[closed.index(_MARK) + len(_MARK) :]
 
     def extension(self, messages: list[dict], observation: dict | None) -> str:
         """The template's text for `observation` and the generation prompt after
@@ -117,9 +118,11 @@ class Renderer:
         base = self.template(messages, False)
         full = self.template(messages + ([observation] if observation else []), True)
         if not full.startswith(base):
-            raise ValueError("the chat template does not render a conversation as the start of its "
-                             "continuation, so environment turns cannot be appended as tokens")
-        return full[len(base):]
+            raise ValueError(
+                "the chat template does not render a conversation as the start of its "
+                "continuation, so environment turns cannot be appended as tokens"
+            )
+        return full[len(base) :]
 
 
 @dataclass
@@ -179,24 +182,37 @@ class EpisodeGroup:
     def fields(self, decode: Callable[[list[int]], str]) -> tuple[dict, dict]:
         """The rollout's episode header fields and arrays."""
         eps = self.episodes
-        header = {"texts": [decode(e.ids) for e in eps], "finish_reasons": [e.finish for e in eps],
-                  "turns": [e.turns for e in eps],
-                  "env_rewards": [sum(e.rewards) if e.rewards else None for e in eps]}
+        header = {
+            "texts": [decode(e.ids) for e in eps],
+            "finish_reasons": [e.finish for e in eps],
+            "turns": [e.turns for e in eps],
+            "env_rewards": [sum(e.rewards) if e.rewards else None for e in eps],
+        }
         if self.error:
             header["error"] = self.error
-        arrays = {"prompt_ids": np.array(self.prompt_ids, dtype=np.int32),
-                  "completion_ids": np.array(sum((e.ids for e in eps), []), dtype=np.int32),
-                  "completion_lens": np.array([len(e.ids) for e in eps], dtype=np.int32),
-                  "logprobs": np.array(sum((e.logprobs for e in eps), []), dtype=np.float32),
-                  "loss_mask": np.array(sum((e.mask for e in eps), []), dtype=np.uint8)}
+        arrays = {
+            "prompt_ids": np.array(self.prompt_ids, dtype=np.int32),
+            "completion_ids": np.array(sum((e.ids for e in eps), []), dtype=np.int32),
+            "completion_lens": np.array([len(e.ids) for e in eps], dtype=np.int32),
+            "logprobs": np.array(sum((e.logprobs for e in eps), []), dtype=np.float32),
+            "loss_mask": np.array(sum((e.mask for e in eps), []), dtype=np.uint8),
+        }
         return header, arrays
 
 
 class EpisodeRunner:
     """Runs batches of episodes against the env workers of one env socket."""
 
-    def __init__(self, pool: WorkerPool, model: nn.Module, tokenizer: Any, eos_ids: set[int],
-                 sampling: SamplingConfig, env: EnvConfig, engine: Engine | None = None) -> None:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        model: nn.Module,
+        tokenizer: Any,
+        eos_ids: set[int],
+        sampling: SamplingConfig,
+        env: EnvConfig,
+        engine: Engine | None = None,
+    ) -> None:
         """`engine`: turns decode in it, each as soon as its observation is in (else in
         lockstep batches)."""
         self.pool, self.model, self.tokenizer = pool, model, tokenizer
@@ -209,17 +225,17 @@ class EpisodeRunner:
         self.in_engine: dict[str, Episode] = {}  # by episode id: those whose turn decodes (never `waiting`)
         self.counter = 0
 
-    def run(self, prompts: list[Prompt], first_noise: list[int],
-            interrupted: Callable[[], bool] = lambda: False) -> list[EpisodeGroup] | None:
+    def run(
+        self, prompts: list[Prompt], first_noise: list[int], interrupted: Callable[[], bool] = lambda: False
+    ) -> list[EpisodeGroup] | None:
         """G episodes of each prompt; prompt i's episodes have noise ids first_noise[i] + j (the
         sampler's noise). None when `interrupted()` says stop before they end (nothing
         is sent then)."""
         g = self.sampling.group_size
         groups = []
         for i, prompt in enumerate(prompts):
-            ids = self.renderer.prompt_ids(prompt.prompt)[-self.sampling.max_prompt_tokens:]
-            eps = [Episode(f"{self.counter}-{i}-{j}", i, prompt, first_noise[i] + j, ids)
-                   for j in range(g)]
+            ids = self.renderer.prompt_ids(prompt.prompt)[-self.sampling.max_prompt_tokens :]
+            eps = [Episode(f"{self.counter}-{i}-{j}", i, prompt, first_noise[i] + j, ids) for j in range(g)]
             groups.append(EpisodeGroup(prompt, ids, eps))
         self.counter += 1
         live = [e for grp in groups for e in grp.episodes]
@@ -232,8 +248,9 @@ class EpisodeRunner:
                     self.engine.clear()
                     self.in_engine.clear()
                 return None
-            ready = [e for e in live
-                     if e.finish is None and not e.waiting and e.episode_id not in self.in_engine]
+            ready = [
+                e for e in live if e.finish is None and not e.waiting and e.episode_id not in self.in_engine
+            ]
             for e in ready:  # between turns and its worker lost: it starts again now, not at its next step
                 if e.worker and not self.pool.holds(e.worker):
                     self.retry(e, f"{self.pool.name}: the worker holding it is gone")
@@ -280,8 +297,11 @@ class EpisodeRunner:
         e.waiting = True
         rid = f"{e.wire_id}/reset"
         self.episodes[rid] = e
-        self.pool.submit(rid, {"episode_id": e.wire_id, "prompt": e.prompt.prompt,
-                               "columns": e.prompt.columns}, protocol.RESET)
+        self.pool.submit(
+            rid,
+            {"episode_id": e.wire_id, "prompt": e.prompt.prompt, "columns": e.prompt.columns},
+            protocol.RESET,
+        )
 
     def sample_turn(self, ready: list[Episode]) -> None:
         """One model turn of every episode in `ready`, episodes at the same turn batched.
@@ -293,8 +313,15 @@ class EpisodeRunner:
         for _, batch in sorted(by_turn.items()):
             contexts = [e.prompt_ids + e.ids for e in batch]
             self.lockstep_prefilled += sum(map(len, contexts))
-            out = sample_groups(self.model, contexts, 1, self.sampling, self.eos_ids,
-                                self.turn_seed(batch[0]), noise_ids=[e.noise for e in batch])
+            out = sample_groups(
+                self.model,
+                contexts,
+                1,
+                self.sampling,
+                self.eos_ids,
+                self.turn_seed(batch[0]),
+                noise_ids=[e.noise for e in batch],
+            )
             for e, (c,) in zip(batch, out):
                 self.model_turn(e, c.token_ids, c.logprobs)
 
@@ -314,8 +341,9 @@ class EpisodeRunner:
         e.waiting = True
         rid = f"{e.wire_id}/t{e.model_turns}"
         self.episodes[rid] = e
-        self.pool.submit(rid, {"episode_id": e.wire_id, "action": text,
-                               "action_ids": ids}, protocol.STEP, pinned=e.worker)
+        self.pool.submit(
+            rid, {"episode_id": e.wire_id, "action": text, "action_ids": ids}, protocol.STEP, pinned=e.worker
+        )
 
     def handle(self, replies: list, failures: list[tuple[str, str]]) -> None:
         for r in replies:
@@ -334,8 +362,9 @@ class EpisodeRunner:
         if self.engine is not None:  # its KV cache is of the context it leaves behind
             self.engine.release(e.episode_id)
         if e.attempts >= self.env.max_attempts:
-            log.error("episode %s: %s; %d attempts used, its group is dropped", e.episode_id, reason,
-                      e.attempts)
+            log.error(
+                "episode %s: %s; %d attempts used, its group is dropped", e.episode_id, reason, e.attempts
+            )
             e.lost = f"environment: {reason} ({e.attempts} attempts)"
             e.finish = "env_error"
             return

@@ -72,8 +72,9 @@ class TooSlow(BadRequest):
 class Policy:
     """The model being served, its tokenizer, and the version of its adapter weights."""
 
-    def __init__(self, model, tokenizer, name: str, sampling: SamplingConfig,
-                 policy_version: int | None) -> None:
+    def __init__(
+        self, model, tokenizer, name: str, sampling: SamplingConfig, policy_version: int | None
+    ) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.sampling, self.policy_version = sampling, policy_version
         # Why there is nothing to serve yet (a followed run without adapters so far):
@@ -91,25 +92,41 @@ class Policy:
     def params(self, body: dict, prompt_tokens: int) -> tuple[SamplingConfig, int]:
         """Sampling settings from OpenAI's fields; temperature 0 is greedy (top-k 1). An
         unset max_tokens is what the context leaves, at most DEFAULT_MAX_TOKENS."""
+
         def number(name: str, default, lo=None, hi=None, kind=float):
             v = body.get(name, default)
             if v is None:
                 return default
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or (
-                    kind is int and v != int(v)):
+            if (
+                not isinstance(v, (int, float))
+                or isinstance(v, bool)
+                or not math.isfinite(v)
+                or (kind is int and v != int(v))
+            ):
                 raise BadRequest(f"{name} must be a{'n integer' if kind is int else ' number'}", name)
             if (lo is not None and v < lo) or (hi is not None and v > hi):
                 raise BadRequest(f"{name} must be between {lo} and {hi}", name)
             return kind(v)
+
         temperature = number("temperature", 1.0, 0.0, 2.0)
-        room = DEFAULT_MAX_TOKENS if self.context is None else min(DEFAULT_MAX_TOKENS,
-                                                                   self.context - prompt_tokens)
+        room = (
+            DEFAULT_MAX_TOKENS
+            if self.context is None
+            else min(DEFAULT_MAX_TOKENS, self.context - prompt_tokens)
+        )
         max_tokens = number("max_completion_tokens", None, 1, None, int) or number(
-            "max_tokens", max(room, 1), 1, None, int)
+            "max_tokens", max(room, 1), 1, None, int
+        )
         top_k = 1 if temperature == 0 else number("top_k", 0, 0, self.vocab, int)
         top_p, min_p = number("top_p", 1.0, 0.0, 1.0), number("min_p", 0.0, 0.0, 1.0)
-        params = dataclasses.replace(self.sampling, temperature=temperature or 1.0, top_k=top_k, top_p=top_p,
-                                     min_p=min_p, max_tokens=max_tokens)
+        params = dataclasses.replace(
+            self.sampling,
+            temperature=temperature or 1.0,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            max_tokens=max_tokens,
+        )
         if params.top_p == 0:
             raise BadRequest("top_p must be above 0", "top_p")
         seed = number("seed", None, 0, MAX_SEED, int)
@@ -122,8 +139,11 @@ class Policy:
             raise BadRequest("n must be an integer from 1 to 64", "n")
         params, seed = self.params(body, len(prompt_ids))
         if self.context and len(prompt_ids) + params.max_tokens > self.context:
-            raise BadRequest(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
-                             f"model's context of {self.context}", "max_tokens")
+            raise BadRequest(
+                f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
+                f"model's context of {self.context}",
+                "max_tokens",
+            )
         stops = body.get("stop") or []
         stops = [stops] if isinstance(stops, str) else stops
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -151,18 +171,30 @@ def chat_prompt(policy: Policy, body: dict) -> list[int]:
     """The messages (tool calls and tool results included) and `tools`, through the chat
     template."""
     messages, tools = body.get("messages"), body.get("tools")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
             and (isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))
-            for m in messages):
-        raise BadRequest("messages must be a non-empty list of {role, content} with string content "
-                         "(or an assistant message with tool_calls)", "messages")
+            for m in messages
+        )
+    ):
+        raise BadRequest(
+            "messages must be a non-empty list of {role, content} with string content "
+            "(or an assistant message with tool_calls)",
+            "messages",
+        )
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise BadRequest("tools must be a list of tool objects", "tools")
         if tools and not getattr(policy.tokenizer, "has_tool_calling", False):
-            raise BadRequest(f"the chat template of {policy.name} defines no tool calls (mlx-lm found no "
-                             "tool-call parser for this tokenizer)", "tools")
+            raise BadRequest(
+                f"the chat template of {policy.name} defines no tool calls (mlx-lm found no "
+                "tool-call parser for this tokenizer)",
+                "tools",
+            )
     return encode_prompt(policy.tokenizer, [template_message(m) for m in messages], tools)
 
 
@@ -172,8 +204,10 @@ def template_message(m: dict) -> dict:
     out = {"role": m["role"], "content": m.get("content") or ""}
     if m.get("tool_calls"):
         calls = [c for c in m["tool_calls"] if isinstance(c, dict) and isinstance(c.get("function"), dict)]
-        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": arguments(c["function"].get(
-            "arguments"))}} for c in calls]
+        out["tool_calls"] = [
+            {**c, "function": {**c["function"], "arguments": arguments(c["function"].get("arguments"))}}
+            for c in calls
+        ]
     for key in ("tool_call_id", "name"):
         if key in m:
             out[key] = m[key]
@@ -215,9 +249,14 @@ def chat_message(policy: Policy, c: Completion, text: str, tools: list | None) -
             rest = body + found + after
             continue
         content.append(before)
-        calls += [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                   "function": {"name": p["name"], "arguments": json.dumps(p.get("arguments", {}))}}
-                  for p in (parsed if isinstance(parsed, list) else [parsed])]
+        calls += [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": p["name"], "arguments": json.dumps(p.get("arguments", {}))},
+            }
+            for p in (parsed if isinstance(parsed, list) else [parsed])
+        ]
         rest = after
     if not calls:
         return message, c.finish_reason
@@ -233,8 +272,9 @@ def text_prompt(policy: Policy, body: dict) -> list[int]:
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         bad = next((t for t in prompt if not 0 <= t < policy.vocab), None)
         if bad is not None:  # MLX would read past the embedding table
-            raise BadRequest(f"prompt: token id {bad} is outside the vocabulary (0 to {policy.vocab - 1})",
-                             "prompt")
+            raise BadRequest(
+                f"prompt: token id {bad} is outside the vocabulary (0 to {policy.vocab - 1})", "prompt"
+            )
         return prompt  # token ids, as OpenAI allows
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt must be a non-empty string (or one string, or token ids)", "prompt")
@@ -247,28 +287,48 @@ def respond(policy: Policy, body: dict, chat: bool) -> dict:
     out = policy.generate(prompt_ids, body)
     choices = []
     for i, (c, text) in enumerate(out):
-        choice: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason,
-                                  "token_ids": c.token_ids, "token_logprobs": c.logprobs}
+        choice: dict[str, Any] = {
+            "index": i,
+            "finish_reason": c.finish_reason,
+            "token_ids": c.token_ids,
+            "token_logprobs": c.logprobs,
+        }
         tokens = [policy.token_text(t) for t in c.token_ids]
         if chat:
             choice["message"], choice["finish_reason"] = chat_message(policy, c, text, body.get("tools"))
-            choice["logprobs"] = {"content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(tokens, c.logprobs)]} if body.get("logprobs") else None
+            choice["logprobs"] = (
+                {
+                    "content": [
+                        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(tokens, c.logprobs)
+                    ]
+                }
+                if body.get("logprobs")
+                else None
+            )
         else:
             choice["text"] = text
             offsets = list(itertools.accumulate([0] + [len(t) for t in tokens[:-1]]))
-            choice["logprobs"] = {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": None,
-                                  "text_offset": offsets} if body.get("logprobs") is not None else None
+            choice["logprobs"] = (
+                {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": None, "text_offset": offsets}
+                if body.get("logprobs") is not None
+                else None
+            )
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c, _ in out)
     return {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()), "model": policy.name, "choices": choices,
-        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                  "total_tokens": len(prompt_ids) + completion_tokens},
-        "prompt_token_ids": prompt_ids, "policy_version": policy.policy_version,
+        "created": int(time.time()),
+        "model": policy.name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt_ids) + completion_tokens,
+        },
+        "prompt_token_ids": prompt_ids,
+        "policy_version": policy.policy_version,
     }
 
 
@@ -283,9 +343,19 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
             try:
                 data = json.dumps(body, allow_nan=False).encode()  # NaN is not JSON
             except ValueError as e:
-                status, data = 500, json.dumps({"error": {
-                    "message": f"the response holds a number JSON cannot carry ({e})", "type": "server_error",
-                    "param": None, "code": None}}).encode()
+                status, data = (
+                    500,
+                    json.dumps(
+                        {
+                            "error": {
+                                "message": f"the response holds a number JSON cannot carry ({e})",
+                                "type": "server_error",
+                                "param": None,
+                                "code": None,
+                            }
+                        }
+                    ).encode(),
+                )
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -293,8 +363,17 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def error(self, status: int, message: str, param: str | None = None) -> None:
-            self.reply(status, {"error": {"message": message, "type": "invalid_request_error",
-                                          "param": param, "code": None}})
+            self.reply(
+                status,
+                {
+                    "error": {
+                        "message": message,
+                        "type": "invalid_request_error",
+                        "param": param,
+                        "code": None,
+                    }
+                },
+            )
 
         def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
             """http.server's own errors (a request line or headers it cannot parse), as
@@ -304,9 +383,21 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
             if self.path.rstrip("/") == "/v1/models":
-                self.reply(200, {"object": "list", "data": [
-                    {"id": policy.name, "object": "model", "created": 0, "owned_by": "mlx-rl-ipc",
-                     "policy_version": policy.policy_version}]})
+                self.reply(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [
+                            {
+                                "id": policy.name,
+                                "object": "model",
+                                "created": 0,
+                                "owned_by": "mlx-rl-ipc",
+                                "policy_version": policy.policy_version,
+                            }
+                        ],
+                    },
+                )
             elif self.path.rstrip("/") == "/health":
                 self.reply(200, {"status": "ok", "policy_version": policy.policy_version})
             else:
@@ -329,8 +420,17 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
                 self.error(e.status, str(e), e.param)
             except Exception as e:  # a bug or an MLX error: this request fails, the server goes on
                 log.exception("request failed")
-                self.reply(500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error",
-                                           "param": None, "code": None}})
+                self.reply(
+                    500,
+                    {
+                        "error": {
+                            "message": f"{type(e).__name__}: {e}",
+                            "type": "server_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    },
+                )
 
         def body(self) -> dict:
             """The request's JSON object: at most MAX_BODY_BYTES, UTF-8, no NaN or Infinity."""
@@ -358,8 +458,9 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
             try:
                 json.dumps(body, ensure_ascii=False).encode()
             except UnicodeEncodeError:  # "\ud800" is JSON, but no text a tokenizer can read
-                raise BadRequest("the request body holds a lone surrogate (\\ud800-\\udfff): not Unicode "
-                                 "text") from None
+                raise BadRequest(
+                    "the request body holds a lone surrogate (\\ud800-\\udfff): not Unicode text"
+                ) from None
             return body
 
         def log_message(self, fmt: str, *args) -> None:
@@ -385,16 +486,26 @@ class Follower:
             policy.set_weights(load_arrays(newest / "adapters" / "adapters.safetensors"), step)
             log.info("serving the adapters of %s (policy version %d)", newest.name, step)
         else:
-            policy.waiting = (f"{run_dir} has no adapters yet: no checkpoint, and no weights from its "
-                              "learner (it sends them as soon as it runs; is the run started?)")
+            policy.waiting = (
+                f"{run_dir} has no adapters yet: no checkpoint, and no weights from its "
+                "learner (it sends them as soon as it runs; is the run started?)"
+            )
         self.ctx = zmq.Context()
         endpoint = protocol.read_endpoints(Path(run_dir))["learner"]
         keys = run_key_dir(run_dir, endpoint, cfg.run.insecure)
-        self.sock, self.watch = sockets.connect(self.ctx, endpoint, keys,
-                                                sockets.frame_limit(weights_frame_bytes(policy.model)))
-        self.hello = protocol.encode(protocol.HELLO, {
-            "role": "observer", "model": cfg.model.path, "tokenizer": tokenizer_fingerprint(policy.tokenizer),
-            "lora": as_dict(cfg.lora), "pid": os.getpid()})
+        self.sock, self.watch = sockets.connect(
+            self.ctx, endpoint, keys, sockets.frame_limit(weights_frame_bytes(policy.model))
+        )
+        self.hello = protocol.encode(
+            protocol.HELLO,
+            {
+                "role": "observer",
+                "model": cfg.model.path,
+                "tokenizer": tokenizer_fingerprint(policy.tokenizer),
+                "lora": as_dict(cfg.lora),
+                "pid": os.getpid(),
+            },
+        )
         self.sock.send_multipart(self.hello)
         self.greeted = 1  # the connection the hello goes on
         self.stopped: str | None = None
@@ -425,8 +536,13 @@ class Follower:
         self.ctx.term()
 
 
-def serve(policy: Policy, host: str, port: int, follower: Follower | None = None,
-          signals: lifecycle.StopSignals | None = None) -> int:
+def serve(
+    policy: Policy,
+    host: str,
+    port: int,
+    follower: Follower | None = None,
+    signals: lifecycle.StopSignals | None = None,
+) -> int:
     """Serve until a stop signal (or the followed run ends); returns the exit code."""
     signals = signals or lifecycle.StopSignals().install()
     server = HTTPServer((host, port), handler_for(policy))

@@ -72,16 +72,24 @@ class Drawn:
 
 
 class Actor:
-    def __init__(self, run_dir: Path, signals: lifecycle.StopSignals | None = None,
-                 key_dir: Path | None = None, slot: int = 0, connect: str | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        signals: lifecycle.StopSignals | None = None,
+        key_dir: Path | None = None,
+        slot: int = 0,
+        connect: str | None = None,
+    ) -> None:
         """`key_dir`: the CURVE keys to connect with over TCP (default: the run's own).
         `slot`: which of the run's `actor.count` actors this is (its share of the data).
         `connect`: the learner's endpoint, for an actor on another machine (default:
         the run directory's endpoints.json)."""
         self.cfg = read_run_config(run_dir)
         if not 0 <= slot < self.cfg.actor.count:
-            raise DataError(f"--slot {slot}: the run has actor.count = {self.cfg.actor.count} actors, "
-                            f"slots 0 to {self.cfg.actor.count - 1}")
+            raise DataError(
+                f"--slot {slot}: the run has actor.count = {self.cfg.actor.count} actors, "
+                f"slots 0 to {self.cfg.actor.count - 1}"
+            )
         self.slot = slot
         # Where to look whether the run is over (lifecycle.run_is_over); None with --connect,
         # whose run directory is a copy on another machine.
@@ -91,15 +99,20 @@ class Actor:
         bits = self.cfg.actor.quantize_bits
         log.info("loading %s (base weights: %s)", self.cfg.model.path, f"{bits}-bit" if bits else "as saved")
         dequantize = dequantizes(self.cfg.model.dequantize_on_cpu, bits)
-        self.model, self.tokenizer, _ = load_policy(self.cfg.model.path, self.cfg.lora, quantize_bits=bits,
-                                                    dequantize=dequantize)
+        self.model, self.tokenizer, _ = load_policy(
+            self.cfg.model.path, self.cfg.lora, quantize_bits=bits, dequantize=dequantize
+        )
         self.eos_ids = set(self.tokenizer.eos_token_ids)
         data = self.cfg.data
-        prompts = load_prompts(data.prompts, self.tokenizer, s.max_prompt_tokens, data.split,
-                               data.prompt_column)
+        prompts = load_prompts(
+            data.prompts, self.tokenizer, s.max_prompt_tokens, data.split, data.prompt_column
+        )
         env = self.cfg.env
-        check_context(prompts, getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
-                      self.cfg.max_completion_tokens)
+        check_context(
+            prompts,
+            getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
+            self.cfg.max_completion_tokens,
+        )
         self.stream = PromptStream(prompts, data.shuffle, data.seed, slot=slot, slots=self.cfg.actor.count)
         self.policy_version: int | None = None
         self.pending: protocol.Message | None = None  # newest weights not yet applied
@@ -116,14 +129,20 @@ class Actor:
         # Under an orchestrator the lifeline ends us; started by hand, we end when the
         # learner has been unreachable for good (the watch).
         if connect is not None and env.environment:
-            raise DataError("--connect: an actor on another machine cannot serve an environment yet "
-                            "(its env socket is bound on the learner's machine); run it there")
+            raise DataError(
+                "--connect: an actor on another machine cannot serve an environment yet "
+                "(its env socket is bound on the learner's machine); run it there"
+            )
         endpoints = {"learner": connect} if connect else protocol.read_endpoints(run_dir)
         insecure = self.cfg.run.insecure
-        keys = (key_dir_for(endpoints["learner"], key_dir, insecure) if key_dir is not None
-                else run_key_dir(run_dir, endpoints["learner"], insecure))
-        self.sock, self.watch = sockets.connect(self.ctx, endpoints["learner"], keys,
-                                                sockets.frame_limit(weights_frame_bytes(self.model)))
+        keys = (
+            key_dir_for(endpoints["learner"], key_dir, insecure)
+            if key_dir is not None
+            else run_key_dir(run_dir, endpoints["learner"], insecure)
+        )
+        self.sock, self.watch = sockets.connect(
+            self.ctx, endpoints["learner"], keys, sockets.frame_limit(weights_frame_bytes(self.model))
+        )
         # The heartbeat thread shares the socket: every use of it holds this lock, briefly.
         self.lock = threading.Lock()
         self.beating = threading.Event()
@@ -139,8 +158,16 @@ class Actor:
         self.episodes = None
         if env.environment:
             # max_attempts=1: the runner counts an episode's attempts itself.
-            pool = WorkerPool(self.ctx, endpoints["env"], "env_worker", protocol.OBSERVATION, env.timeout_s,
-                              max_attempts=1, owner_role="actor", keys=keys)
+            pool = WorkerPool(
+                self.ctx,
+                endpoints["env"],
+                "env_worker",
+                protocol.OBSERVATION,
+                env.timeout_s,
+                max_attempts=1,
+                owner_role="actor",
+                keys=keys,
+            )
             self.episodes = EpisodeRunner(pool, self.model, self.tokenizer, self.eos_ids, s, env, engine)
             self.episodes.renderer.check(prompts[0].prompt)
 
@@ -199,8 +226,9 @@ class Actor:
             # connection): after the groups the learner holds, skipping those it holds beyond.
             cursor, skip = msg.header.get("data_cursor"), msg.header.get("data_skip")
             if cursor is not None and not protocol.is_data_cursor(cursor):
-                log.warning("the learner's data_cursor %r is no [epoch, position]; starting the data over",
-                            cursor)
+                log.warning(
+                    "the learner's data_cursor %r is no [epoch, position]; starting the data over", cursor
+                )
             cursor = cursor if protocol.is_data_cursor(cursor) else [0, 0]  # nil: the data's start
             skip = [tuple(c) for c in skip if protocol.is_data_cursor(c)] if isinstance(skip, list) else []
             if self.engine is not None:  # groups drawn from the stream being replaced
@@ -208,10 +236,14 @@ class Actor:
                 self.decoding.clear()
                 self.decode_s = 0.0
             s = self.stream
-            self.stream = PromptStream(s.prompts, s.shuffle, s.seed, (cursor[0], cursor[1]), s.slot, s.slots,
-                                       skip)
-            log.info("data cursor from the learner: epoch %d, position %d%s", *cursor,
-                     f"; {len(skip)} prompts beyond it are held already" if skip else "")
+            self.stream = PromptStream(
+                s.prompts, s.shuffle, s.seed, (cursor[0], cursor[1]), s.slot, s.slots, skip
+            )
+            log.info(
+                "data cursor from the learner: epoch %d, position %d%s",
+                *cursor,
+                f"; {len(skip)} prompts beyond it are held already" if skip else "",
+            )
 
     def apply_pending(self) -> None:
         if self.pending is None:
@@ -231,8 +263,12 @@ class Actor:
         ids follow the prompt's place in the data stream, so a prompt draws the same noise
         whatever actor (or resumed run) samples it."""
         prompt = next(self.stream)
-        return Drawn(prompt, list(self.stream.start), list(self.stream.cursor),
-                     self.stream.index * self.sampling.group_size)
+        return Drawn(
+            prompt,
+            list(self.stream.start),
+            list(self.stream.cursor),
+            self.stream.index * self.sampling.group_size,
+        )
 
     def sample_groups(self, n: int) -> None:
         """The static path: `n` groups decoded (or played as episodes) together, then sent."""
@@ -240,13 +276,20 @@ class Actor:
         drawn = [self.next_prompt() for _ in range(n)]
         t0 = time.perf_counter()
         if self.episodes is None:
-            groups = sample_groups(self.model, [d.prompt.prompt_ids for d in drawn], g, self.sampling,
-                                   self.eos_ids, seed=self.sampling.seed,
-                                   noise_ids=[d.first_noise + j for d in drawn for j in range(g)])
+            groups = sample_groups(
+                self.model,
+                [d.prompt.prompt_ids for d in drawn],
+                g,
+                self.sampling,
+                self.eos_ids,
+                seed=self.sampling.seed,
+                noise_ids=[d.first_noise + j for d in drawn for j in range(g)],
+            )
             rollouts = [self.completions(d.prompt, c) for d, c in zip(drawn, groups)]
         else:
-            episodes = self.episodes.run([d.prompt for d in drawn], [d.first_noise for d in drawn],
-                                         self.interrupted)
+            episodes = self.episodes.run(
+                [d.prompt for d in drawn], [d.first_noise for d in drawn], self.interrupted
+            )
             if episodes is None:
                 return  # stopping: the learner holds none of these; a restarted actor samples them
             rollouts = [e.fields(self.decode) for e in episodes]
@@ -314,20 +357,35 @@ class Actor:
         the learner counts it as dropped, with the reason."""
         frames = protocol.encode(protocol.ROLLOUT, header, arrays)
         if len(frames[0]) > MAX_HEADER_BYTES:
-            reason = (f"rollout header over the protocol's limit of {MAX_HEADER_BYTES} bytes (texts, prompt, "
-                      "columns)")
-            log.error("data row %s: a rollout header of %d bytes is over the protocol's limit of %d bytes; "
-                      "its group is sent as dropped", header["row"], len(frames[0]), MAX_HEADER_BYTES)
-            header = {**header, "prompt": "", "columns": {}, "texts": [""] * len(header["texts"]),
-                      "turns": None, "error": reason}
+            reason = (
+                f"rollout header over the protocol's limit of {MAX_HEADER_BYTES} bytes (texts, prompt, "
+                "columns)"
+            )
+            log.error(
+                "data row %s: a rollout header of %d bytes is over the protocol's limit of %d bytes; "
+                "its group is sent as dropped",
+                header["row"],
+                len(frames[0]),
+                MAX_HEADER_BYTES,
+            )
+            header = {
+                **header,
+                "prompt": "",
+                "columns": {},
+                "texts": [""] * len(header["texts"]),
+                "turns": None,
+                "error": reason,
+            }
             frames = protocol.encode(protocol.ROLLOUT, header, arrays)
         self.send_frames(frames)
 
     def completions(self, prompt: Prompt, completions: list[Completion]) -> tuple[dict, dict]:
         """A single-turn group's rollout fields and arrays."""
         ids = [c.token_ids for c in completions]
-        fields = {"texts": [self.decode(t) for t in ids],
-                  "finish_reasons": [c.finish_reason for c in completions]}
+        fields = {
+            "texts": [self.decode(t) for t in ids],
+            "finish_reasons": [c.finish_reason for c in completions],
+        }
         arrays = {
             "prompt_ids": np.array(prompt.prompt_ids, dtype=np.int32),
             "completion_ids": np.array(sum(ids, []), dtype=np.int32),
@@ -362,9 +420,17 @@ class Actor:
             self.greeted = 0  # the loop says why (refused: exit 4), or says hello again
             return
         try:
-            self.send(protocol.HELLO, {"role": "actor", "model": self.cfg.model.path,
-                                       "tokenizer": tokenizer_fingerprint(self.tokenizer),
-                                       "lora": as_dict(self.cfg.lora), "pid": os.getpid(), "slot": self.slot})
+            self.send(
+                protocol.HELLO,
+                {
+                    "role": "actor",
+                    "model": self.cfg.model.path,
+                    "tokenizer": tokenizer_fingerprint(self.tokenizer),
+                    "lora": as_dict(self.cfg.lora),
+                    "pid": os.getpid(),
+                    "slot": self.slot,
+                },
+            )
         except zmq.Again:  # the connection went between the poll and the send (a refused key)
             self.greeted = 0  # as above: the loop says why, or says hello again
 
@@ -400,8 +466,10 @@ class Actor:
                 self.learner_lost = True
                 return
             if self.watch.connections > self.greeted or self.strange:
-                log.warning("the learner does not know us (%s); saying hello again",
-                            "it took us for gone" if self.strange else "the connection dropped and came back")
+                log.warning(
+                    "the learner does not know us (%s); saying hello again",
+                    "it took us for gone" if self.strange else "the connection dropped and came back",
+                )
                 self.greet()
             self.receive(0)
             if self.engine is not None:
@@ -418,8 +486,9 @@ class Actor:
     def close(self, final: bool = True) -> None:
         """`final`: the run is over, so env workers exit (else they wait for a new actor)."""
         if self.episodes is not None:
-            self.episodes.pool.close("the run is over" if final else "the actor stops; a new one will come",
-                                     final)
+            self.episodes.pool.close(
+                "the run is over" if final else "the actor stops; a new one will come", final
+            )
         self.beating.set()
         with self.lock:  # the heartbeat thread is out of the socket
             self.watch.close()

@@ -53,9 +53,15 @@ from protocol.lifecycle import child_env
 
 RECOVERY_TIMEOUT_S = 180.0
 STALL_S = 30.0  # a kill after which the next step takes longer stalled the run
-COMMON = {"sampling.group_size": "4", "train.batch_size": "2", "train.checkpoint_every": "2",
-          "train.keep_checkpoints": "3", "reward.timeout_s": "10.0", "run.max_restarts": "1000",
-          "run.hang_timeout_s": "120.0"}
+COMMON = {
+    "sampling.group_size": "4",
+    "train.batch_size": "2",
+    "train.checkpoint_every": "2",
+    "train.keep_checkpoints": "3",
+    "reward.timeout_s": "10.0",
+    "run.max_restarts": "1000",
+    "run.hang_timeout_s": "120.0",
+}
 
 
 @dataclass
@@ -70,23 +76,45 @@ class Scenario:
 
 
 SCENARIOS = {
-    "episodes": Scenario(EXAMPLES / "digits.toml", {
-        **COMMON, "reward.functions": '["env", "worker"]', "env.environment": '"socket"',
-        "env.timeout_s": "10.0"},
-        ("actor", "learner", "reward-worker", "env-worker", "orchestrator"), "digits_env:digit_share",
-        env_workers=2),
-    "actors": Scenario(EXAMPLES / "tiny.toml", {
-        **COMMON, "sampling.max_tokens": "6", "reward.functions": '["worker"]', "actor.count": "2",
-        "actor.remote": "1"},
-        ("actor", "remote-actor", "learner", "reward-worker", "orchestrator"), "tiny_task:reward",
-        remote_actor=True, steps_per_kill=20),
+    "episodes": Scenario(
+        EXAMPLES / "digits.toml",
+        {
+            **COMMON,
+            "reward.functions": '["env", "worker"]',
+            "env.environment": '"socket"',
+            "env.timeout_s": "10.0",
+        },
+        ("actor", "learner", "reward-worker", "env-worker", "orchestrator"),
+        "digits_env:digit_share",
+        env_workers=2,
+    ),
+    "actors": Scenario(
+        EXAMPLES / "tiny.toml",
+        {
+            **COMMON,
+            "sampling.max_tokens": "6",
+            "reward.functions": '["worker"]',
+            "actor.count": "2",
+            "actor.remote": "1",
+        },
+        ("actor", "remote-actor", "learner", "reward-worker", "orchestrator"),
+        "tiny_task:reward",
+        remote_actor=True,
+        steps_per_kill=20,
+    ),
 }
 
 
 def python(*args: str, log_path: Path, cwd: Path = ROOT) -> subprocess.Popen:
     with open(log_path, "a") as out:
-        return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                env=child_env(), start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, *args],
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+            start_new_session=True,
+        )
 
 
 def steps_done(run: Path) -> list[int]:
@@ -137,8 +165,15 @@ class Chaos:
 
     def config_args(self, steps: int) -> list[str]:
         sets = [arg for key, value in self.scenario.overrides.items() for arg in ("--set", f"{key}={value}")]
-        return ["--config", str(self.scenario.config), "--run-dir", str(self.run), "--steps", str(steps),
-                *sets]
+        return [
+            "--config",
+            str(self.scenario.config),
+            "--run-dir",
+            str(self.run),
+            "--steps",
+            str(steps),
+            *sets,
+        ]
 
     def start_orchestrator(self, *args: str) -> None:
         self.orchestrator = python("-m", "orchestrator", "up", *args, log_path=self.work / "orchestrator.log")
@@ -167,8 +202,13 @@ class Chaos:
             if pid:
                 self.pids.add(pid)
 
-    def wait_for_progress(self, after: int, since: float | None = None, holding: tuple[str, ...] = (),
-                          timeout: float = RECOVERY_TIMEOUT_S) -> float:
+    def wait_for_progress(
+        self,
+        after: int,
+        since: float | None = None,
+        holding: tuple[str, ...] = (),
+        timeout: float = RECOVERY_TIMEOUT_S,
+    ) -> float:
         """Seconds (from `since`, default now) until a step past `after` is in the metrics;
         keeps the externals up meanwhile (but those in `holding`)."""
         t0 = since or time.monotonic()
@@ -179,8 +219,10 @@ class Chaos:
             if done and done[-1] > after:
                 return time.monotonic() - t0
             if self.orchestrator.poll() is not None:
-                raise RuntimeError(f"the orchestrator exited with {self.orchestrator.returncode}; "
-                                   f"see {self.work / 'orchestrator.log'}")
+                raise RuntimeError(
+                    f"the orchestrator exited with {self.orchestrator.returncode}; "
+                    f"see {self.work / 'orchestrator.log'}"
+                )
             if time.monotonic() - t0 > timeout:
                 raise RuntimeError(f"no progress past step {after} within {timeout:.0f} s")
             time.sleep(0.05)
@@ -266,16 +308,34 @@ class Chaos:
 def externals(scenario: Scenario, run: Path) -> list[External]:
     """The processes a user starts by hand for `scenario`'s run in `run`."""
     args = ["--run-dir", str(run)]
-    reward = [External(f"reward-worker-{i}", ["-m", "orchestrator", "reward-worker", scenario.reward, *args],
-                       EXAMPLES) for i in range(2)]
-    env = [External(f"env-worker-{i}", ["-m", "orchestrator", "env-worker", "digits_env:DigitsEnv", *args,
-                                        "--search-path", str(EXAMPLES)], ROOT)
-           for i in range(scenario.env_workers)]
+    reward = [
+        External(
+            f"reward-worker-{i}", ["-m", "orchestrator", "reward-worker", scenario.reward, *args], EXAMPLES
+        )
+        for i in range(2)
+    ]
+    env = [
+        External(
+            f"env-worker-{i}",
+            [
+                "-m",
+                "orchestrator",
+                "env-worker",
+                "digits_env:DigitsEnv",
+                *args,
+                "--search-path",
+                str(EXAMPLES),
+            ],
+            ROOT,
+        )
+        for i in range(scenario.env_workers)
+    ]
     remote = [External("remote-actor", ["-m", "actor", "run", *args, "--slot", "1"], ROOT)]
     return reward + env + (remote if scenario.remote_actor else [])
 
 
 # -- checks -----------------------------------------------------------------------------
+
 
 def check_steps(run: Path, steps: int) -> tuple[bool, str]:
     done = steps_done(run)
@@ -285,19 +345,26 @@ def check_steps(run: Path, steps: int) -> tuple[bool, str]:
 
 def check_ledger(run: Path) -> tuple[bool, str]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    bad = [m["step"] for m in rows
-           if m["groups_received"] != m["groups_trained"] + m["groups_dropped"] + m["groups_queued"]]
+    bad = [
+        m["step"]
+        for m in rows
+        if m["groups_received"] != m["groups_trained"] + m["groups_dropped"] + m["groups_queued"]
+    ]
     last = rows[-1]
-    return not bad, (f"received {last['groups_received']} = trained {last['groups_trained']} + dropped "
-                     f"{last['groups_dropped']} {last['dropped_reasons']} + queued {last['groups_queued']}"
-                     + (f"; broken at steps {bad}" if bad else ""))
+    return not bad, (
+        f"received {last['groups_received']} = trained {last['groups_trained']} + dropped "
+        f"{last['groups_dropped']} {last['dropped_reasons']} + queued {last['groups_queued']}"
+        + (f"; broken at steps {bad}" if bad else "")
+    )
 
 
 def check_no_stall(chaos: Chaos) -> tuple[bool, str]:
     times = [t for kind in chaos.scenario.kinds for t in chaos.recovery[kind]]
     stalls = [t for t in times if t > STALL_S]
-    return not stalls, (f"{len(stalls)} of {len(times)} kills stalled; the next step came after "
-                        f"{max(times, default=0):.1f} s at most")
+    return not stalls, (
+        f"{len(stalls)} of {len(times)} kills stalled; the next step came after "
+        f"{max(times, default=0):.1f} s at most"
+    )
 
 
 def check_externals(chaos: Chaos) -> tuple[bool, str]:
@@ -325,14 +392,30 @@ def resume_copy(scenario: Scenario, work: Path, run: Path, name: str, steps: int
     the local one takes the batch), return its digest."""
     copy = work / name
     # What a live run writes (sockets, endpoints, status) is the copy's own once it starts.
-    shutil.copytree(run, copy, ignore=shutil.ignore_patterns(
-        "sockets", "*.log", "run.lock", "endpoints.json", "status.json", "heartbeat.*", "stop.final"))
-    orch = python("-m", "orchestrator", "up", "--resume", str(copy), "--steps", str(steps),
-                  log_path=work / f"{name}.log")
+    shutil.copytree(
+        run,
+        copy,
+        ignore=shutil.ignore_patterns(
+            "sockets", "*.log", "run.lock", "endpoints.json", "status.json", "heartbeat.*", "stop.final"
+        ),
+    )
+    orch = python(
+        "-m",
+        "orchestrator",
+        "up",
+        "--resume",
+        str(copy),
+        "--steps",
+        str(steps),
+        log_path=work / f"{name}.log",
+    )
     while not (copy / "endpoints.json").exists():
         time.sleep(0.05)
-    workers = [python(*e.args, log_path=work / f"{name}-{e.name}.log", cwd=e.cwd)
-               for e in externals(scenario, copy) if e.name != "remote-actor"]
+    workers = [
+        python(*e.args, log_path=work / f"{name}-{e.name}.log", cwd=e.cwd)
+        for e in externals(scenario, copy)
+        if e.name != "remote-actor"
+    ]
     try:
         code = orch.wait(300)
         for w in workers:
@@ -362,9 +445,13 @@ def check_no_process_left(chaos: Chaos) -> tuple[bool, str]:
 
 
 def report(name: str, chaos: Chaos, steps: int, checks: dict[str, tuple[bool, str]], elapsed: float) -> str:
-    lines = [f"chaos, {name}: {steps} steps, {chaos.kills} SIGKILLs of each kind, {chaos.resumes} resumes, "
-             f"{elapsed:.0f} s", "",
-             "| killed | kills | next step after: median | max |", "|---|---|---|---|"]
+    lines = [
+        f"chaos, {name}: {steps} steps, {chaos.kills} SIGKILLs of each kind, {chaos.resumes} resumes, "
+        f"{elapsed:.0f} s",
+        "",
+        "| killed | kills | next step after: median | max |",
+        "|---|---|---|---|",
+    ]
     for kind, times in chaos.recovery.items():
         if times:
             lines.append(f"| {kind} | {len(times)} | {statistics.median(times):.1f} s | {max(times):.1f} s |")
@@ -374,8 +461,9 @@ def report(name: str, chaos: Chaos, steps: int, checks: dict[str, tuple[bool, st
     return "\n".join(lines)
 
 
-def play_scenario(name: str, work: Path, kills: int, seed: int, extra_steps: int,
-                  steps_per_kill: int | None = None) -> bool:
+def play_scenario(
+    name: str, work: Path, kills: int, seed: int, extra_steps: int, steps_per_kill: int | None = None
+) -> bool:
     """One scenario's chaos run and checks; prints its report, returns whether all passed."""
     scenario = SCENARIOS[name]
     if steps_per_kill is not None:
@@ -413,14 +501,17 @@ def main() -> int:
     parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
     parser.add_argument("--seed", type=int, default=0, help="order and moments of the kills")
     parser.add_argument("--extra-steps", type=int, default=4, help="steps after the resume-twice checkpoint")
-    parser.add_argument("--steps-per-kill", type=int,
-                        help="steps between two kills (default: 4 for episodes, 20 for actors)")
+    parser.add_argument(
+        "--steps-per-kill", type=int, help="steps between two kills (default: 4 for episodes, 20 for actors)"
+    )
     parser.add_argument("--work-dir", help="keep the runs and logs here (default: a temporary directory)")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mlxrl-chaos-")).resolve()
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
-    passed = [play_scenario(n, work / n, args.kills, args.seed, args.extra_steps, args.steps_per_kill)
-              for n in names]
+    passed = [
+        play_scenario(n, work / n, args.kills, args.seed, args.extra_steps, args.steps_per_kill)
+        for n in names
+    ]
     return 0 if all(passed) else 1
 
 

@@ -45,8 +45,11 @@ BEFORE = ("actor.engine=static", "train.sort_by_length=false", "train.share_prom
 
 
 def table(runs: dict[str, list[dict]]) -> str:
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("it_s", "completion_tok_s")}
-           for name, rs in runs.items() if rs}
+    med = {
+        name: {k: statistics.median(r[k] for r in rs) for k in ("it_s", "completion_tok_s")}
+        for name, rs in runs.items()
+        if rs
+    }
     base = med.get("mlxrl")
     lines = ["| run | it/s | completion tok/s | it/s vs mlxrl | it/s vs before |", "|---|---|---|---|---|"]
     for name, m in med.items():
@@ -55,10 +58,12 @@ def table(runs: dict[str, list[dict]]) -> str:
         lines.append(f"| {name} | {m['it_s']:.3f} | {m['completion_tok_s']:.0f} | {vs_mlxrl} | {vs_before} |")
     tail, uniform = med["long tail, k=1"], med["uniform, k=1"]
     lines.append("")
-    lines.append(f"Long tail against uniform lengths, completion tokens/s at k=1: "
-                 f"{tail['completion_tok_s'] / uniform['completion_tok_s']:.2f}x (target >= 0.85x); "
-                 f"it/s at k=1 against before: {tail['it_s'] / med['long tail, k=1, before']['it_s']:.2f}x "
-                 f"(target >= 1.8x).")
+    lines.append(
+        f"Long tail against uniform lengths, completion tokens/s at k=1: "
+        f"{tail['completion_tok_s'] / uniform['completion_tok_s']:.2f}x (target >= 0.85x); "
+        f"it/s at k=1 against before: {tail['it_s'] / med['long tail, k=1, before']['it_s']:.2f}x "
+        f"(target >= 1.8x)."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -77,8 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     tail = long_tail_copy(uniform, a.mean)
     mean_only = {**vars(a), "max_tokens": a.mean}
     started = time.time()
-    names = ["mlxrl", "long tail, k=0", "long tail, k=1", "long tail, k=2", "long tail, k=1, before",
-             "uniform, k=1"]
+    names = [
+        "mlxrl",
+        "long tail, k=0",
+        "long tail, k=1",
+        "long tail, k=2",
+        "long tail, k=1, before",
+        "uniform, k=1",
+    ]
     runs: dict[str, list[dict]] = {name: [] for name in names}
     bs = a.batch_size
     with tempfile.TemporaryDirectory(prefix="e2el") as tmp:
@@ -92,12 +103,18 @@ def main(argv: list[str] | None = None) -> int:
             runs["long tail, k=1, before"].append(before)
             runs["uniform, k=1"].append(run_ours(uniform, work, f"u{r}", 1, _ns(mean_only), batch_size=bs))
             log(f"repeat {r + 1} of {a.repeats} done")
-    report = (f"End to end, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters (vocabulary "
-              f"{shape['vocab_size']}), float32, LoRA rank 8; {bs} prompts x G {a.group_size} a step, "
-              f"completions geometric (mean {a.mean}, max {a.max_tokens}; uniform: every one {a.mean}); "
-              f"{a.steps - 1} timed steps a run, medians of {a.repeats} repeats\n\n" + table(runs))
-    out = {"shape": shape, "args": {k: str(v) for k, v in vars(a).items()}, "runs": runs,
-           "wall_s": time.time() - started}
+    report = (
+        f"End to end, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters (vocabulary "
+        f"{shape['vocab_size']}), float32, LoRA rank 8; {bs} prompts x G {a.group_size} a step, "
+        f"completions geometric (mean {a.mean}, max {a.max_tokens}; uniform: every one {a.mean}); "
+        f"{a.steps - 1} timed steps a run, medians of {a.repeats} repeats\n\n" + table(runs)
+    )
+    out = {
+        "shape": shape,
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "runs": runs,
+        "wall_s": time.time() - started,
+    }
     write_results(a.results_dir, "e2e_lengths_quick" if a.quick else "e2e_lengths", out, report)
     return 0
 

@@ -43,8 +43,12 @@ class E2ERun:
         step_s = [x["step_s"] for x in m[1:] if x.get("step_s") is not None]
         measured = self.arrivals[-1] - self.arrivals[0] if len(self.arrivals) > 1 else None
         return {
-            "staleness": self.staleness, "steps": self.steps, "exit_code": self.exit_code,
-            "wall_s": self.wall_s, "metrics_lines": len(m), "measured_s": measured,
+            "staleness": self.staleness,
+            "steps": self.steps,
+            "exit_code": self.exit_code,
+            "wall_s": self.wall_s,
+            "metrics_lines": len(m),
+            "measured_s": measured,
             "steps_per_s": self.steps_per_s,
             # How much of the measured wall time the learner spent in its step (the rest
             # it waited for rollouts); tells whether overlap had anything to hide.
@@ -57,8 +61,10 @@ class E2ERun:
             # The run's own weight-sync metrics (absent from older learners): the message
             # size, serialize on the learner, send -> decoded and apply on the actor.
             "weights_mb": last.get("weights_mb"),
-            **{f"weights_{part}_ms": _median_ms([x.get(f"weights_{part}_s") for x in m[1:]])
-               for part in ("serialize", "transfer", "apply")},
+            **{
+                f"weights_{part}_ms": _median_ms([x.get(f"weights_{part}_s") for x in m[1:]])
+                for part in ("serialize", "transfer", "apply")
+            },
             "reward_first": m[0].get("reward") if m else None,
             "reward_last": last.get("reward"),
         }
@@ -101,8 +107,13 @@ def watch_up(args: list[str], run_dir: Path, out_path: Path, staleness: int, ste
     they arrive in `run_dir`."""
     with open(out_path, "w") as out:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", *args], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, env=child_env())
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "up", *args],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+        )
         run = E2ERun(staleness, steps, -1, 0.0)
         try:
             _watch(proc, run_dir / "metrics.jsonl", run)
@@ -118,8 +129,22 @@ def run_once(staleness: int, steps: int, work_dir: Path, tag: str) -> E2ERun:
     run_dir = work_dir / f"k{staleness}-{tag}"  # short: ipc socket paths must stay < 100 bytes
     out = work_dir / f"k{staleness}-{tag}.out"
     log(f"end-to-end max_staleness={staleness} ({tag}): {steps} steps")
-    run = watch_up(["--config", str(TINY_TOML), "--steps", str(steps), "--run-dir", str(run_dir),
-                    "--set", f"train.max_staleness={staleness}"], run_dir, out, staleness, steps)
+    run = watch_up(
+        [
+            "--config",
+            str(TINY_TOML),
+            "--steps",
+            str(steps),
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"train.max_staleness={staleness}",
+        ],
+        run_dir,
+        out,
+        staleness,
+        steps,
+    )
     if run.exit_code != 0:
         log(f"  run failed with exit code {run.exit_code}; see {out}:\n" + out.read_text()[-2000:])
     return run
@@ -140,7 +165,8 @@ def aggregate(runs: list[E2ERun], staleness: int) -> dict:
         for reason, n in (s["dropped_reasons"] or {}).items():
             reasons[reason] = reasons.get(reason, 0) + n
     return {
-        "staleness": staleness, "runs": len(mine),
+        "staleness": staleness,
+        "runs": len(mine),
         "failed_runs": sum(s["exit_code"] != 0 for s in mine),
         "steps_per_s": _mean([s["steps_per_s"] for s in mine]),
         "steps_per_s_each": [s["steps_per_s"] for s in mine],
@@ -151,6 +177,8 @@ def aggregate(runs: list[E2ERun], staleness: int) -> dict:
         "learner_peak_mb": _max([s["learner_peak_mb"] for s in mine]),
         "actor_peak_mb": _max([s["actor_peak_mb"] for s in mine]),
         "weights_mb": _max([s["weights_mb"] for s in mine]),
-        **{key: _mean([s[key] for s in mine]) for key in
-           ("weights_serialize_ms", "weights_transfer_ms", "weights_apply_ms")},
+        **{
+            key: _mean([s[key] for s in mine])
+            for key in ("weights_serialize_ms", "weights_transfer_ms", "weights_apply_ms")
+        },
     }

@@ -30,13 +30,29 @@ import numpy as np
 from benchmarks.common import harness, log, write_results
 from benchmarks.real_shape import LOGIT_SCALE, build_model, parameters
 
-SMALL_SHAPE = dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1536, num_attention_heads=8,
-                   num_key_value_heads=4, head_dim=64, vocab_size=16384)
-QUICK_SHAPE = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=32, vocab_size=4096)
-MODES = {"padded": dict(sort_by_length=False, share_prompts=False),
-         "by length": dict(sort_by_length=True, share_prompts=False),
-         "shared prompts": dict(sort_by_length=True, share_prompts=True)}
+SMALL_SHAPE = dict(
+    hidden_size=512,
+    num_hidden_layers=4,
+    intermediate_size=1536,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=16384,
+)
+QUICK_SHAPE = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=4096,
+)
+MODES = {
+    "padded": dict(sort_by_length=False, share_prompts=False),
+    "by length": dict(sort_by_length=True, share_prompts=False),
+    "shared prompts": dict(sort_by_length=True, share_prompts=True),
+}
 
 
 def long_tail_lengths(rows: int, mean: float, cap: int, seed: int) -> np.ndarray:
@@ -51,12 +67,15 @@ def samples_for(lengths: np.ndarray, groups: int, prompt_tokens: int, vocab: int
     rng = np.random.default_rng(seed)
     g = len(lengths) // groups
     prompts = [rng.integers(2, vocab, prompt_tokens) for _ in range(groups)]
-    return [Sample(prompts[i // g], rng.integers(2, vocab, n), np.full(n, -2.0, np.float32), "stop")
-            for i, n in enumerate(lengths)]
+    return [
+        Sample(prompts[i // g], rng.integers(2, vocab, n), np.full(n, -2.0, np.float32), "stop")
+        for i, n in enumerate(lengths)
+    ]
 
 
-def measure(model_path: Path, samples: list, rewards: np.ndarray, repeats: int,
-            modes: dict[str, dict]) -> dict[str, dict]:
+def measure(
+    model_path: Path, samples: list, rewards: np.ndarray, repeats: int, modes: dict[str, dict]
+) -> dict[str, dict]:
     """Each mode's step seconds (prepare + optimizer step), padding ratio and peak MB."""
     import mlx.core as mx
 
@@ -69,8 +88,10 @@ def measure(model_path: Path, samples: list, rewards: np.ndarray, repeats: int,
     model.train()
     batch = make_batch(samples, 0)
     sampling = SamplingConfig(temperature=0.7, max_tokens=int(batch.lengths.max()))
-    trainers = {name: Trainer(model, AlgorithmConfig(beta=0.04), TrainConfig(**settings), sampling)
-                for name, settings in modes.items()}
+    trainers = {
+        name: Trainer(model, AlgorithmConfig(beta=0.04), TrainConfig(**settings), sampling)
+        for name, settings in modes.items()
+    }
     out: dict[str, dict] = {name: {"step_s": [], "peak_mb": []} for name in modes}
     for rep in range(repeats + 1):  # the first: a warm-up
         for name, trainer in trainers.items():
@@ -97,12 +118,17 @@ def table(runs: dict[str, dict]) -> str:
     """Each mode's row; speeds against the first mode."""
     first = next(iter(runs))
     base = statistics.median(runs[first]["step_s"])
-    lines = [f"| learner step | s, median (min-max) | speed vs {first} | padding_ratio | micro-batches "
-             "| peak MB |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"| learner step | s, median (min-max) | speed vs {first} | padding_ratio | micro-batches "
+        "| peak MB |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in runs.items():
         speed = base / statistics.median(r["step_s"])
-        lines.append(f"| {name} | {spread(r['step_s'])} | {speed:.2f}x | {r['padding_ratio']:.2f} | "
-                     f"{r['micro_batches']} | {statistics.median(r['peak_mb']):.0f} |")
+        lines.append(
+            f"| {name} | {spread(r['step_s'])} | {speed:.2f}x | {r['padding_ratio']:.2f} | "
+            f"{r['micro_batches']} | {statistics.median(r['peak_mb']):.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -118,26 +144,36 @@ def main(argv: list[str] | None = None) -> int:
     shape = QUICK_SHAPE if a.quick else SMALL_SHAPE
     if a.quick:
         a.repeats, a.groups, a.group_size, a.max_tokens = 1, 4, 4, 256
-    name = (f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-float32-"
-            f"x{LOGIT_SCALE:g}")
+    name = (
+        f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-float32-"
+        f"x{LOGIT_SCALE:g}"
+    )
     model = build_model(a.models_dir / name, shape, None, "float32")
     rows = a.groups * a.group_size
     heavy_groups, heavy_prompt = (2, 128) if a.quick else (4, 512)
     tail = long_tail_lengths(rows, a.mean, a.max_tokens, a.seed)
     workloads = {
         "long tail": (a.groups, a.prompt_tokens, tail, MODES),
-        "prompt-heavy": (heavy_groups, heavy_prompt, np.full(heavy_groups * a.group_size, 64),
-                         {k: v for k, v in MODES.items() if k != "padded"}),
+        "prompt-heavy": (
+            heavy_groups,
+            heavy_prompt,
+            np.full(heavy_groups * a.group_size, 64),
+            {k: v for k, v in MODES.items() if k != "padded"},
+        ),
     }
     started, out = time.time(), {"shape": shape, "args": {k: str(v) for k, v in vars(a).items()}, "runs": {}}
-    report = [f"Learner step, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters (vocabulary "
-              f"{shape['vocab_size']}), float32, beta 0.04, G {a.group_size}; medians of {a.repeats} repeats "
-              f"after a warm-up\n"]
+    report = [
+        f"Learner step, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters (vocabulary "
+        f"{shape['vocab_size']}), float32, beta 0.04, G {a.group_size}; medians of {a.repeats} repeats "
+        f"after a warm-up\n"
+    ]
     for workload, (groups, prompt_tokens, lengths, modes) in workloads.items():
         samples = samples_for(lengths, groups, prompt_tokens, shape["vocab_size"], a.seed)
         rewards = np.random.default_rng(a.seed).random((groups, a.group_size))
-        what = (f"{groups} prompts of {prompt_tokens} tokens x G {a.group_size}, completions mean "
-                f"{lengths.mean():.0f}, median {np.median(lengths):.0f}, max {lengths.max()}")
+        what = (
+            f"{groups} prompts of {prompt_tokens} tokens x G {a.group_size}, completions mean "
+            f"{lengths.mean():.0f}, median {np.median(lengths):.0f}, max {lengths.max()}"
+        )
         log(f"{workload}: {what}")
         runs = measure(model, samples, rewards, a.repeats, modes)
         out["runs"][workload] = {"lengths": lengths.tolist(), "prompt_tokens": prompt_tokens, **runs}

@@ -39,7 +39,7 @@ def _real_batch(model, tokenizer, cfg: Config):
     s = cfg.sampling
     d = cfg.data
     prompts = load_prompts(d.prompts, tokenizer, s.max_prompt_tokens, d.split, d.prompt_column)
-    prompts = prompts[:cfg.train.batch_size]
+    prompts = prompts[: cfg.train.batch_size]
     scorer = Scorer(cfg.reward)  # the config's rewards, scored as the learner scores them
     eos_ids = set(tokenizer.eos_token_ids)
     groups = sampler.sample_groups(model, [p.prompt_ids for p in prompts], s.group_size, s, eos_ids, s.seed)
@@ -48,8 +48,15 @@ def _real_batch(model, tokenizer, cfg: Config):
         ids = [c.token_ids for c in group]
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in ids]
         rewards.append(scorer.submit(str(p.index), p.prompt, texts, ids, p.columns).total)
-        samples += [Sample(np.array(p.prompt_ids, np.int32), np.array(c.token_ids, np.int32),
-                           np.array(c.logprobs, np.float32), c.finish_reason) for c in group]
+        samples += [
+            Sample(
+                np.array(p.prompt_ids, np.int32),
+                np.array(c.token_ids, np.int32),
+                np.array(c.logprobs, np.float32),
+                c.finish_reason,
+            )
+            for c in group
+        ]
     return samples, np.array(rewards, dtype=np.float64)
 
 
@@ -75,6 +82,13 @@ def run(reps: int) -> LearnerResult:
             step_times.append(opt_s)
     totals = [p + o for p, o in zip(prep_times, step_times)]
     return LearnerResult(
-        t.batch_size, s.group_size, s.max_tokens, reps, median(totals), median(prep_times),
-        median(step_times), sum(len(x.completion_ids) for x in samples),
-        raw={"step_s": totals, "prepare_s": prep_times, "optimizer_step_s": step_times})
+        t.batch_size,
+        s.group_size,
+        s.max_tokens,
+        reps,
+        median(totals),
+        median(prep_times),
+        median(step_times),
+        sum(len(x.completion_ids) for x in samples),
+        raw={"step_s": totals, "prepare_s": prep_times, "optimizer_step_s": step_times},
+    )

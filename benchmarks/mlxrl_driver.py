@@ -35,10 +35,12 @@ def main(args: dict) -> None:
     model, tokenizer, _ = load_policy_with_lora(model_id=args["model"], config=LoRAConfig(rank=8, scale=20.0))
     optimizer = optim.Adam(learning_rate=args["learning_rate"])
     pad = pad_token_id_from_tokenizer(tokenizer)
-    sampling = SamplingConfig(max_tokens=args["max_tokens"], temperature=args["temperature"],
-                              top_p=args["top_p"])
+    sampling = SamplingConfig(
+        max_tokens=args["max_tokens"], temperature=args["temperature"], top_p=args["top_p"]
+    )
     algorithm = GRPOAlgorithm()
     if args["rollout"] == "best":  # its prefix-cached rollout with the compiled decode step
+
         def generate(**kw):
             return generate_prefix_cached_group_rollouts(**kw, compile_decode_step=True)
     else:
@@ -48,9 +50,15 @@ def main(args: dict) -> None:
         batch_rows = [rows[(step * batch_size + i) % len(rows)] for i in range(batch_size)]
         t0 = time.perf_counter()
         prompts = [row["prompt"] for row in batch_rows]
-        completions = generate(model=model, tokenizer=tokenizer, prompts=prompts,
-                               group_size=args["group_size"], config=sampling, seed=args["seed"] + step,
-                               use_chat_template=False)
+        completions = generate(
+            model=model,
+            tokenizer=tokenizer,
+            prompts=prompts,
+            group_size=args["group_size"],
+            config=sampling,
+            seed=args["seed"] + step,
+            use_chat_template=False,
+        )
         t1 = time.perf_counter()
         ids = [list(c.completion_tokens) for c in completions]
         rewards = []
@@ -59,15 +67,38 @@ def main(args: dict) -> None:
             columns = {k: v for k, v in row.items() if k != "prompt"}
             inputs = reward_inputs(row["prompt"], [c.text for c in completions[group]], ids[group], columns)
             rewards += [r or 0.0 for r in call_reward(reward, inputs, args["reward"])]
-        batch = batch_from_rollouts(model=model, completions=completions, rewards=rewards,
-                                    group_size=args["group_size"], pad_token_id=pad,
-                                    compute_reference=args["beta"] != 0.0, algorithm=algorithm)
-        optimizer_step(model=model, optimizer=optimizer, batch=batch, beta=args["beta"], pad_token_id=pad,
-                       algorithm=algorithm)
+        batch = batch_from_rollouts(
+            model=model,
+            completions=completions,
+            rewards=rewards,
+            group_size=args["group_size"],
+            pad_token_id=pad,
+            compute_reference=args["beta"] != 0.0,
+            algorithm=algorithm,
+        )
+        optimizer_step(
+            model=model,
+            optimizer=optimizer,
+            batch=batch,
+            beta=args["beta"],
+            pad_token_id=pad,
+            algorithm=algorithm,
+        )
         t2 = time.perf_counter()
-        print(json.dumps({"step": step + 1, "step_s": t2 - t0, "rollout_s": t1 - t0, "learner_s": t2 - t1,
-                          "completion_tokens": sum(map(len, ids)), "reward_mean": sum(rewards) / len(rewards),
-                          "peak_mb": mx.get_peak_memory() / (1 << 20)}), flush=True)  # since start, as ours
+        print(
+            json.dumps(
+                {
+                    "step": step + 1,
+                    "step_s": t2 - t0,
+                    "rollout_s": t1 - t0,
+                    "learner_s": t2 - t1,
+                    "completion_tokens": sum(map(len, ids)),
+                    "reward_mean": sum(rewards) / len(rewards),
+                    "peak_mb": mx.get_peak_memory() / (1 << 20),
+                }
+            ),
+            flush=True,
+        )  # since start, as ours
 
 
 if __name__ == "__main__":

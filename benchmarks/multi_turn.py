@@ -61,11 +61,29 @@ class QuickTurns(FiveTurns):
 
 def start_workers(endpoint: str, env_class: str, n: int, lifeline) -> list[subprocess.Popen]:
     """Env worker processes, each ending with this process (the lifeline) or on SIGTERM."""
-    args = [sys.executable, "-m", "orchestrator", "env-worker", env_class, "--connect", endpoint,
-            "--search-path", str(ROOT)]
+    args = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "env-worker",
+        env_class,
+        "--connect",
+        endpoint,
+        "--search-path",
+        str(ROOT),
+    ]
     env = {**os.environ, **lifeline.child_env()}
-    return [subprocess.Popen(args, cwd=ROOT, env=env, pass_fds=(lifeline.read_fd,), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL) for _ in range(n)]
+    return [
+        subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env=env,
+            pass_fds=(lifeline.read_fd,),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(n)
+    ]
 
 
 def run(runner, prompts, group_size: int) -> dict:
@@ -83,22 +101,32 @@ def run(runner, prompts, group_size: int) -> dict:
     sampled = sum(sum(e.mask) for e in episodes)
     prefilled = runner.prefilled - prefilled0
     n = len(episodes)
-    return {"episodes_s": n / seconds, "seconds": seconds, "sampled": sampled,
-            "prefilled_per_episode": prefilled / n, "context_per_episode": context / n,
-            "model_tokens_over_context": (prefilled + sampled) / context,
-            "turns": statistics.mean(e.model_turns for e in episodes)}
+    return {
+        "episodes_s": n / seconds,
+        "seconds": seconds,
+        "sampled": sampled,
+        "prefilled_per_episode": prefilled / n,
+        "context_per_episode": context / n,
+        "model_tokens_over_context": (prefilled + sampled) / context,
+        "turns": statistics.mean(e.model_turns for e in episodes),
+    }
 
 
 def table(runs: dict[str, list[dict]]) -> str:
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-    lines = ["| episodes | episodes/s, median (min-max) | vs lockstep | prefilled tokens / episode | "
-             "context / episode | model tokens / context | sampled tokens |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| episodes | episodes/s, median (min-max) | vs lockstep | prefilled tokens / episode | "
+        "context / episode | model tokens / context | sampled tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, rs in runs.items():
         m, rates = med[name], [r["episodes_s"] for r in rs]
-        lines.append(f"| {name} | {m['episodes_s']:.2f} ({min(rates):.2f}-{max(rates):.2f}) | "
-                     f"{m['episodes_s'] / med['lockstep']['episodes_s']:.2f}x | "
-                     f"{m['prefilled_per_episode']:.0f} | {m['context_per_episode']:.0f} | "
-                     f"{m['model_tokens_over_context']:.2f}x | {m['sampled']:.0f} |")
+        lines.append(
+            f"| {name} | {m['episodes_s']:.2f} ({min(rates):.2f}-{max(rates):.2f}) | "
+            f"{m['episodes_s'] / med['lockstep']['episodes_s']:.2f}x | "
+            f"{m['prefilled_per_episode']:.0f} | {m['context_per_episode']:.0f} | "
+            f"{m['model_tokens_over_context']:.2f}x | {m['sampled']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -130,34 +158,49 @@ def main(argv: list[str] | None = None) -> int:
     eos = set(range(vocab - vocab // a.mean, vocab))
     sampling = SamplingConfig(group_size=a.group_size, temperature=1.0, max_tokens=a.max_tokens)
     turns = env_type.turns
-    env = EnvConfig(environment=env_class, max_turns=turns, max_episode_tokens=4096, timeout_s=120.0,
-                    max_attempts=1)
+    env = EnvConfig(
+        environment=env_class, max_turns=turns, max_episode_tokens=4096, timeout_s=120.0, max_attempts=1
+    )
     rng = random.Random(0)
     prompts = [Prompt(i, "".join(rng.choice(ALPHABET) for _ in range(32)), [], {}) for i in range(a.prompts)]
     ctx, lifeline = zmq.Context(), Lifeline()
     workers: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{Path(tmp) / 'env.sock'}"
-        pool = WorkerPool(ctx, endpoint, "env_worker", protocol.OBSERVATION, env.timeout_s, max_attempts=1,
-                          owner_role="actor")
+        pool = WorkerPool(
+            ctx,
+            endpoint,
+            "env_worker",
+            protocol.OBSERVATION,
+            env.timeout_s,
+            max_attempts=1,
+            owner_role="actor",
+        )
         try:
             workers = start_workers(endpoint, env_class, a.workers, lifeline)
             while pool.n_workers < a.workers:
                 pool.poll(100)
             rows = a.prompts * a.group_size
-            runners = {"engine": EpisodeRunner(pool, model, tok, eos, sampling, env,
-                                               Engine(model, sampling, eos, sampling.seed, rows)),
-                       "lockstep": EpisodeRunner(pool, model, tok, eos, sampling, env)}
-            log(f"multi-turn: {a.prompts} prompts x G {a.group_size}, {turns} turns, observations of "
+            runners = {
+                "engine": EpisodeRunner(
+                    pool, model, tok, eos, sampling, env, Engine(model, sampling, eos, sampling.seed, rows)
+                ),
+                "lockstep": EpisodeRunner(pool, model, tok, eos, sampling, env),
+            }
+            log(
+                f"multi-turn: {a.prompts} prompts x G {a.group_size}, {turns} turns, observations of "
                 f"{env_type.observation_tokens} tokens, turns geometric mean {a.mean}, max {a.max_tokens}; "
-                f"{a.workers} env workers")
+                f"{a.workers} env workers"
+            )
             started = time.time()
             runs: dict[str, list[dict]] = {name: [] for name in runners}
             for rep in range(a.repeats + 1):  # the first: a warm-up
                 for name, runner in runners.items():
                     result = run(runner, prompts, a.group_size)
-                    log(f"  {name}: {result['episodes_s']:.2f} episodes/s, {result['sampled']} sampled, "
-                        f"{result['prefilled_per_episode']:.0f} prefilled a episode")
+                    log(
+                        f"  {name}: {result['episodes_s']:.2f} episodes/s, {result['sampled']} sampled, "
+                        f"{result['prefilled_per_episode']:.0f} prefilled a episode"
+                    )
                     if rep:
                         runs[name].append(result)
         finally:
@@ -170,12 +213,18 @@ def main(argv: list[str] | None = None) -> int:
                     w.wait()
             lifeline.close()
             ctx.term()
-    report = (f"Multi-turn episodes, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters "
-              f"(vocabulary {vocab}), float32, LoRA rank 8; {a.prompts} prompts x G {a.group_size}, {turns} "
-              f"turns, turns geometric (mean {a.mean}, max {a.max_tokens}); medians of {a.repeats} repeats "
-              f"after a warm-up\n\n" + table(runs))
-    out = {"shape": shape, "args": {k: str(v) for k, v in vars(a).items()}, "runs": runs,
-           "wall_s": time.time() - started}
+    report = (
+        f"Multi-turn episodes, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters "
+        f"(vocabulary {vocab}), float32, LoRA rank 8; {a.prompts} prompts x G {a.group_size}, {turns} "
+        f"turns, turns geometric (mean {a.mean}, max {a.max_tokens}); medians of {a.repeats} repeats "
+        f"after a warm-up\n\n" + table(runs)
+    )
+    out = {
+        "shape": shape,
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "runs": runs,
+        "wall_s": time.time() - started,
+    }
     write_results(a.results_dir, "multi_turn_quick" if a.quick else "multi_turn", out, report)
     return 0
 

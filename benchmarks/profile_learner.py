@@ -84,7 +84,8 @@ def profile(model_path: Path, rows: int, tokens: int, repeats: int) -> dict[str,
     out["piece: body forward, no graph"] = median_s(lambda: mx.eval(model.model(inputs)), repeats)
     out["piece: output head over every position"] = median_s(lambda: mx.eval(head(hidden)), repeats)
     out["piece: weights message (adapters to numpy, encode)"] = median_s(
-        lambda: protocol.encode(protocol.WEIGHTS, {"version": 1}, adapter_weights_numpy(model)), repeats)
+        lambda: protocol.encode(protocol.WEIGHTS, {"version": 1}, adapter_weights_numpy(model)), repeats
+    )
     return out
 
 
@@ -96,20 +97,34 @@ def main(argv: list[str] | None = None) -> int:
     shape = QUICK_SHAPE if a.quick else QWEN3_SHAPE
     if a.quick:
         a.repeats, a.tokens = 1, 16
-    name = (f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-float32-"
-            f"x{LOGIT_SCALE:g}")
+    name = (
+        f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-float32-"
+        f"x{LOGIT_SCALE:g}"
+    )
     model = build_model(a.models_dir / name, shape, None, "float32")
     log(f"{name}: {a.rows} rows of 20 + {a.tokens} tokens, {a.repeats} repeats")
     started = time.time()
     times = profile(model, a.rows, a.tokens, a.repeats)
     base = times["the step (defaults)"]
-    lines = [f"Learner step at a Qwen3 shape ({parameters(shape) / 1e6:.0f} M parameters, vocabulary "
-             f"{shape['vocab_size']}, float32), {a.rows} rows of a 20-token prompt + {a.tokens} tokens; "
-             f"medians of {a.repeats}\n", "| what | s | against the step |", "|---|---|---|"]
+    lines = [
+        f"Learner step at a Qwen3 shape ({parameters(shape) / 1e6:.0f} M parameters, vocabulary "
+        f"{shape['vocab_size']}, float32), {a.rows} rows of a 20-token prompt + {a.tokens} tokens; "
+        f"medians of {a.repeats}\n",
+        "| what | s | against the step |",
+        "|---|---|---|",
+    ]
     lines += [f"| {k} | {v:.3f} | {v / base:.2f}x |" for k, v in times.items()]
-    write_results(a.results_dir, "profile_learner_quick" if a.quick else "profile_learner",
-                  {"shape": shape, "args": {k: str(v) for k, v in vars(a).items()}, "seconds": times,
-                   "wall_s": time.time() - started}, "\n".join(lines) + "\n")
+    write_results(
+        a.results_dir,
+        "profile_learner_quick" if a.quick else "profile_learner",
+        {
+            "shape": shape,
+            "args": {k: str(v) for k, v in vars(a).items()},
+            "seconds": times,
+            "wall_s": time.time() - started,
+        },
+        "\n".join(lines) + "\n",
+    )
     return 0
 
 

@@ -39,10 +39,24 @@ from benchmarks.end_to_end import watch_up
 from protocol.config import QUANT_GROUP
 from protocol.lifecycle import child_env
 
-QWEN3_SHAPE = dict(hidden_size=768, num_hidden_layers=6, intermediate_size=2048, num_attention_heads=12,
-                   num_key_value_heads=4, head_dim=64, vocab_size=151936)
-QUICK_SHAPE = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=32, vocab_size=16384)
+QWEN3_SHAPE = dict(
+    hidden_size=768,
+    num_hidden_layers=6,
+    intermediate_size=2048,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=151936,
+)
+QUICK_SHAPE = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=16384,
+)
 SETTINGS = dict(temperature=0.7, top_p=0.95, beta=0.04, learning_rate=1e-5, seed=0)
 # Random weights give a nearly flat next-token distribution (top-p 0.95 keeps ~89,000 of
 # 151,936 tokens at temperature 0.7), which no trained model has. Scaling the final norm
@@ -51,8 +65,9 @@ SETTINGS = dict(temperature=0.7, top_p=0.95, beta=0.04, learning_rate=1e-5, seed
 LOGIT_SCALE = 4.0
 
 
-def build_model(out: Path, shape: dict, bits: int | None, dtype: str,
-                logit_scale: float = LOGIT_SCALE) -> Path:
+def build_model(
+    out: Path, shape: dict, bits: int | None, dtype: str, logit_scale: float = LOGIT_SCALE
+) -> Path:
     """A Qwen3 model of `shape` with random weights, its logits scaled to a trained
     model's spread (`logit_scale`; 1: a random model's nearly flat distribution), saved in
     mlx-lm's format (cached)."""
@@ -64,9 +79,16 @@ def build_model(out: Path, shape: dict, bits: int | None, dtype: str,
     from policy.model import quantize_base
     from policy.tiny import save_model
 
-    config = {"model_type": "qwen3", **shape, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-              "max_position_embeddings": 4096, "tie_word_embeddings": True, "eos_token_id": 1,
-              "torch_dtype": dtype}
+    config = {
+        "model_type": "qwen3",
+        **shape,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "eos_token_id": 1,
+        "torch_dtype": dtype,
+    }
     mx.random.seed(0)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     model.model.norm.weight = model.model.norm.weight * logit_scale
@@ -112,8 +134,16 @@ def parameters(shape: dict) -> int:
     return shape["vocab_size"] * h + shape["num_hidden_layers"] * per_layer
 
 
-def run_ours(model: Path, work: Path, tag: str, staleness: int, a: argparse.Namespace,
-             actor_bits: int = 0, batch_size: int = 1, sets: tuple[str, ...] = ()) -> dict:
+def run_ours(
+    model: Path,
+    work: Path,
+    tag: str,
+    staleness: int,
+    a: argparse.Namespace,
+    actor_bits: int = 0,
+    batch_size: int = 1,
+    sets: tuple[str, ...] = (),
+) -> dict:
     """`sets`: `key=value` settings on top of the run's config (`orchestrator up --set`)."""
     run_dir = work / tag  # short: ipc socket paths must stay < 100 bytes
     toml = work / f"{tag}.toml"
@@ -124,17 +154,17 @@ path = "{model}"
 prompts = "{PROMPTS}"
 [sampling]
 group_size = {a.group_size}
-temperature = {SETTINGS['temperature']}
-top_p = {SETTINGS['top_p']}
+temperature = {SETTINGS["temperature"]}
+top_p = {SETTINGS["top_p"]}
 max_tokens = {a.max_tokens}
 [train]
 steps = {a.steps}
 batch_size = {batch_size}
-learning_rate = {SETTINGS['learning_rate']}
+learning_rate = {SETTINGS["learning_rate"]}
 max_staleness = {staleness}
 checkpoint_every = 0
 [algorithm]
-beta = {SETTINGS['beta']}
+beta = {SETTINGS["beta"]}
 [actor]
 quantize_bits = {actor_bits}
 [reward]
@@ -153,14 +183,20 @@ dir = "{run_dir}"
     learner = max(x["learner_peak_mb"] for x in run.metrics)
     actor = max(x["actor_peak_mb"] for x in run.metrics)
     measured = run.arrivals[-1] - run.arrivals[0]
-    return {"it_s": run.steps_per_s,
-            "completion_tok_s": (sum(x["completions/mean_length"] for x in m) * batch_size * a.group_size
-                                 / measured),
-            "rollout_tok_s": statistics.median(x["rollout_tokens_per_s"] for x in m),
-            "learner_step_s": statistics.median(x["step_s"] for x in m),
-            "learner_peak_mb": learner, "actor_peak_mb": actor, "peak_mb": learner + actor,
-            "planned_learner_mb": plan["learner"], "planned_actor_mb": plan["actor"],
-            "reward_mean": statistics.mean(x["reward"] for x in run.metrics)}
+    return {
+        "it_s": run.steps_per_s,
+        "completion_tok_s": (
+            sum(x["completions/mean_length"] for x in m) * batch_size * a.group_size / measured
+        ),
+        "rollout_tok_s": statistics.median(x["rollout_tokens_per_s"] for x in m),
+        "learner_step_s": statistics.median(x["step_s"] for x in m),
+        "learner_peak_mb": learner,
+        "actor_peak_mb": actor,
+        "peak_mb": learner + actor,
+        "planned_learner_mb": plan["learner"],
+        "planned_actor_mb": plan["actor"],
+        "reward_mean": statistics.mean(x["reward"] for x in run.metrics),
+    }
 
 
 def planned(toml: Path) -> dict:
@@ -172,26 +208,42 @@ def planned(toml: Path) -> dict:
     return {"actor": sum(plan.actor.values()) / MB, "learner": sum(plan.learner.values()) / MB}
 
 
-def run_mlxrl(model: Path, work: Path, tag: str, a: argparse.Namespace, rollout: str,
-              batch_size: int = 1) -> dict:
-    args = {"model": str(model), "prompts": str(PROMPTS), "reward": "tiny_task:reward",
-            "search_path": str(EXAMPLES), "steps": a.steps, "group_size": a.group_size,
-            "batch_size": batch_size,
-            "max_tokens": a.max_tokens, "rollout": rollout, **SETTINGS}
+def run_mlxrl(
+    model: Path, work: Path, tag: str, a: argparse.Namespace, rollout: str, batch_size: int = 1
+) -> dict:
+    args = {
+        "model": str(model),
+        "prompts": str(PROMPTS),
+        "reward": "tiny_task:reward",
+        "search_path": str(EXAMPLES),
+        "steps": a.steps,
+        "group_size": a.group_size,
+        "batch_size": batch_size,
+        "max_tokens": a.max_tokens,
+        "rollout": rollout,
+        **SETTINGS,
+    }
     log(f"{tag}: mlxrl ({rollout} rollout), {a.steps} steps")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.mlxrl_driver", json.dumps(args)], cwd=ROOT,
-                          capture_output=True, text=True, env=child_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.mlxrl_driver", json.dumps(args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=child_env(),
+    )
     (work / f"{tag}.out").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{tag} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     steps = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     m = steps[1:]
-    return {"it_s": len(m) / sum(x["step_s"] for x in m),
-            "completion_tok_s": sum(x["completion_tokens"] for x in m) / sum(x["step_s"] for x in m),
-            "rollout_tok_s": statistics.median(x["completion_tokens"] / x["rollout_s"] for x in m),
-            "learner_step_s": statistics.median(x["learner_s"] for x in m),
-            "peak_mb": max(x["peak_mb"] for x in steps),
-            "reward_mean": statistics.mean(x["reward_mean"] for x in steps)}
+    return {
+        "it_s": len(m) / sum(x["step_s"] for x in m),
+        "completion_tok_s": sum(x["completion_tokens"] for x in m) / sum(x["step_s"] for x in m),
+        "rollout_tok_s": statistics.median(x["completion_tokens"] / x["rollout_s"] for x in m),
+        "learner_step_s": statistics.median(x["learner_s"] for x in m),
+        "peak_mb": max(x["peak_mb"] for x in steps),
+        "reward_mean": statistics.mean(x["reward_mean"] for x in steps),
+    }
 
 
 def have_mlxrl() -> bool:
@@ -229,18 +281,35 @@ def rollout_alone(model: Path, a: argparse.Namespace) -> dict:
 
     policy, tokenizer, _ = load_policy(str(model), LoraConfig())
     prompt_ids = [load_prompts(PROMPTS, tokenizer, 1024)[0].prompt_ids]
-    params = SamplingConfig(temperature=SETTINGS["temperature"], top_p=SETTINGS["top_p"],
-                            max_tokens=a.max_tokens)
+    params = SamplingConfig(
+        temperature=SETTINGS["temperature"], top_p=SETTINGS["top_p"], max_tokens=a.max_tokens
+    )
     rows = {"completion_batch_size": a.group_size, "prefill_batch_size": a.group_size}
     eos = set(tokenizer.eos_token_ids)
     log(f"rollout alone: sample_groups vs batch_generate, {a.group_size} rows, {a.repeats} repetitions")
-    medians, runs = rates({
-        "ours": lambda s: sample_ours(policy, prompt_ids, a.group_size, params, eos, s),
-        "batch_generate": lambda s: sample_theirs(policy, tokenizer, prompt_ids, a.group_size, a.max_tokens,
-                                                  s, rows, SETTINGS["temperature"], SETTINGS["top_p"]),
-    }, a.repeats)
-    return {"ours_tok_s": medians["ours"], "batch_generate_tok_s": medians["batch_generate"],
-            "ratio": medians["ours"] / medians["batch_generate"], "runs": runs}
+    medians, runs = rates(
+        {
+            "ours": lambda s: sample_ours(policy, prompt_ids, a.group_size, params, eos, s),
+            "batch_generate": lambda s: sample_theirs(
+                policy,
+                tokenizer,
+                prompt_ids,
+                a.group_size,
+                a.max_tokens,
+                s,
+                rows,
+                SETTINGS["temperature"],
+                SETTINGS["top_p"],
+            ),
+        },
+        a.repeats,
+    )
+    return {
+        "ours_tok_s": medians["ours"],
+        "batch_generate_tok_s": medians["batch_generate"],
+        "ratio": medians["ours"] / medians["batch_generate"],
+        "runs": runs,
+    }
 
 
 def spread(values: list[float]) -> str:
@@ -248,10 +317,16 @@ def spread(values: list[float]) -> str:
 
 
 def table(runs: dict[str, list[dict]]) -> str:
-    rows = ["| run | it/s | rollout tok/s | learner step s | peak MB (learner + actor) "
-            "| plan MB (learner, actor) |", "|---|---|---|---|---|---|"]
-    base = {k: statistics.median(r[k] for r in runs["mlxrl"]) for k in ("it_s", "rollout_tok_s", "peak_mb")
-            } if runs["mlxrl"] else None
+    rows = [
+        "| run | it/s | rollout tok/s | learner step s | peak MB (learner + actor) "
+        "| plan MB (learner, actor) |",
+        "|---|---|---|---|---|---|",
+    ]
+    base = (
+        {k: statistics.median(r[k] for r in runs["mlxrl"]) for k in ("it_s", "rollout_tok_s", "peak_mb")}
+        if runs["mlxrl"]
+        else None
+    )
     for name, rs in runs.items():
         if not rs:
             continue
@@ -273,13 +348,22 @@ def table(runs: dict[str, list[dict]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = harness(__doc__)
     p.add_argument("--bits", type=int, nargs="*", default=[0, 4], help="0: full precision; 4, 8: quantized")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="full precision: auto = bfloat16 on a GPU, float32 on the CPU backend")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="full precision: auto = bfloat16 on a GPU, float32 on the CPU backend",
+    )
     p.add_argument("--steps", type=int, default=4, help="per run; the first is a warm-up")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--actor-bits", type=int, default=4, choices=[0, 4, 8],
-                   help="also run synchronous with actor.quantize_bits (0: no such run)")
+    p.add_argument(
+        "--actor-bits",
+        type=int,
+        default=4,
+        choices=[0, 4, 8],
+        help="also run synchronous with actor.quantize_bits (0: no such run)",
+    )
     a = p.parse_args(argv)
     shape = QUICK_SHAPE if a.quick else QWEN3_SHAPE
     if a.dtype == "auto":
@@ -290,25 +374,37 @@ def main(argv: list[str] | None = None) -> int:
         a.repeats, a.steps, a.max_tokens, a.bits = 1, 3, 16, [0]
     if not have_mlxrl():
         log("mlxrl is not installed (pip install -e '.[bench]'): measuring this project alone")
-    out: dict = {"shape": shape, "parameters": parameters(shape), "settings": SETTINGS,
-                 "args": {k: str(v) for k, v in vars(a).items()}, "results": {}}
-    text = [f"Qwen3-shaped model, {parameters(shape) / 1e6:.0f} M parameters, vocabulary "
-            f"{shape['vocab_size']}; G={a.group_size}, {a.max_tokens} tokens, {a.repeats} repeats of "
-            f"{a.steps} steps (first left out)\n"]
+    out: dict = {
+        "shape": shape,
+        "parameters": parameters(shape),
+        "settings": SETTINGS,
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "results": {},
+    }
+    text = [
+        f"Qwen3-shaped model, {parameters(shape) / 1e6:.0f} M parameters, vocabulary "
+        f"{shape['vocab_size']}; G={a.group_size}, {a.max_tokens} tokens, {a.repeats} repeats of "
+        f"{a.steps} steps (first left out)\n"
+    ]
     started = time.time()
     for bits in a.bits:
-        name = (f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-"
-                f"{a.dtype}{f'-{bits}bit' if bits else ''}-x{LOGIT_SCALE:g}")
+        name = (
+            f"qwen3-{shape['vocab_size']}-{shape['hidden_size']}x{shape['num_hidden_layers']}-"
+            f"{a.dtype}{f'-{bits}bit' if bits else ''}-x{LOGIT_SCALE:g}"
+        )
         log(f"model {name}")
         model = build_model(a.models_dir / name, shape, bits or None, a.dtype)
         with tempfile.TemporaryDirectory(prefix="rs-") as tmp:
             runs = measure(a, model, Path(tmp), bool(bits))
         alone = rollout_alone(model, a)
         out["results"][name] = {**runs, "rollout_alone": alone}
-        text += [f"\n### {name}\n", table(runs),
-                 f"\nRollout alone ({a.group_size} rows, one process): this project's sampler "
-                 f"{alone['ours_tok_s']:.1f} tok/s, mlx-lm batch_generate "
-                 f"{alone['batch_generate_tok_s']:.1f} tok/s ({alone['ratio']:.2f}x)\n"]
+        text += [
+            f"\n### {name}\n",
+            table(runs),
+            f"\nRollout alone ({a.group_size} rows, one process): this project's sampler "
+            f"{alone['ours_tok_s']:.1f} tok/s, mlx-lm batch_generate "
+            f"{alone['batch_generate_tok_s']:.1f} tok/s ({alone['ratio']:.2f}x)\n",
+        ]
     out["wall_s"] = time.time() - started
     write_results(a.results_dir, "real_shape_quick" if a.quick else "real_shape", out, "".join(text))
     return 0

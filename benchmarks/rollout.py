@@ -34,8 +34,9 @@ class RolloutResult:
         return None
 
 
-def sample_ours(model, prompt_ids: list[list[int]], group_size: int, params, eos_ids: set[int],
-                seed: int) -> int:
+def sample_ours(
+    model, prompt_ids: list[list[int]], group_size: int, params, eos_ids: set[int], seed: int
+) -> int:
     """Sample every prompt's group with our sampler, as the actor does; return the tokens produced."""
     from policy.sampler import sample_groups
 
@@ -43,8 +44,17 @@ def sample_ours(model, prompt_ids: list[list[int]], group_size: int, params, eos
     return sum(len(c.token_ids) for group in groups for c in group)
 
 
-def sample_theirs(model, tokenizer, prompt_ids: list[list[int]], group_size: int, max_tokens: int,
-                  seed: int, batch_kwargs: dict, temperature: float = 1.0, top_p: float = 1.0) -> int:
+def sample_theirs(
+    model,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    group_size: int,
+    max_tokens: int,
+    seed: int,
+    batch_kwargs: dict,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> int:
     """batch_generate with each prompt repeated G times; return the tokens produced."""
     import mlx.core as mx
     from mlx_lm.generate import batch_generate
@@ -52,9 +62,15 @@ def sample_theirs(model, tokenizer, prompt_ids: list[list[int]], group_size: int
 
     mx.random.seed(seed)
     sequences = [p for p in prompt_ids for _ in range(group_size)]
-    response = batch_generate(model, tokenizer, sequences, max_tokens=max_tokens,
-                              sampler=make_sampler(temp=temperature, top_p=top_p), return_token_ids=True,
-                              **batch_kwargs)
+    response = batch_generate(
+        model,
+        tokenizer,
+        sequences,
+        max_tokens=max_tokens,
+        sampler=make_sampler(temp=temperature, top_p=top_p),
+        return_token_ids=True,
+        **batch_kwargs,
+    )
     # A sequence shorter than max_tokens stopped on an EOS that token_ids leaves out.
     return sum(len(ids) + (len(ids) < max_tokens) for ids in response.token_ids)
 
@@ -93,15 +109,22 @@ def run(num_prompts: int, group_sizes: tuple[int, ...], max_tokens: int, reps: i
         # (32 decoding rows, 8 prefilled at a time) is reported beside it for reference.
         whole = {"completion_batch_size": n, "prefill_batch_size": n}
         r = RolloutResult(g, len(prompt_ids), max_tokens, "sample_groups", theirs_kwargs=whole)
-        log(f"rollout G={g}: ours ({r.sampler}) vs batch_generate, {len(prompt_ids)} prompts, "
-            f"max_tokens {max_tokens}, {reps} interleaved repetitions")
-        medians, r.runs = rates({
-            "ours": lambda s, g=g: sample_ours(ours, prompt_ids, g, params, eos_ids, s),
-            "theirs": lambda s, g=g, kw=whole: sample_theirs(
-                theirs, their_tokenizer, prompt_ids, g, max_tokens, s, kw),
-            "theirs_default": lambda s, g=g: sample_theirs(
-                theirs, their_tokenizer, prompt_ids, g, max_tokens, s, {}),
-        }, reps)
+        log(
+            f"rollout G={g}: ours ({r.sampler}) vs batch_generate, {len(prompt_ids)} prompts, "
+            f"max_tokens {max_tokens}, {reps} interleaved repetitions"
+        )
+        medians, r.runs = rates(
+            {
+                "ours": lambda s, g=g: sample_ours(ours, prompt_ids, g, params, eos_ids, s),
+                "theirs": lambda s, g=g, kw=whole: sample_theirs(
+                    theirs, their_tokenizer, prompt_ids, g, max_tokens, s, kw
+                ),
+                "theirs_default": lambda s, g=g: sample_theirs(
+                    theirs, their_tokenizer, prompt_ids, g, max_tokens, s, {}
+                ),
+            },
+            reps,
+        )
         r.ours_tok_s, r.theirs_tok_s = medians["ours"], medians["theirs"]
         r.theirs_default_tok_s = medians["theirs_default"]
         results.append(r)

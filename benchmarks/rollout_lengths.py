@@ -34,8 +34,16 @@ from benchmarks.learner_lengths import QUICK_SHAPE, SMALL_SHAPE
 from benchmarks.real_shape import flat_model, have_mlxrl, long_tail_copy, parameters
 
 
-def engines(model, prompts: list[list[int]], batches: int, group_size: int, eos: set[int],
-            max_tokens: int, mean: int, rows: int) -> dict:
+def engines(
+    model,
+    prompts: list[list[int]],
+    batches: int,
+    group_size: int,
+    eos: set[int],
+    max_tokens: int,
+    mean: int,
+    rows: int,
+) -> dict:
     """Each contender: a function of the seed that decodes every batch and returns the
     tokens it produced."""
     from mlx_lm.generate import BatchGenerator
@@ -60,8 +68,15 @@ def engines(model, prompts: list[list[int]], batches: int, group_size: int, eos:
     def static(seed: int, stop: set[int] = eos, sampling: SamplingConfig = params) -> int:
         tokens = 0
         for b in range(batches):
-            groups = sample_groups(model, prompts[b * per_batch:(b + 1) * per_batch], group_size, sampling,
-                                   stop, seed, noise_offset=b * per_batch * group_size)
+            groups = sample_groups(
+                model,
+                prompts[b * per_batch : (b + 1) * per_batch],
+                group_size,
+                sampling,
+                stop,
+                seed,
+                noise_offset=b * per_batch * group_size,
+            )
             tokens += sum(len(c.token_ids) for group in groups for c in group)
         return tokens
 
@@ -69,9 +84,14 @@ def engines(model, prompts: list[list[int]], batches: int, group_size: int, eos:
         import mlx.core as mx
 
         mx.random.seed(seed)
-        gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[[t] for t in eos],
-                             sampler=make_sampler(temp=1.0), completion_batch_size=rows,
-                             prefill_batch_size=rows)
+        gen = BatchGenerator(
+            model,
+            max_tokens=max_tokens,
+            stop_tokens=[[t] for t in eos],
+            sampler=make_sampler(temp=1.0),
+            completion_batch_size=rows,
+            prefill_batch_size=rows,
+        )
         gen.insert([p for p in prompts for _ in range(group_size)])
         tokens = 0
         while responses := gen.next_generated():
@@ -104,9 +124,15 @@ def mlxrl_rollout(path, batches: int, per_batch: int, group_size: int, max_token
         tokens = 0
         for b in range(batches):
             out = generate_prefix_cached_group_rollouts(
-                model=model, tokenizer=tokenizer, prompts=texts[b * per_batch:(b + 1) * per_batch],
-                group_size=group_size, config=sampling, seed=seed, use_chat_template=False,
-                compile_decode_step=True)
+                model=model,
+                tokenizer=tokenizer,
+                prompts=texts[b * per_batch : (b + 1) * per_batch],
+                group_size=group_size,
+                config=sampling,
+                seed=seed,
+                use_chat_template=False,
+                compile_decode_step=True,
+            )
             tokens += sum(len(c.completion_tokens) for c in out)
         return tokens
 
@@ -129,12 +155,16 @@ def measure(contenders: dict, repeats: int) -> dict[str, dict]:
 
 def table(runs: dict[str, dict]) -> str:
     med = {name: statistics.median(r["tok_s"]) for name, r in runs.items()}
-    lines = ["| engine | rollout tok/s, median (min-max) | vs ceiling | vs static | tokens |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| engine | rollout tok/s, median (min-max) | vs ceiling | vs static | tokens |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in runs.items():
-        lines.append(f"| {name} | {med[name]:.0f} ({min(r['tok_s']):.0f}-{max(r['tok_s']):.0f}) | "
-                     f"{med[name] / med['ceiling']:.2f}x | {med[name] / med['static']:.2f}x | "
-                     f"{statistics.median(r['tokens']):.0f} |")
+        lines.append(
+            f"| {name} | {med[name]:.0f} ({min(r['tok_s']):.0f}-{max(r['tok_s']):.0f}) | "
+            f"{med[name] / med['ceiling']:.2f}x | {med[name] / med['static']:.2f}x | "
+            f"{statistics.median(r['tokens']):.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -160,20 +190,28 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, vocab - vocab // a.mean, 32).tolist() for _ in range(a.batches * a.prompts)]
     rows = a.prompts * a.group_size
-    log(f"rollout: {a.batches} batches of {a.prompts} prompts x G {a.group_size}, {rows} rows live, "
-        f"lengths geometric mean {a.mean}, max {a.max_tokens}")
+    log(
+        f"rollout: {a.batches} batches of {a.prompts} prompts x G {a.group_size}, {rows} rows live, "
+        f"lengths geometric mean {a.mean}, max {a.max_tokens}"
+    )
     started = time.time()
     contenders = engines(model, prompts, a.batches, a.group_size, eos, a.max_tokens, a.mean, rows)
     if have_mlxrl():
         path = long_tail_copy(flat_model(a.models_dir, shape), a.mean)
         contenders["mlxrl"] = mlxrl_rollout(path, a.batches, a.prompts, a.group_size, a.max_tokens, 32)
     runs = measure(contenders, a.repeats)
-    report = (f"Rollout, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters (vocabulary "
-              f"{vocab}), float32, LoRA rank 8; {a.batches} batches of {a.prompts} prompts x G "
-              f"{a.group_size}, completions geometric (mean {a.mean}, max {a.max_tokens}; the ceiling: "
-              f"every row {a.mean} tokens); medians of {a.repeats} repeats after a warm-up\n\n" + table(runs))
-    out = {"shape": shape, "args": {k: str(v) for k, v in vars(a).items()}, "runs": runs,
-           "wall_s": time.time() - started}
+    report = (
+        f"Rollout, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters (vocabulary "
+        f"{vocab}), float32, LoRA rank 8; {a.batches} batches of {a.prompts} prompts x G "
+        f"{a.group_size}, completions geometric (mean {a.mean}, max {a.max_tokens}; the ceiling: "
+        f"every row {a.mean} tokens); medians of {a.repeats} repeats after a warm-up\n\n" + table(runs)
+    )
+    out = {
+        "shape": shape,
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "runs": runs,
+        "wall_s": time.time() - started,
+    }
     write_results(a.results_dir, "rollout_lengths_quick" if a.quick else "rollout_lengths", out, report)
     return 0
 

@@ -43,19 +43,22 @@ def summarize(runs: list[E2ERun], actors: int) -> dict:
     each = []
     for r in runs:
         m, measured = r.metrics[1:], r.arrivals[-1] - r.arrivals[0] if len(r.arrivals) > 1 else None
-        each.append({
-            "steps_per_s": r.steps_per_s,
-            "step_ms": median([1e3 * x["step_s"] for x in m]),
-            "allreduce_ms": median([1e3 * x["allreduce_s"] for x in m if "allreduce_s" in x]),
-            "weights_serialize_ms": median([1e3 * x["weights_serialize_s"] for x in m]),
-            "weights_transfer_ms": median([1e3 * x.get("weights_transfer_s", 0) for x in m]),
-            "weights_apply_ms": median([1e3 * x.get("weights_apply_s", 0) for x in m]),
-            "learner_busy": sum(x["step_s"] for x in m) / measured if measured else None,
-            # Sampling seconds of every group, over the wall time of every actor.
-            "actor_busy": (sum(x.get("rollout_gen_s", 0) for x in m) / (measured * actors)
-                           if measured else None),
-            "exit_code": r.exit_code,
-        })
+        each.append(
+            {
+                "steps_per_s": r.steps_per_s,
+                "step_ms": median([1e3 * x["step_s"] for x in m]),
+                "allreduce_ms": median([1e3 * x["allreduce_s"] for x in m if "allreduce_s" in x]),
+                "weights_serialize_ms": median([1e3 * x["weights_serialize_s"] for x in m]),
+                "weights_transfer_ms": median([1e3 * x.get("weights_transfer_s", 0) for x in m]),
+                "weights_apply_ms": median([1e3 * x.get("weights_apply_s", 0) for x in m]),
+                "learner_busy": sum(x["step_s"] for x in m) / measured if measured else None,
+                # Sampling seconds of every group, over the wall time of every actor.
+                "actor_busy": (
+                    sum(x.get("rollout_gen_s", 0) for x in m) / (measured * actors) if measured else None
+                ),
+                "exit_code": r.exit_code,
+            }
+        )
     return {key: median([e[key] for e in each]) for key in each[0]} | {"runs": each}
 
 
@@ -73,24 +76,34 @@ def main() -> None:
             for i, (name, extra) in enumerate(CONFIGS.items()):
                 run_dir = Path(work) / f"c{i}r{r}"
                 log(f"{name} (repeat {r + 1}/{repeats}): {steps} steps")
-                run = watch_up(["--config", str(TINY_TOML), "--steps", str(steps), "--run-dir", str(run_dir),
-                                *extra], run_dir, Path(work) / f"c{i}r{r}.out", 0, steps)
+                run = watch_up(
+                    ["--config", str(TINY_TOML), "--steps", str(steps), "--run-dir", str(run_dir), *extra],
+                    run_dir,
+                    Path(work) / f"c{i}r{r}.out",
+                    0,
+                    steps,
+                )
                 if run.exit_code != 0:
                     log((Path(work) / f"c{i}r{r}.out").read_text()[-2000:])
                 runs[name].append(run)
     results = {name: summarize(rs, 2 if "2 actors" in name else 1) for name, rs in runs.items()}
     base = results["1 actor, 1 rank"]["steps_per_s"]
-    print(f"\n{steps} steps a run, {repeats} repeat(s), medians; examples/tiny.toml (batch 8 x 8, "
-          "on-policy)\n")
-    print("| configuration | steps/s | vs 1 actor, 1 rank | learner step ms | all-reduce ms | weights "
-          "serialize / transfer / apply ms | learner busy | actor busy (each) |")
+    print(
+        f"\n{steps} steps a run, {repeats} repeat(s), medians; examples/tiny.toml (batch 8 x 8, on-policy)\n"
+    )
+    print(
+        "| configuration | steps/s | vs 1 actor, 1 rank | learner step ms | all-reduce ms | weights "
+        "serialize / transfer / apply ms | learner busy | actor busy (each) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         ratio = r["steps_per_s"] / base if r["steps_per_s"] and base else None
-        print(f"| {name} | {fmt(r['steps_per_s'], 3)} | {fmt(ratio, 2)}x | {fmt(r['step_ms'], 0)} | "
-              f"{fmt(r['allreduce_ms'], 1)} | {fmt(r['weights_serialize_ms'], 2)} / "
-              f"{fmt(r['weights_transfer_ms'], 2)} / {fmt(r['weights_apply_ms'], 2)} | "
-              f"{fmt(r['learner_busy'], 2)} | {fmt(r['actor_busy'], 2)} |")
+        print(
+            f"| {name} | {fmt(r['steps_per_s'], 3)} | {fmt(ratio, 2)}x | {fmt(r['step_ms'], 0)} | "
+            f"{fmt(r['allreduce_ms'], 1)} | {fmt(r['weights_serialize_ms'], 2)} / "
+            f"{fmt(r['weights_transfer_ms'], 2)} / {fmt(r['weights_apply_ms'], 2)} | "
+            f"{fmt(r['learner_busy'], 2)} | {fmt(r['actor_busy'], 2)} |"
+        )
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / ("scale_quick.json" if args.quick else "scale.json")
     out.write_text(json.dumps({"steps": steps, "repeats": repeats, "results": results}, indent=1) + "\n")

@@ -104,9 +104,14 @@ def rollout_message(group_size: int, tokens: int, rng: np.random.Generator) -> t
     lens = np.full(group_size, tokens, dtype=np.int32)
     total = int(lens.sum())
     header = {
-        "group_id": "0", "policy_version": 0, "prompt": "repeat 7", "columns": {"target": "7"},
-        "texts": ["7" * tokens] * group_size, "finish_reasons": ["length"] * group_size,
-        "gen_s": 0.01, "peak_memory_mb": 2.0,
+        "group_id": "0",
+        "policy_version": 0,
+        "prompt": "repeat 7",
+        "columns": {"target": "7"},
+        "texts": ["7" * tokens] * group_size,
+        "finish_reasons": ["length"] * group_size,
+        "gen_s": 0.01,
+        "peak_memory_mb": 2.0,
     }
     arrays = {
         "prompt_ids": rng.integers(0, 57, 8, dtype=np.int32),
@@ -179,29 +184,39 @@ def copy_baseline_ms(shapes: dict[str, tuple], reps: int) -> float:
     return median(times[1:]) * 1e3
 
 
-def run(rollout_messages: int, group_size: int, tokens: int, weight_shapes: dict[str, dict],
-        weight_reps: int) -> TransportResult:
+def run(
+    rollout_messages: int, group_size: int, tokens: int, weight_shapes: dict[str, dict], weight_reps: int
+) -> TransportResult:
     """weight_shapes: label -> {array name: shape}; each is synced `weight_reps` times."""
     with tempfile.TemporaryDirectory(prefix="mlxrl-bench-") as tmp:
         os.chmod(tmp, 0o700)
         endpoint = f"ipc://{tmp}/learner.sock"
-        peer = subprocess.Popen([sys.executable, "-m", "benchmarks.transport", "--endpoint", endpoint],
-                                cwd=ROOT, env=child_env())
+        peer = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.transport", "--endpoint", endpoint], cwd=ROOT, env=child_env()
+        )
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)  # zmq connects once the peer has bound; sends queue meanwhile
         try:
             log(f"transport: {rollout_messages} rollouts (G={group_size}, {tokens} tokens each)")
             seconds, msg_bytes = _rollouts(sock, rollout_messages, group_size, tokens)
-            result = TransportResult(rollout_messages, msg_bytes, rollout_messages / seconds,
-                                     rollout_messages * msg_bytes / seconds / 1e6, _ping_ms(sock, 200))
+            result = TransportResult(
+                rollout_messages,
+                msg_bytes,
+                rollout_messages / seconds,
+                rollout_messages * msg_bytes / seconds / 1e6,
+                _ping_ms(sock, 200),
+            )
             for label, shapes in weight_shapes.items():
                 n = sum(int(np.prod(s)) for s in shapes.values())
                 log(f"transport: weights '{label}' ({n} float32 parameters), {weight_reps} syncs")
                 times = _weights(sock, shapes, weight_reps)
                 result.weights[label] = {
-                    "arrays": len(shapes), "parameters": n, "bytes": 4 * n,
-                    "sync_ms": median(times) * 1e3, "sync_ms_each": [t * 1e3 for t in times],
+                    "arrays": len(shapes),
+                    "parameters": n,
+                    "bytes": 4 * n,
+                    "sync_ms": median(times) * 1e3,
+                    "sync_ms_each": [t * 1e3 for t in times],
                     "copy_ms": copy_baseline_ms(shapes, weight_reps),
                 }
             _ctl(sock, {"cmd": "exit"})
@@ -226,9 +241,19 @@ def qwen3_0_6b_lora_shapes(rank: int = 8) -> dict[str, tuple]:
     from protocol.config import LoraConfig
 
     args = qwen3.ModelArgs(
-        model_type="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True, rope_theta=1e6)
+        model_type="qwen3",
+        hidden_size=1024,
+        num_hidden_layers=28,
+        intermediate_size=3072,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+    )
     model = qwen3.Model(args)
     model.freeze()
     settings = lora_settings(LoraConfig(rank=rank), len(model.layers))

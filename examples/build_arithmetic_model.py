@@ -33,9 +33,17 @@ from policy.tiny import CHARS, EOS, MODEL_CONFIG, SPECIAL_TOKENS, save_model  # 
 ARITHMETIC_CHARS = CHARS + ["<", ">"]
 VOCAB = {c: i for i, c in enumerate(SPECIAL_TOKENS + ARITHMETIC_CHARS)}
 EOS_ID = VOCAB[EOS]
-CONFIG = dict(MODEL_CONFIG, hidden_size=128, num_hidden_layers=4, intermediate_size=384,
-              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-              vocab_size=len(VOCAB), eos_token_id=EOS_ID)
+CONFIG = dict(
+    MODEL_CONFIG,
+    hidden_size=128,
+    num_hidden_layers=4,
+    intermediate_size=384,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    vocab_size=len(VOCAB),
+    eos_token_id=EOS_ID,
+)
 
 
 def encode(text: str) -> list[int]:
@@ -53,8 +61,8 @@ def batch(rows: list[dict]) -> tuple[mx.array, mx.array, mx.array]:
     ids = np.zeros((len(seqs), width), dtype=np.int32)
     mask = np.zeros((len(seqs), width - 1), dtype=np.float32)
     for i, (s, start) in enumerate(zip(seqs, starts)):
-        ids[i, :len(s)] = s
-        mask[i, start - 1:len(s) - 1] = 1.0
+        ids[i, : len(s)] = s
+        mask[i, start - 1 : len(s) - 1] = 1.0
     ids = mx.array(ids)
     return ids[:, :-1], ids[:, 1:], mx.array(mask)
 
@@ -77,9 +85,9 @@ def greedy_accuracy(model, rows: list[dict]) -> float:
         width = max(len(completion(row)) for row in same) + 1
         for _ in range(width):
             ids = mx.concatenate([ids, mx.argmax(model(ids)[:, -1], axis=-1, keepdims=True)], axis=1)
-        for row, out in zip(same, ids[:, len(same[0]["prompt"]):].tolist()):
+        for row, out in zip(same, ids[:, len(same[0]["prompt"]) :].tolist()):
             want = encode(completion(row)) + [EOS_ID]
-            right += out[:len(want)] == want
+            right += out[: len(want)] == want
     return right / len(rows)
 
 
@@ -106,8 +114,11 @@ def build(out_dir: str, target: float, max_steps: int, batch_size: int, lr: floa
         mx.eval(model.parameters(), opt.state, loss)
         if step % 50 == 0:
             accuracy = greedy_accuracy(model, validation)
-            print(f"step {step}  loss {loss.item():.3f}  greedy validation accuracy {accuracy:.2f}  "
-                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+            print(
+                f"step {step}  loss {loss.item():.3f}  greedy validation accuracy {accuracy:.2f}  "
+                f"{time.perf_counter() - t0:.0f} s",
+                flush=True,
+            )
             if accuracy >= target:
                 break
     else:

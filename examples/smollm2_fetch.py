@@ -68,10 +68,14 @@ def fetch(out: str | Path = HERE / "models") -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=HERE / "models", type=Path,
-                        help="where the .gguf and the folder go (default: examples/models)")
+    parser.add_argument(
+        "--out",
+        default=HERE / "models",
+        type=Path,
+        help="where the .gguf and the folder go (default: examples/models)",
+    )
     folder = fetch(parser.parse_args().out)
-    print(f"model.path = \"{folder}\"")
+    print(f'model.path = "{folder}"')
 
 
 if __name__ == "__main__":

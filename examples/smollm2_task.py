@@ -44,7 +44,7 @@ def split() -> tuple[list[dict], list[dict]]:
     rows = problems()
     facts = sorted({f for f, _ in rows})
     random.Random(SEED).shuffle(facts)
-    held = set(facts[:round(HELDOUT_SHARE * len(facts))])
+    held = set(facts[: round(HELDOUT_SHARE * len(facts))])
     return [r for f, r in rows if f not in held], [r for f, r in rows if f in held]
 
 

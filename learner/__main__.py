@@ -22,8 +22,11 @@ def cli() -> None:
     from learner.service import main
     from policy.data import DataError
 
-    lifecycle.exit_with(lambda: main(args.run_dir, args.resume), logging.getLogger("learner"),
-                        (RewardError, DataError, KeysError))
+    lifecycle.exit_with(
+        lambda: main(args.run_dir, args.resume),
+        logging.getLogger("learner"),
+        (RewardError, DataError, KeysError),
+    )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,11 @@ def row_mean(x: mx.array, mask: mx.array) -> mx.array:
 
 def ratio_stats(ratio: mx.array, mask: mx.array) -> dict[str, mx.array]:
     """The policy ratio's token mean and extremes."""
-    return {"ratio_mean": masked_mean(ratio, mask), "ratio_max": mx.max(mx.where(mask > 0, ratio, -mx.inf)),
-            "ratio_min": mx.min(mx.where(mask > 0, ratio, mx.inf))}
+    return {
+        "ratio_mean": masked_mean(ratio, mask),
+        "ratio_max": mx.max(mx.where(mask > 0, ratio, -mx.inf)),
+        "ratio_min": mx.min(mx.where(mask > 0, ratio, mx.inf)),
+    }
 
 
 def scale(centered: np.ndarray, rewards: np.ndarray, how: str) -> np.ndarray:
@@ -196,7 +199,8 @@ class GSPO(GRPO):
     epsilon_low: float = 3e-4
     epsilon_high: float = 4e-4
     per_completion: ClassVar[frozenset[str]] = frozenset(
-        {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"})
+        {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    )
 
     def ratio(self, x: LossInputs) -> mx.array:
         seq_log_ratio = row_mean(x.logp - x.old_logp, x.mask)[:, None]
@@ -217,8 +221,9 @@ class RLOO(GRPO):
         g = (~np.isnan(rewards)).sum(axis=1, keepdims=True)  # the scored completions (G unless None)
         with np.errstate(divide="ignore", invalid="ignore"):  # one scored: 0 / 0, then 0
             centered = (rewards - nanmean_rows(rewards)) * g / (g - 1)
-        return np.nan_to_num(scale(centered, rewards, self.scale_rewards), nan=0.0, posinf=0.0,
-                             neginf=0.0).reshape(-1)
+        return np.nan_to_num(
+            scale(centered, rewards, self.scale_rewards), nan=0.0, posinf=0.0, neginf=0.0
+        ).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -272,14 +277,29 @@ class SAPO(GRPO):
         }
 
 
-ALGORITHMS: dict[AlgorithmName, type[GRPO]] = {"grpo": GRPO, "bnpo": BNPO, "dapo": DAPO, "dr_grpo": DrGRPO,
-                                               "gspo": GSPO, "rloo": RLOO, "cispo": CISPO, "sapo": SAPO}
+ALGORITHMS: dict[AlgorithmName, type[GRPO]] = {
+    "grpo": GRPO,
+    "bnpo": BNPO,
+    "dapo": DAPO,
+    "dr_grpo": DrGRPO,
+    "gspo": GSPO,
+    "rloo": RLOO,
+    "cispo": CISPO,
+    "sapo": SAPO,
+}
 assert tuple(ALGORITHMS) == ALGORITHM_NAMES, "protocol/config.py names the objectives"
 
 
-def make_algorithm(name: str, *, beta: float = 0.0, epsilon: float | None = None,
-                   epsilon_high: float | None = None, scale_rewards: ScaleRewards | None = None,
-                   max_tokens: int = 1, sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> Algorithm:
+def make_algorithm(
+    name: str,
+    *,
+    beta: float = 0.0,
+    epsilon: float | None = None,
+    epsilon_high: float | None = None,
+    scale_rewards: ScaleRewards | None = None,
+    max_tokens: int = 1,
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+) -> Algorithm:
     """Build an objective; unset knobs keep the objective's own defaults. SAPO's gate takes
     `sapo_temperatures` (where A > 0, elsewhere)."""
     if name not in ALGORITHMS:

@@ -40,8 +40,14 @@ def adapters_digest(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: optim.Optimizer,
-                    adapter_config: dict, state: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    model: nn.Module,
+    optimizer: optim.Optimizer,
+    adapter_config: dict,
+    state: dict[str, Any],
+    keep: int,
+) -> Path:
     """Write `RUN/checkpoints/step_NNNNNN/` whole or not at all, keep the newest `keep`.
     A write can fail for a while (every descriptor taken by a flood of connections, a
     full disk): it is tried again for a minute before the run fails on it."""
@@ -51,14 +57,24 @@ def save_checkpoint(run_dir: Path, model: nn.Module, optimizer: optim.Optimizer,
         except (OSError, RuntimeError) as e:  # MLX reports a failed open as RuntimeError
             if attempt == ATTEMPTS - 1:
                 raise
-            log.error("cannot write the checkpoint of step %d: %s; trying again in %.0f s", state["step"], e,
-                      RETRY_S)
+            log.error(
+                "cannot write the checkpoint of step %d: %s; trying again in %.0f s",
+                state["step"],
+                e,
+                RETRY_S,
+            )
             time.sleep(RETRY_S)
     raise AssertionError("unreachable")
 
 
-def _save(run_dir: Path, model: nn.Module, optimizer: optim.Optimizer, adapter_config: dict,
-          state: dict[str, Any], keep: int) -> Path:
+def _save(
+    run_dir: Path,
+    model: nn.Module,
+    optimizer: optim.Optimizer,
+    adapter_config: dict,
+    state: dict[str, Any],
+    keep: int,
+) -> Path:
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state['step']:06d}"

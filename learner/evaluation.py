@@ -42,15 +42,30 @@ class Evaluator:
         periodic = bool(every and step % every == 0)
         return step != self.last_step and (step in (0, self.cfg.train.steps) or periodic)
 
-    def run(self, model, step: int, scorer: Scorer, pass_on: PassOn,
-            stopping: Callable[[], bool], report: Report | None = None) -> dict | None:
+    def run(
+        self,
+        model,
+        step: int,
+        scorer: Scorer,
+        pass_on: PassOn,
+        stopping: Callable[[], bool],
+        report: Report | None = None,
+    ) -> dict | None:
         """The eval/* metrics of `model` at `step`; None if a stop came while sampling or
         scoring (checked after every decode step). `report` sees the sampling's progress."""
         t0 = time.perf_counter()
         model.eval()
         try:
-            rows, rate = sample_prompts(model, self.tokenizer, self.prompts, self.cfg.eval.num_samples,
-                                        self.params, self.params.seed, stopping=stopping, report=report)
+            rows, rate = sample_prompts(
+                model,
+                self.tokenizer,
+                self.prompts,
+                self.cfg.eval.num_samples,
+                self.params,
+                self.params.seed,
+                stopping=stopping,
+                report=report,
+            )
         except Stopped:
             log.info("evaluation at step %d stopped by a signal", step)
             return None
@@ -60,12 +75,17 @@ class Evaluator:
         if scores is None:
             return None
         self.last_step = step
-        return {"step": step, "policy_version": step,
-                **summarize(rows, scores, self.cfg.eval.pass_threshold, "eval/"),
-                "eval/tokens_per_s": rate, "eval/runtime_s": time.perf_counter() - t0}
+        return {
+            "step": step,
+            "policy_version": step,
+            **summarize(rows, scores, self.cfg.eval.pass_threshold, "eval/"),
+            "eval/tokens_per_s": rate,
+            "eval/runtime_s": time.perf_counter() - t0,
+        }
 
-    def score(self, rows: list[Sampled], step: int, scorer: Scorer, pass_on: PassOn,
-              stopping: Callable[[], bool]) -> dict[str, Scored] | None:
+    def score(
+        self, rows: list[Sampled], step: int, scorer: Scorer, pass_on: PassOn, stopping: Callable[[], bool]
+    ) -> dict[str, Scored] | None:
         """Each prompt's scores, keyed by its index. A reward function that fails ends the
         run, as in training; a prompt the workers could not score is left out (and logged).
         A reply is ours if its key is one we asked and were not answered yet; any other
@@ -74,8 +94,9 @@ class Evaluator:
         waiting: dict[str, str] = {}  # request key -> prompt index
         for row in rows:
             key = f"eval/{step}/{row.prompt.index}"
-            scored = scorer.submit(key, row.prompt.prompt, row.texts,
-                                   [c.token_ids for c in row.completions], row.prompt.columns)
+            scored = scorer.submit(
+                key, row.prompt.prompt, row.texts, [c.token_ids for c in row.completions], row.prompt.columns
+            )
             if scored is None:
                 waiting[key] = str(row.prompt.index)
                 self.asked.add(key)
@@ -97,6 +118,9 @@ class Evaluator:
             for key, error in errors:
                 if key in mine and key in waiting:
                     raise RewardError(f"{error} (on eval prompt {waiting[key]})")
-            pass_on([s for s in done if s.key not in mine], [f for f in failed if f[0] not in mine],
-                    [e for e in errors if e[0] not in mine])
+            pass_on(
+                [s for s in done if s.key not in mine],
+                [f for f in failed if f[0] not in mine],
+                [e for e in errors if e[0] not in mine],
+            )
         return scores

@@ -39,8 +39,10 @@ class Group:
     def samples(self) -> list[Sample]:
         """Its completions as the step trains them: tokens, behavior logprobs, loss masks."""
         masks: list[np.ndarray | None] = [*self.loss_masks] if self.loss_masks else [None] * len(self.texts)
-        return [Sample(self.prompt_ids, ids, lp, fr, mask) for ids, lp, fr, mask
-                in zip(self.completion_ids, self.logprobs, self.finish_reasons, masks)]
+        return [
+            Sample(self.prompt_ids, ids, lp, fr, mask)
+            for ids, lp, fr, mask in zip(self.completion_ids, self.logprobs, self.finish_reasons, masks)
+        ]
 
 
 def oldest_version(msg: Message) -> int:
@@ -66,8 +68,9 @@ def data_span(header: dict) -> tuple[list[int] | None, list[int] | None]:
     if start is None:
         return cursor, None
     if not is_data_cursor(start) or cursor is None or not start < cursor:
-        raise ValueError(f"start_cursor {start!r} is not an [epoch, position] before cursor "
-                         f"{header.get('cursor')!r}")
+        raise ValueError(
+            f"start_cursor {start!r} is not an [epoch, position] before cursor {header.get('cursor')!r}"
+        )
     return cursor, start
 
 
@@ -107,8 +110,11 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
         cursor=cursor,
         start_cursor=start_cursor,
         row=row if type(row := msg.header.get("row")) is int else None,
-        timings={k: float(v) for k in ("weights_transfer_s", "weights_apply_s")
-                 if isinstance(v := msg.header.get(k), (int, float)) and not isinstance(v, bool)},
+        timings={
+            k: float(v)
+            for k in ("weights_transfer_s", "weights_apply_s")
+            if isinstance(v := msg.header.get(k), (int, float)) and not isinstance(v, bool)
+        },
         loss_masks=masks,
         turns=msg.header.get("turns"),
         env_rewards=msg.header.get("env_rewards"),

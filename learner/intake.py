@@ -51,8 +51,9 @@ class Intake:
             g = self.unscored.pop(0)
             key = f"{g.sender.hex()}/{g.group_id}"
             try:
-                scored = self.scorer.submit(key, g.prompt, g.texts, g.completion_ids, g.columns, g.turns,
-                                            g.env_rewards)
+                scored = self.scorer.submit(
+                    key, g.prompt, g.texts, g.completion_ids, g.columns, g.turns, g.env_rewards
+                )
             except RewardError as e:
                 self.reward_failed(g, e)  # raises: the run ends
             if scored is None:

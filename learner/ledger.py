@@ -32,8 +32,9 @@ class Progress:
     (None: the stream's start), and beyond it the prompts whose groups came early, as
     spans (the cursor before the prompt -> the cursor after it)."""
 
-    def __init__(self, upto: Cursor | None = None,
-                 ahead: dict[tuple[int, ...], Cursor] | None = None) -> None:
+    def __init__(
+        self, upto: Cursor | None = None, ahead: dict[tuple[int, ...], Cursor] | None = None
+    ) -> None:
         self.upto = upto
         self.ahead = dict(ahead or {})
 
@@ -106,8 +107,14 @@ class Ledger:
     def reject_message(self) -> None:
         self.rejected += 1
 
-    def drop(self, reason: str, sender: bytes, cursor: Cursor | None = None, group_id: str = "?",
-             start: Cursor | None = None) -> None:
+    def drop(
+        self,
+        reason: str,
+        sender: bytes,
+        cursor: Cursor | None = None,
+        group_id: str = "?",
+        start: Cursor | None = None,
+    ) -> None:
         self.dropped[reason] += 1
         self.consume(sender, cursor, start)
         if reason in ROUTINE_DROPS:  # said once a step (`say_drops`): DAPO drops most groups
@@ -135,8 +142,9 @@ class Ledger:
             self.data_cursor = list(cursor)
         self._cover(self.slot_consumed, sender, cursor, start)
 
-    def _cover(self, books: dict[int, Progress], sender: bytes, cursor: Cursor | None,
-               start: Cursor | None) -> None:
+    def _cover(
+        self, books: dict[int, Progress], sender: bytes, cursor: Cursor | None, start: Cursor | None
+    ) -> None:
         slot = self.slots.get(sender)
         if slot is not None and cursor is not None:
             books.setdefault(slot, Progress()).add(start, cursor)
@@ -166,13 +174,21 @@ class Ledger:
         # "slot_cursors": the name checkpoints had when they kept one cursor a slot. Every
         # slot goes in, one with nothing consumed too (null: the data's start), or a resumed
         # run would start it after another slot's newest.
-        return {"data_cursor": self.data_cursor,
-                "slot_cursors": {str(s): p.upto for s, p in self.slot_consumed.items()},
-                "slot_ahead": {str(s): [[list(a), e] for a, e in p.ahead.items()]
-                               for s, p in self.slot_consumed.items() if p.ahead},
-                "counts": {"groups_trained": self.trained, "messages_rejected": self.rejected,
-                           "groups_received": self.trained + sum(self.dropped.values())},
-                "dropped": dict(self.dropped)}
+        return {
+            "data_cursor": self.data_cursor,
+            "slot_cursors": {str(s): p.upto for s, p in self.slot_consumed.items()},
+            "slot_ahead": {
+                str(s): [[list(a), e] for a, e in p.ahead.items()]
+                for s, p in self.slot_consumed.items()
+                if p.ahead
+            },
+            "counts": {
+                "groups_trained": self.trained,
+                "messages_rejected": self.rejected,
+                "groups_received": self.trained + sum(self.dropped.values()),
+            },
+            "dropped": dict(self.dropped),
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take a checkpoint's book (`state()`) at start-up, in place: the intake and the
@@ -187,6 +203,7 @@ class Ledger:
         self.dropped.update(state["dropped"])
         self.data_cursor = state["data_cursor"]
         ahead = state.get("slot_ahead", {})
-        self.slot_consumed = {int(s): Progress(state.get("slot_cursors", {}).get(s),
-                                               {tuple(a): e for a, e in ahead.get(s, [])})
-                              for s in {*state.get("slot_cursors", {}), *ahead}}
+        self.slot_consumed = {
+            int(s): Progress(state.get("slot_cursors", {}).get(s), {tuple(a): e for a, e in ahead.get(s, [])})
+            for s in {*state.get("slot_cursors", {}), *ahead}
+        }

@@ -18,8 +18,14 @@ from protocol.lifecycle import write_atomic
 log = logging.getLogger("learner")
 
 
-def batch_metrics(groups: list[Group], samples: list[Sample], rewards: np.ndarray, advantages: np.ndarray,
-                  step: int, metric_name: Callable[[str], str]) -> dict[str, Any]:
+def batch_metrics(
+    groups: list[Group],
+    samples: list[Sample],
+    rewards: np.ndarray,
+    advantages: np.ndarray,
+    step: int,
+    metric_name: Callable[[str], str],
+) -> dict[str, Any]:
     """What a batch says before any optimizer step, under TRL's names where TRL has the
     metric (docs/run-directory.md, "Metrics"): its rewards, completions and how stale it was at `step`,
     and what the actor measured sampling it.
@@ -71,8 +77,10 @@ def episode_metrics(groups: list[Group]) -> dict[str, float]:
         return {}
     turns = [sum(m["role"] == "assistant" for m in t) for g in groups for t in g.turns or []]
     reasons = [r for g in groups for r in g.finish_reasons]
-    out = {"episodes/mean_model_turns": float(np.mean(turns)),
-           "env_retries": max(g.env_retries or 0 for g in groups)}
+    out = {
+        "episodes/mean_model_turns": float(np.mean(turns)),
+        "env_retries": max(g.env_retries or 0 for g in groups),
+    }
     for reason in sorted(set(reasons)):
         out[f"episodes/finish/{reason}"] = reasons.count(reason) / len(reasons)
     return out
@@ -122,8 +130,9 @@ def function_rewards(groups: list[Group], metric_name: Callable[[str], str]) -> 
     return out
 
 
-def completion_rows(step: int, groups: list[Group], advantages: np.ndarray,
-                    metric_name: Callable[[str], str]) -> list[dict[str, Any]]:
+def completion_rows(
+    step: int, groups: list[Group], advantages: np.ndarray, metric_name: Callable[[str], str]
+) -> list[dict[str, Any]]:
     """`completions.jsonl` lines for `groups`, trained at `step`: one per completion, with
     what a user needs to judge it (docs/run-directory.md)."""
     size = len(groups[0].completion_ids)
@@ -131,15 +140,22 @@ def completion_rows(step: int, groups: list[Group], advantages: np.ndarray,
     for gi, g in enumerate(groups):
         assert g.rewards is not None  # a batch's groups are scored
         for i, text in enumerate(g.texts):
-            rows.append({
-                "step": step, "policy_version": g.policy_version, "group_id": g.group_id, "index": i,
-                "prompt": g.prompt, "completion": text, "finish_reason": g.finish_reasons[i],
-                "tokens": len(g.completion_ids[i]),
-                **({} if g.turns is None else {"turns": g.turns[i]}),
-                "reward": None if np.isnan(g.rewards[i]) else float(g.rewards[i]),  # NaN: unscored
-                "rewards": {metric_name(k): v[i] for k, v in g.rewards_by_function.items()},
-                "advantage": float(advantages[gi * size + i]),
-            })
+            rows.append(
+                {
+                    "step": step,
+                    "policy_version": g.policy_version,
+                    "group_id": g.group_id,
+                    "index": i,
+                    "prompt": g.prompt,
+                    "completion": text,
+                    "finish_reason": g.finish_reasons[i],
+                    "tokens": len(g.completion_ids[i]),
+                    **({} if g.turns is None else {"turns": g.turns[i]}),
+                    "reward": None if np.isnan(g.rewards[i]) else float(g.rewards[i]),  # NaN: unscored
+                    "rewards": {metric_name(k): v[i] for k, v in g.rewards_by_function.items()},
+                    "advantage": float(advantages[gi * size + i]),
+                }
+            )
     return rows
 
 
@@ -175,10 +191,16 @@ class CompletionsFile(MetricsFile):
         super().__init__(path, resume_at)
         self.every, self.groups = every, groups
 
-    def write_batch(self, first_step: int, iterations: int, groups: list[Group], advantages: np.ndarray,
-                    metric_name: Callable[[str], str]) -> None:
+    def write_batch(
+        self,
+        first_step: int,
+        iterations: int,
+        groups: list[Group],
+        advantages: np.ndarray,
+        metric_name: Callable[[str], str],
+    ) -> None:
         if any(s % self.every == 0 for s in range(first_step, first_step + iterations)):
-            for row in completion_rows(first_step, groups[:self.groups], advantages, metric_name):
+            for row in completion_rows(first_step, groups[: self.groups], advantages, metric_name):
                 self.write(row)
 
 
@@ -210,8 +232,11 @@ def keep_metrics_until(path: Path, step: int) -> None:
     """Drop metrics lines of steps after `step`, and a last line cut short by a kill."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines(keepends=True)
-             if line.endswith("\n") and (n := _step_of(line)) is not None and n <= step]
+    lines = [
+        line
+        for line in path.read_text().splitlines(keepends=True)
+        if line.endswith("\n") and (n := _step_of(line)) is not None and n <= step
+    ]
     write_atomic(path, "".join(lines))
 
 

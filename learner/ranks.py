@@ -37,6 +37,7 @@ from protocol.heartbeat import learner_name, start_heartbeat
 
 log = logging.getLogger("learner")
 
+
 class Command(enum.IntEnum):
     """What rank 0 tells the other ranks before each collective they take part in."""
 
@@ -86,8 +87,10 @@ class Ranks:
         leaves = dict(tree_flatten(tree))
         names = sorted(leaves)
         if self.broadcast(Command.COUNT, len(names))[1] != len(names):
-            raise RuntimeError(f"rank {self.rank} holds {len(names)} arrays where rank 0 holds another "
-                               "number: the ranks run different models or LoRA configs")
+            raise RuntimeError(
+                f"rank {self.rank} holds {len(names)} arrays where rank 0 holds another "
+                "number: the ranks run different models or LoRA configs"
+            )
         return tree_unflatten(list(zip(names, self.from_rank0([leaves[n] for n in names]))))
 
     def broadcast(self, command: Command = Command.STOP, a: int = 0, b: int = 0) -> tuple[Command, int, int]:
@@ -110,13 +113,21 @@ class Ranks:
         command, rows, length = self.broadcast()
         if command == Command.STOP:
             return None
-        tokens, mask, behavior, adv, lengths, prompt_lengths = self.from_rank0([
-            mx.zeros((rows, length), mx.int32), mx.zeros((rows, length - 1)), mx.zeros((rows, length - 1)),
-            mx.zeros((rows,)), mx.zeros((rows,), mx.int32), mx.zeros((rows,), mx.int32)])
+        tokens, mask, behavior, adv, lengths, prompt_lengths = self.from_rank0(
+            [
+                mx.zeros((rows, length), mx.int32),
+                mx.zeros((rows, length - 1)),
+                mx.zeros((rows, length - 1)),
+                mx.zeros((rows,)),
+                mx.zeros((rows,), mx.int32),
+                mx.zeros((rows,), mx.int32),
+            ]
+        )
         return Batch(tokens, mask, behavior, np.array(lengths), np.array(prompt_lengths)), np.array(adv)
 
-    def combine(self, stats: dict[str, float], weight: tuple[float, float],
-                per_completion: frozenset[str]) -> dict[str, float]:
+    def combine(
+        self, stats: dict[str, float], weight: tuple[float, float], per_completion: frozenset[str]
+    ) -> dict[str, float]:
         """Every rank's metrics of a step as the whole batch's (learner.step.combine_stats);
         `weight`: this rank's completion tokens and completions."""
         if self.group is None:
@@ -124,8 +135,10 @@ class Ranks:
         keys = sorted(stats)
         mine = mx.array([[*weight, *(stats[k] for k in keys)]], dtype=mx.float32)
         every = np.array(mx.distributed.all_gather(mine, group=self.group))
-        return combine_stats([({k: float(v) for k, v in zip(keys, row[2:])}, (float(row[0]), float(row[1])))
-                              for row in every], per_completion)
+        return combine_stats(
+            [({k: float(v) for k, v in zip(keys, row[2:])}, (float(row[0]), float(row[1]))) for row in every],
+            per_completion,
+        )
 
     def sync_state(self, trainer: Trainer) -> None:
         """Rank 0's adapter weights and optimizer state on every rank: at the start (after
@@ -177,8 +190,9 @@ def load_trainer(cfg: Config) -> tuple[nn.Module, Any, dict, Trainer]:
     its Trainer: the same on every rank."""
     mx.random.seed(cfg.train.seed)
     log.info("loading %s", cfg.model.path)
-    model, tokenizer, adapter_config = load_policy(cfg.model.path, cfg.lora,
-                                                   dequantize=dequantizes(cfg.model.dequantize_on_cpu))
+    model, tokenizer, adapter_config = load_policy(
+        cfg.model.path, cfg.lora, dequantize=dequantizes(cfg.model.dequantize_on_cpu)
+    )
     model.train()
     if cfg.train.grad_checkpoint:
         from mlx_lm.tuner.trainer import grad_checkpoint
@@ -195,8 +209,12 @@ def follower_main(run_dir: str, ranks: Ranks) -> int:
     start_heartbeat(run_dir, learner_name(ranks.rank))
     apply_memory_share()
     _, _, _, trainer = load_trainer(read_run_config(run_dir))
-    log.info("learner rank %d of %d (pid %d): training its rows of rank 0's batches", ranks.rank, ranks.size,
-             os.getpid())
+    log.info(
+        "learner rank %d of %d (pid %d): training its rows of rank 0's batches",
+        ranks.rank,
+        ranks.size,
+        os.getpid(),
+    )
     follow(trainer, ranks)
     log.info("learner rank %d: rank 0 says stop", ranks.rank)
     return signals.exit_code()

@@ -16,8 +16,11 @@ from typing import Any
 from protocol.config import Config
 
 # report_to entry -> (module it needs, extra that installs it)
-BACKENDS = {"tensorboard": ("tensorboardX", "tensorboard"), "trackio": ("trackio", "trackio"),
-            "wandb": ("wandb", "wandb")}
+BACKENDS = {
+    "tensorboard": ("tensorboardX", "tensorboard"),
+    "trackio": ("trackio", "trackio"),
+    "wandb": ("wandb", "wandb"),
+}
 
 
 def missing_backends(names: tuple[str, ...]) -> list[str]:
@@ -34,8 +37,11 @@ def missing_backends(names: tuple[str, ...]) -> list[str]:
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
     """A metrics line's numbers under the names dashboards show (step excluded)."""
-    return {(key if key.startswith("eval/") else f"train/{key}"): value for key, value in metrics.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"}
+    return {
+        (key if key.startswith("eval/") else f"train/{key}"): value
+        for key, value in metrics.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"
+    }
 
 
 class TensorBoard:
@@ -72,9 +78,13 @@ class WandB:
     def __init__(self, run_dir: Path, cfg: Config) -> None:
         import wandb
 
-        self.run = wandb.init(project=cfg.log.project, name=run_dir.name, dir=str(run_dir),
-                              mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
-                              config=cfg.to_dict())
+        self.run = wandb.init(
+            project=cfg.log.project,
+            name=run_dir.name,
+            dir=str(run_dir),
+            mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
+            config=cfg.to_dict(),
+        )
 
     def write(self, metrics: dict[str, Any]) -> None:
         self.run.log(scalars(metrics), step=metrics["step"])

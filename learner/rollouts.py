@@ -40,10 +40,19 @@ ACTOR_TIMEOUT_S = 10.0  # an actor that sent nothing this long is taken for gone
 
 
 class RolloutSocket:
-    def __init__(self, ctx: zmq.Context, endpoint: str, ledger: Ledger, identity: dict[str, Any],
-                 check_group: Callable[[bytes, protocol.Message], Group],
-                 weights: Callable[[], dict], keys: Path | None = None, actor_count: int = 1,
-                 max_frame: int = sockets.MAX_HEADER_BYTES, in_flight: int = 1) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        ledger: Ledger,
+        identity: dict[str, Any],
+        check_group: Callable[[bytes, protocol.Message], Group],
+        weights: Callable[[], dict],
+        keys: Path | None = None,
+        actor_count: int = 1,
+        max_frame: int = sockets.MAX_HEADER_BYTES,
+        in_flight: int = 1,
+    ) -> None:
         """`identity`: what this learner runs (model, tokenizer, lora, instance), sent in
         its hello and checked in actors'. `check_group` turns a rollout into a Group or
         raises ValueError with the drop reason. `weights()` gives the adapter arrays. `keys`:
@@ -107,8 +116,11 @@ class RolloutSocket:
         if actor not in self.greeted:
             self.greeted.add(actor)
             log.info("an actor that is not attached beats; sending it our hello")
-            self.send(actor, protocol.HELLO, {"role": "learner", "pid": os.getpid(), **self.identity,
-                                              "attached": False})
+            self.send(
+                actor,
+                protocol.HELLO,
+                {"role": "learner", "pid": os.getpid(), **self.identity, "attached": False},
+            )
 
     def check_actors(self) -> None:
         """Take an actor that has been silent for ACTOR_TIMEOUT_S for gone: its share of the
@@ -117,9 +129,14 @@ class RolloutSocket:
         for actor in [a for a in self.actors if now - self.last_seen[a] > ACTOR_TIMEOUT_S]:
             header = self.actors.pop(actor)
             del self.last_seen[actor]
-            log.warning("actor pid %s (slot %d) sent nothing for %.0f s: taking it for gone; %d actor(s) "
-                        "share the batch", header["pid"], header.get("slot", 0), ACTOR_TIMEOUT_S,
-                        len(self.actors))
+            log.warning(
+                "actor pid %s (slot %d) sent nothing for %.0f s: taking it for gone; %d actor(s) "
+                "share the batch",
+                header["pid"],
+                header.get("slot", 0),
+                ACTOR_TIMEOUT_S,
+                len(self.actors),
+            )
 
     def window(self) -> int:
         """The groups each live actor may keep in flight: (k + 1) * B shared among them."""
@@ -132,8 +149,9 @@ class RolloutSocket:
         problem = self.incompatibility(msg)
         if problem:
             log.error("refused %s (pid %s): %s", msg["role"], msg["pid"], problem)
-            self.send(actor, protocol.STOP, {"reason": f"incompatible: {problem}",
-                                             "code": protocol.INCOMPATIBLE})
+            self.send(
+                actor, protocol.STOP, {"reason": f"incompatible: {problem}", "code": protocol.INCOMPATIBLE}
+            )
             return
         role, slot = msg["role"], msg.header.get("slot", 0)
         hello = {"role": "learner", "pid": os.getpid(), **self.identity, "attached": True}
@@ -151,8 +169,13 @@ class RolloutSocket:
             self.greeted.discard(actor)
             self.ledger.attach(actor, slot)
             hello["data_cursor"], hello["data_skip"] = self.ledger.cursor_for(slot)
-        log.info("%s pid %s attached%s; sending weights of version %d", role, msg["pid"],
-                 f" as slot {slot}" if role == "actor" else "", policy_version)
+        log.info(
+            "%s pid %s attached%s; sending weights of version %d",
+            role,
+            msg["pid"],
+            f" as slot {slot}" if role == "actor" else "",
+            policy_version,
+        )
         self.send(actor, protocol.HELLO, hello)
         self.publish(policy_version, [actor])
 
@@ -163,8 +186,9 @@ class RolloutSocket:
         if msg["role"] == "actor" and not (type(slot) is int and 0 <= slot < self.actor_count):
             n = self.actor_count
             return f"slot {slot!r}: this run has actor.count = {n} (slots 0 to {n - 1})"
-        missing = [name for name, typ in HELLO_MODEL_FIELDS.items()
-                   if not isinstance(msg.header.get(name), typ)]
+        missing = [
+            name for name, typ in HELLO_MODEL_FIELDS.items() if not isinstance(msg.header.get(name), typ)
+        ]
         if missing:
             return f"an {msg['role']}'s hello needs {', '.join(map(repr, missing))} (PROTOCOL.md, hello)"
         if msg["tokenizer"] != self.identity["tokenizer"]:
@@ -197,10 +221,13 @@ class RolloutSocket:
         """Send the adapter weights, as `policy_version`, to `actors` (default: every attached
         actor and observer), serialised once."""
         t0 = time.perf_counter()
-        frames = protocol.encode(protocol.WEIGHTS, {"version": policy_version, "sent_at": time.time()},
-                                 self.weights())
-        self.weight_sync = {"weights_mb": sum(len(f) for f in frames) / MB,
-                            "weights_serialize_s": time.perf_counter() - t0}
+        frames = protocol.encode(
+            protocol.WEIGHTS, {"version": policy_version, "sent_at": time.time()}, self.weights()
+        )
+        self.weight_sync = {
+            "weights_mb": sum(len(f) for f in frames) / MB,
+            "weights_serialize_s": time.perf_counter() - t0,
+        }
         for actor in [*self.actors, *self.observers] if actors is None else actors:
             self.sock.send_multipart([actor, *frames], copy=False)
 
@@ -212,8 +239,9 @@ class RolloutSocket:
         for actor in self.actors:
             if actor in due or self.windows.get(actor) != window:
                 self.windows[actor] = window
-                self.send(actor, protocol.CREDIT, {"groups_consumed": self.ledger.consumed[actor],
-                                                   "window": window})
+                self.send(
+                    actor, protocol.CREDIT, {"groups_consumed": self.ledger.consumed[actor], "window": window}
+                )
 
     def close(self, reason: str, final: bool = True) -> None:
         for actor in [*self.actors, *self.observers]:

@@ -45,8 +45,13 @@ log = logging.getLogger("learner")
 
 
 class Learner:
-    def __init__(self, run_dir: Path, resume: bool = False,
-                 signals: lifecycle.StopSignals | None = None, ranks: Ranks | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        resume: bool = False,
+        signals: lifecycle.StopSignals | None = None,
+        ranks: Ranks | None = None,
+    ) -> None:
         """`ranks`: the learner ranks this one is rank 0 of (learner.ranks), if any."""
         self.run_dir = Path(run_dir)
         self.ranks = ranks or Ranks()
@@ -72,21 +77,39 @@ class Learner:
         if resume:
             self.resume()
         self.ranks.sync_state(self.trainer)
-        self.metrics = MetricsFile(self.run_dir / "metrics.jsonl", self.step if resume else None,
-                                   open_reporters(self.run_dir, cfg))
-        self.completions = (CompletionsFile(self.run_dir / "completions.jsonl", cfg.log.completions_every,
-                                            cfg.log.completions_groups, self.step if resume else None)
-                            if cfg.log.completions_every else None)
+        self.metrics = MetricsFile(
+            self.run_dir / "metrics.jsonl", self.step if resume else None, open_reporters(self.run_dir, cfg)
+        )
+        self.completions = (
+            CompletionsFile(
+                self.run_dir / "completions.jsonl",
+                cfg.log.completions_every,
+                cfg.log.completions_groups,
+                self.step if resume else None,
+            )
+            if cfg.log.completions_every
+            else None
+        )
         self.intake = Intake(self.scorer, self.trainer.algorithm.keep_group, self.ledger)
-        identity = {"model": cfg.model.path, "tokenizer": tokenizer_fingerprint(tokenizer),
-                    "lora": as_dict(cfg.lora), "instance": instance}
+        identity = {
+            "model": cfg.model.path,
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "lora": as_dict(cfg.lora),
+            "instance": instance,
+        }
         group_size = cfg.sampling.group_size
         self.rollouts = RolloutSocket(
-            self.ctx, endpoints["learner"], self.ledger, identity,
+            self.ctx,
+            endpoints["learner"],
+            self.ledger,
+            identity,
             lambda actor, msg: group_from_message(actor, msg, vocab_size, group_size),
-            lambda: adapter_weights_numpy(self.model), keys, cfg.actor.count,
+            lambda: adapter_weights_numpy(self.model),
+            keys,
+            cfg.actor.count,
             sockets.frame_limit(cfg.rollout_array_bytes),
-            in_flight=(cfg.train.max_staleness + 1) * cfg.train.batch_size)
+            in_flight=(cfg.train.max_staleness + 1) * cfg.train.batch_size,
+        )
         self.shares = plan_shares(self.run_dir)
 
     def resume(self) -> None:
@@ -143,10 +166,14 @@ class Learner:
         part = Part(self.trainer, self.ranks, batch, advantages)  # this rank's rows: all, alone
         self.num_tokens += batch_tokens(samples)
         if self.completions is not None:
-            self.completions.write_batch(self.step + 1, self.trainer.num_iterations, groups, advantages,
-                                         self.scorer.metric_name)
-        shared = {**batch_metrics(groups, samples, rewards, advantages, self.step, self.scorer.metric_name),
-                  **part.stats, "num_tokens": self.num_tokens}
+            self.completions.write_batch(
+                self.step + 1, self.trainer.num_iterations, groups, advantages, self.scorer.metric_name
+            )
+        shared = {
+            **batch_metrics(groups, samples, rewards, advantages, self.step, self.scorer.metric_name),
+            **part.stats,
+            "num_tokens": self.num_tokens,
+        }
         for iteration in range(self.trainer.num_iterations):
             go = iteration == 0 or not (self.step >= train.steps or self.signals.requested)
             self.ranks.broadcast(Command.GO if go else Command.STOP)  # the other ranks step (or not) with us
@@ -158,9 +185,16 @@ class Learner:
             if iteration == 0:
                 self.ledger.train([(g.sender, g.cursor, g.start_cursor) for g in groups])
             line = {
-                "step": self.step, "policy_version": self.step, "iteration": iteration, **shared, **stats,
-                "step_s": time.perf_counter() - t0, **self.rollouts.weight_sync,
-                "learner_peak_mb": mx.get_peak_memory() / MB, **self.shares, **self.group_counts(),
+                "step": self.step,
+                "policy_version": self.step,
+                "iteration": iteration,
+                **shared,
+                **stats,
+                "step_s": time.perf_counter() - t0,
+                **self.rollouts.weight_sync,
+                "learner_peak_mb": mx.get_peak_memory() / MB,
+                **self.shares,
+                **self.group_counts(),
             }
             self.metrics.write(line)
             self.ledger.say_drops(self.step)
@@ -174,20 +208,36 @@ class Learner:
         if self.evaluator is None or not self.evaluator.due(self.step):
             return
         self.write_status(Phase.EVALUATING)
-        line = self.evaluator.run(self.model, self.step, self.scorer, self.intake.take,
-                                  lambda: self.signals.requested,
-                                  lambda tally: self.write_status(Phase.EVALUATING, eval=tally.summary()))
+        line = self.evaluator.run(
+            self.model,
+            self.step,
+            self.scorer,
+            self.intake.take,
+            lambda: self.signals.requested,
+            lambda tally: self.write_status(Phase.EVALUATING, eval=tally.summary()),
+        )
         if line is not None:
             self.metrics.write(line)
 
     def checkpoint(self) -> None:
         if self.checkpointed == self.step:  # the last step's, or one that nothing followed
             return
-        state = {"step": self.step, "version": self.step, "num_tokens": self.num_tokens,
-                 **self.ledger.state(), "reward_stats": self.scorer.worker_stats(),
-                 "config": self.cfg.to_dict()}
-        path = save_checkpoint(self.run_dir, self.model, self.trainer.optimizer, self.adapter_config, state,
-                               self.cfg.train.keep_checkpoints)
+        state = {
+            "step": self.step,
+            "version": self.step,
+            "num_tokens": self.num_tokens,
+            **self.ledger.state(),
+            "reward_stats": self.scorer.worker_stats(),
+            "config": self.cfg.to_dict(),
+        }
+        path = save_checkpoint(
+            self.run_dir,
+            self.model,
+            self.trainer.optimizer,
+            self.adapter_config,
+            state,
+            self.cfg.train.keep_checkpoints,
+        )
         self.checkpointed = self.step
         log.info("wrote checkpoint %s (pid %d)", path.name, os.getpid())
 
@@ -203,9 +253,17 @@ class Learner:
 
     def write_status(self, phase: Phase, **extra: object) -> None:
         """status.json: the phase (and `extra`, e.g. an evaluation's progress) for `up`."""
-        self.status.write({"phase": phase, "step": self.step, "steps": self.cfg.train.steps,
-                           "actors": len(self.rollouts.actors), "time": time.time(), **self.group_counts(),
-                           **extra})
+        self.status.write(
+            {
+                "phase": phase,
+                "step": self.step,
+                "steps": self.cfg.train.steps,
+                "actors": len(self.rollouts.actors),
+                "time": time.time(),
+                **self.group_counts(),
+                **extra,
+            }
+        )
 
     def close(self, reason: str = "training finished", final: bool = True) -> None:
         """Stop the ranks and the sockets; `final`: the run is over, so actors and reward
@@ -244,6 +302,10 @@ def main(run_dir: str, resume: bool = False) -> int:
         raise
     finally:
         learner.close(reason, final)
-    log.info("%s at step %d; adapters in %s", "stopped" if signals.requested else "finished",
-             learner.step, learner.run_dir / "adapters")
+    log.info(
+        "%s at step %d; adapters in %s",
+        "stopped" if signals.requested else "finished",
+        learner.step,
+        learner.run_dir / "adapters",
+    )
     return signals.exit_code()

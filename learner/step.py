@@ -93,8 +93,13 @@ class Batch:
         never lets change a logprob before it."""
         length = int(self.lengths[rows].max()) if own_length else self.tokens.shape[1]
         index = mx.array(rows.astype(np.int32))
-        return Batch(self.tokens[index, :length], self.mask[index, :length - 1],
-                     self.behavior[index, :length - 1], self.lengths[rows], self.prompt_lengths[rows])
+        return Batch(
+            self.tokens[index, :length],
+            self.mask[index, : length - 1],
+            self.behavior[index, : length - 1],
+            self.lengths[rows],
+            self.prompt_lengths[rows],
+        )
 
 
 @dataclass(frozen=True)
@@ -162,11 +167,11 @@ def make_batch(samples: list[Sample], pad_id: int) -> Batch:
     for i, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         tokens[i, :p] = s.prompt_ids
-        tokens[i, p:p + c] = s.completion_ids
+        tokens[i, p : p + c] = s.completion_ids
         # Position j predicts tokens[j + 1]: completion tokens sit at p-1 .. p+c-2. An
         # episode's environment tokens are context, never trained on: mask 0.
-        mask[i, p - 1:p - 1 + c] = 1.0 if s.loss_mask is None else s.loss_mask
-        behavior[i, p - 1:p - 1 + c] = s.behavior_logprobs * mask[i, p - 1:p - 1 + c]
+        mask[i, p - 1 : p - 1 + c] = 1.0 if s.loss_mask is None else s.loss_mask
+        behavior[i, p - 1 : p - 1 + c] = s.behavior_logprobs * mask[i, p - 1 : p - 1 + c]
     return Batch(mx.array(tokens), mx.array(mask), mx.array(behavior), lengths, prompt_lengths)
 
 
@@ -217,26 +222,30 @@ def shared_prompt_rows(host: dict[str, np.ndarray], batch: Batch, index: np.ndar
     owner = []
     for k, (i, start, end) in enumerate(zip(index, starts, ends)):
         owner.append(prompts.setdefault(host["tokens"][i, :start].tobytes(), len(prompts)))
-        completions[k, :end - start] = host["tokens"][i, start:end]
+        completions[k, : end - start] = host["tokens"][i, start:end]
         # The batch's position j predicts token j + 1: a completion's tokens sit at start-1 .. end-2.
-        mask[k, :end - start] = host["mask"][i, start - 1:end - 1]
-        behavior[k, :end - start] = host["behavior"][i, start - 1:end - 1]
+        mask[k, : end - start] = host["mask"][i, start - 1 : end - 1]
+        behavior[k, : end - start] = host["behavior"][i, start - 1 : end - 1]
     ids = [mx.array(np.frombuffer(key, np.int32)) for key in prompts]
     positions = sum(len(p) for p in ids) + len(index) * (width - 1)
     rows = Rows(mx.array(completions), ids, owner)
     return Micro(index, rows, mx.array(mask), mx.array(behavior), positions)
 
 
-def correction_weights(old: mx.array, behavior: mx.array, mask: mx.array,
-                       c: Correction) -> tuple[mx.array, dict[str, mx.array]]:
+def correction_weights(
+    old: mx.array, behavior: mx.array, mask: mx.array, c: Correction
+) -> tuple[mx.array, dict[str, mx.array]]:
     """Importance weights pi_old / pi_behavior per token, and how often they were cut."""
     log_w = (old - behavior) * mask
     if c.level == "sequence":
         log_w = mx.broadcast_to(log_w.sum(-1, keepdims=True), log_w.shape)
     w = mx.exp(mx.clip(log_w, -MAX_LOG_WEIGHT, MAX_LOG_WEIGHT))
     on = mask > 0
-    stats = {"is_ratio_min": mx.min(mx.where(on, w, mx.inf)), "is_ratio_mean": masked_mean(w, mask),
-             "is_ratio_max": mx.max(mx.where(on, w, -mx.inf))}
+    stats = {
+        "is_ratio_min": mx.min(mx.where(on, w, mx.inf)),
+        "is_ratio_mean": masked_mean(w, mask),
+        "is_ratio_max": mx.max(mx.where(on, w, -mx.inf)),
+    }
     if c.mode == "truncate":
         cut = w > c.cap
         used = mx.minimum(w, c.cap)
@@ -267,8 +276,9 @@ def mismatch_metrics(behavior: mx.array, old: mx.array, mask: mx.array) -> dict[
     }
 
 
-def old_policy_terms(old: mx.array, entropy: mx.array, behavior: mx.array, mask: mx.array,
-                     c: Correction) -> tuple[mx.array, dict[str, mx.array]]:
+def old_policy_terms(
+    old: mx.array, entropy: mx.array, behavior: mx.array, mask: mx.array, c: Correction
+) -> tuple[mx.array, dict[str, mx.array]]:
     """From the old-policy logprobs: the correction weights, and the diagnostics that
     compare them with the actor's (and the policy's entropy). Both paths use this."""
     weights, stats = correction_weights(old, behavior, mask, c)
@@ -285,8 +295,9 @@ def scalar(a: mx.array) -> float:
 Head = Callable[[mx.array], mx.array] | None
 
 
-def _logprobs(model: nn.Module, rows: Rows, temperature: float, logits: Logits, head: Head,
-              entropy: bool = False) -> tuple[mx.array, mx.array | None]:
+def _logprobs(
+    model: nn.Module, rows: Rows, temperature: float, logits: Logits, head: Head, entropy: bool = False
+) -> tuple[mx.array, mx.array | None]:
     """Logprobs (and entropy) without a graph, evaluated: by chunks when `logits` says,
     else whole (through `head`, see Rows.logits)."""
     if logits.chunked(rows.targets.size):
@@ -328,8 +339,9 @@ def combine_stats(parts: list[Weighted], per_completion: frozenset[str] = frozen
     return out
 
 
-def _chunked_value_and_grad(model: nn.Module, logits: Logits, rows: Rows, temperature: float,
-                            objective: Callable, entropy: bool) -> tuple[tuple[mx.array, dict], dict]:
+def _chunked_value_and_grad(
+    model: nn.Module, logits: Logits, rows: Rows, temperature: float, objective: Callable, entropy: bool
+) -> tuple[tuple[mx.array, dict], dict]:
     """The objective's value and its gradient in the adapters, never holding more than one
     chunk's logits: the chain rule taken in three evaluated pieces,
 
@@ -340,8 +352,9 @@ def _chunked_value_and_grad(model: nn.Module, logits: Logits, rows: Rows, temper
     logprobs alone; (3) the model body's backward with dL/dhidden as its cotangent, which
     runs the body's forward a second time: the price of never keeping the logits."""
     assert logits.head is not None  # only chunked logits come here
-    logp, ent, jac = chunked_sequence_terms(model, logits.head, rows, temperature, logits.chunk,
-                                            entropy, jacobian=True)
+    logp, ent, jac = chunked_sequence_terms(
+        model, logits.head, rows, temperature, logits.chunk, entropy, jacobian=True
+    )
     (value, diag), dlogp = mx.value_and_grad(lambda lp: objective(lp, ent))(logp)
     dhidden = dlogp[..., None] * jac
     _, grads = nn.value_and_grad(model, lambda m: (rows.outputs(m.model) * dhidden).sum())(model)
@@ -357,17 +370,27 @@ class Trainer:
     logprobs come from the step's own forward (stop-gradient), not from a pass of their own
     in `prepare`: the same weights on the same tokens give the very same logprobs."""
 
-    def __init__(self, model: nn.Module, algorithm: AlgorithmConfig, train: TrainConfig,
-                 sampling: SamplingConfig, max_completion_tokens: int | None = None,
-                 optimizer: optim.Optimizer | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        algorithm: AlgorithmConfig,
+        train: TrainConfig,
+        sampling: SamplingConfig,
+        max_completion_tokens: int | None = None,
+        optimizer: optim.Optimizer | None = None,
+    ) -> None:
         """`max_completion_tokens`: the longest completion, Dr. GRPO's constant normaliser;
         `sampling.max_tokens` unless episodes are longer (`env.max_episode_tokens`)."""
         self.model = model
         self.algorithm = make_algorithm(
-            algorithm.name, beta=algorithm.beta, epsilon=algorithm.epsilon,
-            epsilon_high=algorithm.epsilon_high, scale_rewards=algorithm.scale_rewards,
+            algorithm.name,
+            beta=algorithm.beta,
+            epsilon=algorithm.epsilon,
+            epsilon_high=algorithm.epsilon_high,
+            scale_rewards=algorithm.scale_rewards,
             max_tokens=max_completion_tokens or sampling.max_tokens,
-            sapo_temperatures=(algorithm.sapo_temperature_pos, algorithm.sapo_temperature_neg))
+            sapo_temperatures=(algorithm.sapo_temperature_pos, algorithm.sapo_temperature_neg),
+        )
         self.correction = Correction(algorithm.is_correction, algorithm.is_level, algorithm.is_cap)
         self.optimizer = optimizer or optim.Adam(learning_rate=train.learning_rate)
         self.beta, self.num_iterations = algorithm.beta, algorithm.num_iterations
@@ -383,7 +406,8 @@ class Trainer:
         # Averages over completions, not tokens: merged across micro-batches by completions.
         sequence_weights = self.correction.level == "sequence" and self.correction.mode != "none"
         self.per_completion = self.algorithm.per_completion | (
-            {"sampling/importance_sampling_ratio/mean"} if sequence_weights else set())
+            {"sampling/importance_sampling_ratio/mean"} if sequence_weights else set()
+        )
 
     def prepare(self, batch: Batch, norm: float | None = None) -> Prepared:
         """Cut the batch into micro-batches, and take for each its old-policy logprobs (full
@@ -411,8 +435,11 @@ class Trainer:
         if not self.share_prompts:
             cuts = micro_batch_rows(batch.lengths - 1, self.micro_batch_size, self.sort_by_length)
             return [whole_rows(batch, index, own_length=self.sort_by_length) for index in cuts]
-        host = {"tokens": np.array(batch.tokens), "mask": np.array(batch.mask),
-                "behavior": np.array(batch.behavior)}
+        host = {
+            "tokens": np.array(batch.tokens),
+            "mask": np.array(batch.mask),
+            "behavior": np.array(batch.behavior),
+        }
         completions = batch.lengths - batch.prompt_lengths
         cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length)
         return [shared_prompt_rows(host, batch, index) for index in cuts]
@@ -425,8 +452,9 @@ class Trainer:
         mx.eval(m.is_weight, stats)
         return {k: scalar(v) for k, v in stats.items()}
 
-    def step(self, prepared: Prepared, advantages: np.ndarray,
-             all_sum: Callable[[dict], dict] | None = None) -> dict[str, float]:
+    def step(
+        self, prepared: Prepared, advantages: np.ndarray, all_sum: Callable[[dict], dict] | None = None
+    ) -> dict[str, float]:
         """One optimizer step, accumulating gradients over the micro-batches.
 
         Each micro-batch's loss is its rows' summed terms over the whole batch's normaliser,
@@ -436,8 +464,9 @@ class Trainer:
         adv = mx.array(advantages.astype(np.float32))
         grads, loss, parts = None, 0.0, []
         for m in prepared.micro:
-            (part_loss, diag), part_grads = self._value_and_grad(m, adv[mx.array(m.index.astype(np.int32))],
-                                                                 prepared.norm)
+            (part_loss, diag), part_grads = self._value_and_grad(
+                m, adv[mx.array(m.index.astype(np.int32))], prepared.norm
+            )
             grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
             mx.eval(part_loss, diag, grads)
             loss += scalar(part_loss)
@@ -453,18 +482,25 @@ class Trainer:
         self.optimizer.update(self.model, grads)
         mx.eval(self.model.parameters(), self.optimizer.state, grad_norm)
         lr = scalar(mx.array(self.optimizer.learning_rate))
-        return {"loss": loss, "grad_norm": scalar(grad_norm), "learning_rate": lr,
-                **combine_stats(parts, self.per_completion), **timing}
+        return {
+            "loss": loss,
+            "grad_norm": scalar(grad_norm),
+            "learning_rate": lr,
+            **combine_stats(parts, self.per_completion),
+            **timing,
+        }
 
-    def _objective(self, m: Micro, adv: mx.array, norm: float, logp: mx.array,
-                   entropy: mx.array | None) -> tuple[mx.array, dict]:
+    def _objective(
+        self, m: Micro, adv: mx.array, norm: float, logp: mx.array, entropy: mx.array | None
+    ) -> tuple[mx.array, dict]:
         """The micro-batch's loss as a function of its logprobs (what is differentiated)."""
         mask, extra = m.mask, cast(dict, {})
         if self.fused:  # this forward gives the old-policy logprobs
             assert entropy is not None  # the fused forward computes it
             old = mx.stop_gradient(logp)
-            is_weight, extra = old_policy_terms(old, mx.stop_gradient(entropy), m.behavior, mask,
-                                                self.correction)
+            is_weight, extra = old_policy_terms(
+                old, mx.stop_gradient(entropy), m.behavior, mask, self.correction
+            )
         else:
             assert m.old is not None and m.is_weight is not None  # prepare() took them
             old, is_weight = m.old, m.is_weight
@@ -475,8 +511,14 @@ class Trainer:
     def _value_and_grad(self, m: Micro, adv: mx.array, norm: float) -> tuple[tuple[mx.array, dict], dict]:
         rows, head = m.rows, self.head
         if self.logits.chunked(rows.targets.size):
-            return _chunked_value_and_grad(self.model, self.logits, rows, self.temperature,
-                                           lambda lp, ent: self._objective(m, adv, norm, lp, ent), self.fused)
+            return _chunked_value_and_grad(
+                self.model,
+                self.logits,
+                rows,
+                self.temperature,
+                lambda lp, ent: self._objective(m, adv, norm, lp, ent),
+                self.fused,
+            )
 
         def whole(model: nn.Module) -> tuple[mx.array, dict]:
             if self.fused:
@@ -495,8 +537,10 @@ def prompts_can_be_shared(model: nn.Module, train: TrainConfig) -> bool:
         log.warning("train.share_prompts is not used with train.grad_checkpoint: every row runs its prompt")
         return False
     if not plain_caches(model):
-        log.warning("train.share_prompts is not used: this model's KV caches are not mlx-lm's plain "
-                    "KVCache (rotating or quantized caches cannot be merged); every row runs its prompt")
+        log.warning(
+            "train.share_prompts is not used: this model's KV caches are not mlx-lm's plain "
+            "KVCache (rotating or quantized caches cannot be merged); every row runs its prompt"
+        )
         return False
     return True
 
@@ -508,9 +552,12 @@ def logits_plan(model: nn.Module, chunk_mb: float) -> Logits:
         return WHOLE
     head = output_head(model)
     if head is None:
-        log.warning("train.logit_chunk_mb = %g is not used: this model's output layer is not a plain, "
-                    "frozen projection of model.model's output (or its forward is random, e.g. LoRA "
-                    "dropout); the learner forms each micro-batch's logits at once", chunk_mb)
+        log.warning(
+            "train.logit_chunk_mb = %g is not used: this model's output layer is not a plain, "
+            "frozen projection of model.model's output (or its forward is random, e.g. LoRA "
+            "dropout); the learner forms each micro-batch's logits at once",
+            chunk_mb,
+        )
         return WHOLE
     vocab = model(mx.array([[0]])).shape[-1]
     return Logits(head, logit_chunk_positions(chunk_mb, vocab))

@@ -10,22 +10,31 @@ import typer
 from protocol import lifecycle
 from protocol.config import Config, ConfigError, config_errors, load_config, load_run_config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Run RL post-training as an MLX actor and learner over ZeroMQ.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Run RL post-training as an MLX actor and learner over ZeroMQ.",
+)
 
 
 @app.command()
 def up(
     config: str | None = typer.Option(None, "--config", "-c", help="TOML run config."),
-    resume: str | None = typer.Option(None, help="Continue the run in this directory from its "
-                                      "newest checkpoint (its config.json is the config)."),
+    resume: str | None = typer.Option(
+        None,
+        help="Continue the run in this directory from its newest checkpoint (its config.json is the config).",
+    ),
     steps: int | None = typer.Option(None, help="Override train.steps."),
     run_dir: str | None = typer.Option(None, help="Override run.dir."),
     set_: list[str] = typer.Option([], "--set", help="Override a key: section.key=value (repeatable)."),
     available_memory_gb: float | None = typer.Option(
-        None, help="Memory budget to plan against; default: detected."),
-    overwrite: bool = typer.Option(False, help="Start over in a run directory that holds another run: "
-                                   "delete its metrics, checkpoints, adapters and logs."),
+        None, help="Memory budget to plan against; default: detected."
+    ),
+    overwrite: bool = typer.Option(
+        False,
+        help="Start over in a run directory that holds another run: "
+        "delete its metrics, checkpoints, adapters and logs.",
+    ),
 ) -> None:
     """Validate the config, check the memory plan, start learner and actor, train, stop."""
     if (config is None) == (resume is None):
@@ -48,8 +57,9 @@ def up(
     raise typer.Exit(run_up(cfg, resume=resume is not None, shares_mb=shares, overwrite=overwrite))
 
 
-def check_plan(cfg: Config, available_gb: float | None,
-               show: bool = False) -> tuple[Config, dict[str, float]]:
+def check_plan(
+    cfg: Config, available_gb: float | None, show: bool = False
+) -> tuple[Config, dict[str, float]]:
     """Refuse (exit 3) a run that nothing makes fit, naming the knob, and (exit 4) data
     that does not parse or fit the model's context; else return the config as it will
     run (with the knobs the plan picked, said on stdout) and the shares."""
@@ -67,8 +77,7 @@ def check_plan(cfg: Config, available_gb: float | None,
             lifecycle.fail(f"error: {e}")
         # A hub model not downloaded yet: mlx-lm fetches it when the processes start, so
         # the run can go on; it just cannot be planned (or held to shares) beforehand.
-        typer.echo(f"warning: no memory check: {e}. Run `orchestrator plan` once it is "
-                   "downloaded.", err=True)
+        typer.echo(f"warning: no memory check: {e}. Run `orchestrator plan` once it is downloaded.", err=True)
         return cfg, {}
     plan, shape = fitted.plan, fitted.shape
     for note in fitted.notes:
@@ -77,8 +86,9 @@ def check_plan(cfg: Config, available_gb: float | None,
         typer.echo(render(plan))
     if not plan.fits:
         needs = f"needs {plan.total / MB:.0f} MB (+10% margin) of {plan.budget / MB:.0f} MB"
-        lifecycle.fail(f"does not fit: {needs}. Try: {suggestion(model, shape, plan.budget)}",
-                       lifecycle.EXIT_NO_FIT)
+        lifecycle.fail(
+            f"does not fit: {needs}. Try: {suggestion(model, shape, plan.budget)}", lifecycle.EXIT_NO_FIT
+        )
     shares = {k: v / MB for k, v in plan.shares().items()}
     if show:
         typer.echo(f"fits: actor share {shares['actor']:.0f} MB, learner share {shares['learner']:.0f} MB")
@@ -118,8 +128,10 @@ def prepare(
         run = prepare_run_dir(cfg, overwrite=overwrite)
     except RunExists as e:
         lifecycle.fail(f"error: {e}")
-    typer.echo(f"wrote {run}: start the learner (or its ranks) with `python -P -m learner --run-dir {run}` "
-               f"and each actor with `actor run --run-dir {run} --slot I`")
+    typer.echo(
+        f"wrote {run}: start the learner (or its ranks) with `python -P -m learner --run-dir {run}` "
+        f"and each actor with `actor run --run-dir {run} --slot I`"
+    )
 
 
 @app.command("convert-gguf")
@@ -142,11 +154,15 @@ def reward_worker(
     function: str = typer.Argument(..., help="Reward function as module:function (TRL signature)."),
     run_dir: str | None = typer.Option(None, help="Attach to this run's reward socket."),
     connect: str | None = typer.Option(None, help="Or attach to this endpoint."),
-    key_dir: str | None = typer.Option(None, help="CURVE keys for a TCP endpoint (`orchestrator keys "
-                                       "add-peer`); default with --run-dir: the run's."),
+    key_dir: str | None = typer.Option(
+        None,
+        help="CURVE keys for a TCP endpoint (`orchestrator keys "
+        "add-peer`); default with --run-dir: the run's.",
+    ),
     insecure: bool = typer.Option(False, help="Connect to a TCP endpoint without keys (plain TCP)."),
     learner_timeout: float = typer.Option(
-        lifecycle.LEARNER_TIMEOUT_S, help="Exit when the learner has been unreachable this many seconds."),
+        lifecycle.LEARNER_TIMEOUT_S, help="Exit when the learner has been unreachable this many seconds."
+    ),
 ) -> None:
     """Serve a Python reward function to a run. Start as many as you like; each survives
     learner restarts and exits when the run ends."""
@@ -156,8 +172,11 @@ def reward_worker(
     from rewards.functions import RewardError
 
     endpoint, keys = _worker_endpoint(run_dir, connect, "reward", key_dir, insecure)
-    _serve(lambda signals: RewardWorker(function, endpoint, os.getcwd(), learner_timeout, signals, keys),
-           RewardError, run_dir)
+    _serve(
+        lambda signals: RewardWorker(function, endpoint, os.getcwd(), learner_timeout, signals, keys),
+        RewardError,
+        run_dir,
+    )
 
 
 @app.command("env-worker")
@@ -165,18 +184,27 @@ def env_worker(
     environment: str | None = typer.Argument(None, help="Environment class, module:Class (reset, step)."),
     run_dir: str | None = typer.Option(None, help="Attach to this run's env socket."),
     connect: str | None = typer.Option(None, help="Or attach to this endpoint."),
-    key_dir: str | None = typer.Option(None, help="CURVE keys for a TCP endpoint (`orchestrator keys "
-                                       "add-peer`); default with --run-dir: the run's."),
+    key_dir: str | None = typer.Option(
+        None,
+        help="CURVE keys for a TCP endpoint (`orchestrator keys "
+        "add-peer`); default with --run-dir: the run's.",
+    ),
     insecure: bool = typer.Option(False, help="Connect to a TCP endpoint without keys (plain TCP)."),
-    search_path: str | None = typer.Option(None, help="Directory searched first for the module; "
-                                           "default: the current one."),
-    openenv: str | None = typer.Option(None, help="Instead of a class: the URL of an OpenEnv server, one "
-                                       "session per episode (the `openenv` extra)."),
+    search_path: str | None = typer.Option(
+        None, help="Directory searched first for the module; default: the current one."
+    ),
+    openenv: str | None = typer.Option(
+        None,
+        help="Instead of a class: the URL of an OpenEnv server, one "
+        "session per episode (the `openenv` extra).",
+    ),
     action_field: str = typer.Option("message", help="OpenEnv: the action's field for the model's turn."),
-    observation_field: str | None = typer.Option(None, help="OpenEnv: the observation's field the model "
-                                                 "sees; default: all of them, as JSON."),
+    observation_field: str | None = typer.Option(
+        None, help="OpenEnv: the observation's field the model sees; default: all of them, as JSON."
+    ),
     actor_timeout: float = typer.Option(
-        lifecycle.LEARNER_TIMEOUT_S, help="Exit when the actor has been unreachable this many seconds."),
+        lifecycle.LEARNER_TIMEOUT_S, help="Exit when the actor has been unreachable this many seconds."
+    ),
 ) -> None:
     """Serve an environment to a run's actor: a Python class, or an OpenEnv server (one
     instance or session per episode). Start as many as you like; each survives actor
@@ -195,17 +223,30 @@ def env_worker(
             from orchestrator.openenv_bridge import OpenEnvEpisode, check_installed
 
             check_installed()
-            return EnvWorker(lambda: OpenEnvEpisode(openenv, action_field, observation_field),
-                             f"the OpenEnv server at {openenv}", endpoint, actor_timeout, signals, keys)
+            return EnvWorker(
+                lambda: OpenEnvEpisode(openenv, action_field, observation_field),
+                f"the OpenEnv server at {openenv}",
+                endpoint,
+                actor_timeout,
+                signals,
+                keys,
+            )
         assert environment is not None  # one of the two, checked above
-        return EnvWorker(load_env_class(environment, search_path or os.getcwd()), environment, endpoint,
-                         actor_timeout, signals, keys)
+        return EnvWorker(
+            load_env_class(environment, search_path or os.getcwd()),
+            environment,
+            endpoint,
+            actor_timeout,
+            signals,
+            keys,
+        )
 
     _serve(make, EnvError, run_dir)
 
 
-def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str, key_dir: str | None,
-                     insecure: bool) -> tuple[str, Path | None]:
+def _worker_endpoint(
+    run_dir: str | None, connect: str | None, socket: str, key_dir: str | None, insecure: bool
+) -> tuple[str, Path | None]:
     """The endpoint a worker attaches to, and its CURVE key directory (None: no CURVE)."""
     import logging
 
@@ -218,8 +259,7 @@ def _worker_endpoint(run_dir: str | None, connect: str | None, socket: str, key_
     try:
         endpoint = connect or protocol.read_endpoints(Path(str(run_dir)))[socket]
     except (OSError, KeyError, ValueError):
-        lifecycle.fail(f"error: {run_dir} has no endpoints.json with a {socket} socket; "
-                   "is the run started?")
+        lifecycle.fail(f"error: {run_dir} has no endpoints.json with a {socket} socket; is the run started?")
     try:
         if key_dir is None and run_dir is not None:
             # The run's config says whether it is insecure; without one, it is not.
@@ -281,8 +321,9 @@ def show_completions(
 
     from orchestrator.show import NotLogged, completions_table, read_lines
 
-    path = run_file(Path(run_dir), "completions.jsonl",
-                    "the learner logs none (log.completions_every sets how often)")
+    path = run_file(
+        Path(run_dir), "completions.jsonl", "the learner logs none (log.completions_every sets how often)"
+    )
     try:
         typer.echo(completions_table(read_lines(path), step, width))
     except NotLogged as e:
@@ -322,8 +363,9 @@ def plot(
     typer.echo(f"wrote {written}")
 
 
-keys_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                       help="CURVE keys of a TCP run (RUN/keys; `up` creates them).")
+keys_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="CURVE keys of a TCP run (RUN/keys; `up` creates them)."
+)
 app.add_typer(keys_app, name="keys")
 
 
@@ -341,8 +383,9 @@ def keys_add_peer(
         out = add_peer(run_dir, name)
     except KeysError as e:
         lifecycle.fail(f"error: {e}")
-    typer.echo(f"wrote {out} (owner-only; it holds a secret key: copy it over ssh, e.g. "
-               f"scp -r {out} OTHER-MAC:)")
+    typer.echo(
+        f"wrote {out} (owner-only; it holds a secret key: copy it over ssh, e.g. scp -r {out} OTHER-MAC:)"
+    )
 
 
 @app.callback()

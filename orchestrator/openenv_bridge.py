@@ -52,8 +52,10 @@ class OpenEnvEpisode:
         if self.observation_field is not None:
             if self.observation_field not in observation:
                 fields = ", ".join(observation) or "none"
-                raise EnvError(f"the observation has no field {self.observation_field!r} (fields: {fields}); "
-                               "set env.openenv_observation_field")
+                raise EnvError(
+                    f"the observation has no field {self.observation_field!r} (fields: {fields}); "
+                    "set env.openenv_observation_field"
+                )
             text = observation[self.observation_field]
             text = text if isinstance(text, str) else json.dumps(text)
         else:

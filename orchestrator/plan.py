@@ -97,11 +97,14 @@ def model_dir(path: str) -> Path:
     from huggingface_hub.utils import HFValidationError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(path, local_files_only=True,
-                                      allow_patterns=["*.json", "*.safetensors"]))
+        return Path(
+            snapshot_download(path, local_files_only=True, allow_patterns=["*.json", "*.safetensors"])
+        )
     except LocalEntryNotFoundError:
-        raise PlanError(f"model {path!r} is not in the local Hugging Face cache yet; the plan "
-                        "needs its config.json and weights on disk") from None
+        raise PlanError(
+            f"model {path!r} is not in the local Hugging Face cache yet; the plan "
+            "needs its config.json and weights on disk"
+        ) from None
     except HFValidationError as e:
         raise ConfigError(f"model.path {path!r} is neither a local directory nor a hub id: {e}") from None
 
@@ -136,17 +139,25 @@ def read_shape(path: str) -> ModelShape:
         out_f, in_f = info["shape"]
         if info["dtype"] == "U32" and bits:  # packed quantized weights
             in_f = in_f * 32 // bits
-        lora[".".join(parts[layer + 2:-1])] = (in_f, out_f)
+        lora[".".join(parts[layer + 2 : -1])] = (in_f, out_f)
     hidden = hf["hidden_size"]
     heads = hf["num_attention_heads"]
     dtype = str(hf.get("torch_dtype", "float32"))
     return ModelShape(
         weight_bytes=sum(f.stat().st_size for f in files),
-        layers=hf["num_hidden_layers"], hidden=hidden, intermediate=hf["intermediate_size"],
-        heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads, vocab=hf["vocab_size"],
-        act_bytes=2 if dtype in ("float16", "bfloat16") else 4, lora_in_out=lora,
-        context=hf.get("max_position_embeddings"), bits=bits, dense_bytes=4 * values)
+        layers=hf["num_hidden_layers"],
+        hidden=hidden,
+        intermediate=hf["intermediate_size"],
+        heads=heads,
+        kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hidden // heads,
+        vocab=hf["vocab_size"],
+        act_bytes=2 if dtype in ("float16", "bfloat16") else 4,
+        lora_in_out=lora,
+        context=hf.get("max_position_embeddings"),
+        bits=bits,
+        dense_bytes=4 * values,
+    )
 
 
 @dataclass(frozen=True)
@@ -222,8 +233,9 @@ def lora_params(m: ModelShape, s: Shape) -> int:
 
 def activation_bytes(m: ModelShape, tokens: int, seq: int) -> float:
     """Bytes saved for backward by one transformer block over `tokens` tokens."""
-    per_token = (HIDDEN_TENSORS * m.hidden + INTERMEDIATE_TENSORS * m.intermediate
-                 + ATTENTION_MAPS * m.heads * seq)
+    per_token = (
+        HIDDEN_TENSORS * m.hidden + INTERMEDIATE_TENSORS * m.intermediate + ATTENTION_MAPS * m.heads * seq
+    )
     return tokens * per_token * m.act_bytes
 
 
@@ -324,8 +336,7 @@ def detect_budget() -> tuple[float, str]:
     """Usable memory: on macOS the GPU wired limit (or 3/4 of RAM when unset), elsewhere
     the kernel's MemAvailable."""
     if platform.system() == "Darwin":
-        total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True,
-                                   text=True).stdout)
+        total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True).stdout)
         wired = subprocess.run(["sysctl", "-n", "iogpu.wired_limit_mb"], capture_output=True, text=True)
         limit_mb = int(wired.stdout.strip() or 0) if wired.returncode == 0 else 0
         if limit_mb > 0:
@@ -338,19 +349,41 @@ def detect_budget() -> tuple[float, str]:
 
 def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
     s, t, lora = cfg.sampling, cfg.train, cfg.lora
-    return Shape(s.group_size, t.batch_size, prompt_tokens, cfg.max_completion_tokens, t.micro_batch_size,
-                 t.grad_checkpoint, lora.rank, lora.num_layers, lora.keys, cfg.actor.quantize_bits,
-                 t.logit_chunk_mb, t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1,
-                 cfg.actor.count, cfg.actor.count - cfg.actor.remote, cfg.learner.ranks, t.share_prompts,
-                 cfg.decode_rows, cfg.model.dequantize_on_cpu and runs_on_cpu(), bool(cfg.env.environment))
+    return Shape(
+        s.group_size,
+        t.batch_size,
+        prompt_tokens,
+        cfg.max_completion_tokens,
+        t.micro_batch_size,
+        t.grad_checkpoint,
+        lora.rank,
+        lora.num_layers,
+        lora.keys,
+        cfg.actor.quantize_bits,
+        t.logit_chunk_mb,
+        t.fuse_old_logprobs and cfg.algorithm.num_iterations == 1,
+        cfg.actor.count,
+        cfg.actor.count - cfg.actor.remote,
+        cfg.learner.ranks,
+        t.share_prompts,
+        cfg.decode_rows,
+        cfg.model.dequantize_on_cpu and runs_on_cpu(),
+        bool(cfg.env.environment),
+    )
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:
     # Dequantized, weights and activations are float32; an actor told to quantize keeps
     # the checkpoint's own quantization instead.
     dense = replace(m, weight_bytes=m.dense_bytes, act_bytes=4, bits=None) if s.dequantize and m.bits else m
-    return Plan(actor_terms(m if s.actor_bits else dense, s), learner_terms(dense, s), budget, source,
-                s.local_actors, s.learner_ranks)
+    return Plan(
+        actor_terms(m if s.actor_bits else dense, s),
+        learner_terms(dense, s),
+        budget,
+        source,
+        s.local_actors,
+        s.learner_ranks,
+    )
 
 
 @dataclass
@@ -385,8 +418,12 @@ def knob_choices(s: Shape) -> list[tuple[Shape, dict[str, dict]]]:
     out += [(replace(s, micro_batch_size=k), {"train": {"micro_batch_size": k}}) for k in micros]
     if not s.grad_checkpoint:
         for k in [s.micro_batch_size, *micros]:
-            out.append((replace(s, grad_checkpoint=True, micro_batch_size=k),
-                        {"train": {"grad_checkpoint": True, "micro_batch_size": k}}))
+            out.append(
+                (
+                    replace(s, grad_checkpoint=True, micro_batch_size=k),
+                    {"train": {"grad_checkpoint": True, "micro_batch_size": k}},
+                )
+            )
     smallest, train = out[-1]
     if not s.episodes:
         share = s.actor_batch * s.group_size
@@ -400,7 +437,7 @@ def fit(cfg: Config, m: ModelShape, s: Shape, budget: float, source: str) -> Fit
     does, with a quantized checkpoint on the CPU loaded dequantized if that fits at all,
     quantized (and slow, said so) if only that fits."""
     notes: list[str] = []
-    for dense in ([True, False] if s.dequantize and m.bits else [s.dequantize]):
+    for dense in [True, False] if s.dequantize and m.bits else [s.dequantize]:
         shape = replace(s, dequantize=dense)
         for candidate, changes in knob_choices(shape):
             plan = make_plan(m, candidate, budget, source)
@@ -418,25 +455,37 @@ def fit(cfg: Config, m: ModelShape, s: Shape, budget: float, source: str) -> Fit
 
 def dequantize_note(m: ModelShape, dense: bool) -> str:
     if dense:
-        return (f"the checkpoint is {m.bits}-bit and MLX runs on the CPU here, where quantized matmuls are "
-                f"many times slower: the learner and actor load it dequantized to float32 "
-                f"({m.dense_bytes / MB:.0f} MB instead of {m.weight_bytes / MB:.0f} MB each; "
-                "model.dequantize_on_cpu = false keeps it quantized)")
-    return (f"warning: the checkpoint is {m.bits}-bit and MLX runs on the CPU here, where its quantized "
-            f"matmuls run many times slower than float32 (about 18x measured on a 135M model); there "
-            f"is no room to dequantize it ({m.dense_bytes / MB:.0f} MB each), so it stays quantized: "
-            "expect a slow run")
+        return (
+            f"the checkpoint is {m.bits}-bit and MLX runs on the CPU here, where quantized matmuls are "
+            f"many times slower: the learner and actor load it dequantized to float32 "
+            f"({m.dense_bytes / MB:.0f} MB instead of {m.weight_bytes / MB:.0f} MB each; "
+            "model.dequantize_on_cpu = false keeps it quantized)"
+        )
+    return (
+        f"warning: the checkpoint is {m.bits}-bit and MLX runs on the CPU here, where its quantized "
+        f"matmuls run many times slower than float32 (about 18x measured on a 135M model); there "
+        f"is no room to dequantize it ({m.dense_bytes / MB:.0f} MB each), so it stays quantized: "
+        "expect a slow run"
+    )
 
 
 def knob_note(configured: Plan, changes: dict[str, dict]) -> str:
-    picked = ", ".join(f"{section}.{k} = {str(v).lower() if isinstance(v, bool) else v}"
-                       for section, keys in changes.items() for k, v in keys.items() if section != "model")
-    why = {"micro_batch_size": "micro-batches: the same update in more passes",
-           "grad_checkpoint": "checkpointing: a second forward per block",
-           "max_rows": "fewer rows decoded at once"}
+    picked = ", ".join(
+        f"{section}.{k} = {str(v).lower() if isinstance(v, bool) else v}"
+        for section, keys in changes.items()
+        for k, v in keys.items()
+        if section != "model"
+    )
+    why = {
+        "micro_batch_size": "micro-batches: the same update in more passes",
+        "grad_checkpoint": "checkpointing: a second forward per block",
+        "max_rows": "fewer rows decoded at once",
+    }
     costs = "; ".join(why[k] for keys in changes.values() for k in keys if k in why)
-    return (f"as configured the run needs {configured.total / MB:.0f} MB (+10% margin) of "
-            f"{configured.budget / MB:.0f} MB; it fits with {picked} ({costs})")
+    return (
+        f"as configured the run needs {configured.total / MB:.0f} MB (+10% margin) of "
+        f"{configured.budget / MB:.0f} MB; it fits with {picked} ({costs})"
+    )
 
 
 def suggestion(m: ModelShape, s: Shape, budget: float) -> str:
@@ -492,8 +541,9 @@ def prompt_tokens(cfg: Config, context: int | None = None) -> int:
     prompts = load_prompts(d.prompts, tokenizer, cfg.sampling.max_prompt_tokens, d.split, d.prompt_column)
     check_context(prompts, context, cfg.max_completion_tokens)
     if cfg.eval.prompts:
-        held_out = load_prompts(cfg.eval.prompts, tokenizer, cfg.sampling.max_prompt_tokens, d.split,
-                                d.prompt_column)
+        held_out = load_prompts(
+            cfg.eval.prompts, tokenizer, cfg.sampling.max_prompt_tokens, d.split, d.prompt_column
+        )
         check_context(held_out, context, cfg.eval.max_tokens or cfg.sampling.max_tokens)
     return max(len(p.prompt_ids) for p in prompts)
 

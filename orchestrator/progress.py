@@ -29,18 +29,25 @@ def _f(m: dict, key: str, fmt: str) -> str:
 def format_step(m: dict, steps: int) -> str:
     """A step's line: what says a run is healthy (GRPO's loss is ~0 by design, so it is not
     shown): reward and its spread, KL, clipping, length, speed."""
-    return (f"step {m['step']:>4}/{steps}  reward {_f(m, 'reward', '.3f')} ± {_f(m, 'reward_std', '.3f')}  "
-            f"kl {_f(m, 'kl', '.4f')}  clip {_f(m, CLIPPED if CLIPPED in m else 'cispo_clip_ratio', '.3f')}  "
-            f"len {_f(m, 'completions/mean_length', '.0f')}  "
-            f"rollout {_f(m, 'rollout_tokens_per_s', '.0f')} tok/s  {_f(m, 'step_s', '.2f')} s/step")
+    return (
+        f"step {m['step']:>4}/{steps}  reward {_f(m, 'reward', '.3f')} ± {_f(m, 'reward_std', '.3f')}  "
+        f"kl {_f(m, 'kl', '.4f')}  clip {_f(m, CLIPPED if CLIPPED in m else 'cispo_clip_ratio', '.3f')}  "
+        f"len {_f(m, 'completions/mean_length', '.0f')}  "
+        f"rollout {_f(m, 'rollout_tokens_per_s', '.0f')} tok/s  {_f(m, 'step_s', '.2f')} s/step"
+    )
 
 
 def format_eval(m: dict) -> str:
     """An evaluation's line: pass@k on the held-out prompts, and their mean reward."""
-    passes = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in m.items()
-                       if k.startswith("eval/pass@") and v is not None)
-    return (f"eval at step {m['step']}: {passes}  reward {_f(m, 'eval/reward_mean', '.3f')}  "
-            f"({m.get('eval/prompts', 0)} prompts, {m.get('eval/runtime_s', 0):.1f} s)")
+    passes = "  ".join(
+        f"{k.removeprefix('eval/')} {v:.3f}"
+        for k, v in m.items()
+        if k.startswith("eval/pass@") and v is not None
+    )
+    return (
+        f"eval at step {m['step']}: {passes}  reward {_f(m, 'eval/reward_mean', '.3f')}  "
+        f"({m.get('eval/prompts', 0)} prompts, {m.get('eval/runtime_s', 0):.1f} s)"
+    )
 
 
 def format_eval_progress(step: int, e: dict) -> str:
@@ -53,11 +60,15 @@ def format_eval_progress(step: int, e: dict) -> str:
 
 def health(m: dict) -> str:
     """The live bar's figures from the newest step."""
-    memory = "  ".join(f"{name} {m[f'{name}_peak_mb']:.0f}/{m[f'{name}_share_mb']:.0f} MB"
-                       for name in ("learner", "actor")
-                       if m.get(f"{name}_peak_mb") is not None and m.get(f"{name}_share_mb") is not None)
-    return (f"reward {_f(m, 'reward', '.3f')}  {_f(m, 'rollout_tokens_per_s', '.0f')} tok/s  "
-            f"staleness {_f(m, 'version_lag_mean', '.1f')}  {memory}").rstrip()
+    memory = "  ".join(
+        f"{name} {m[f'{name}_peak_mb']:.0f}/{m[f'{name}_share_mb']:.0f} MB"
+        for name in ("learner", "actor")
+        if m.get(f"{name}_peak_mb") is not None and m.get(f"{name}_share_mb") is not None
+    )
+    return (
+        f"reward {_f(m, 'reward', '.3f')}  {_f(m, 'rollout_tokens_per_s', '.0f')} tok/s  "
+        f"staleness {_f(m, 'version_lag_mean', '.1f')}  {memory}"
+    ).rstrip()
 
 
 class Lines:
@@ -103,9 +114,16 @@ class Live(Lines):
         )
 
         self.console = Console(file=out, force_terminal=True, highlight=False)
-        self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=24),
-                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                            TextColumn("{task.fields[health]}"), console=self.console)
+        self.bar = Progress(
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(bar_width=24),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[health]}"),
+            console=self.console,
+        )
         self.task = self.bar.add_task("train", total=steps, health="starting")
         # What the step, bar, elapsed and eta columns take; the health text gets the rest,
         # cut short, so that a narrow terminal keeps the bar whole rather than its left side.
@@ -120,7 +138,7 @@ class Live(Lines):
         self.bar.update(self.task, health=self.fit(format_eval_progress(step, e)))
 
     def fit(self, figures: str) -> str:
-        return figures if len(figures) <= self.room else figures[:max(self.room - 1, 0)] + "…"
+        return figures if len(figures) <= self.room else figures[: max(self.room - 1, 0)] + "…"
 
     def metrics(self, m: dict) -> None:
         super().metrics(m)

@@ -36,9 +36,15 @@ from protocol import lifecycle
 from protocol.config import ConfigError
 
 
-def start(config: str | Path | None = None, settings: Mapping[str, Any] | None = None, *,
-          resume: str | Path | None = None, run_dir: str | Path | None = None, overwrite: bool = False,
-          output: IO[str] | None = None) -> Run:
+def start(
+    config: str | Path | None = None,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    resume: str | Path | None = None,
+    run_dir: str | Path | None = None,
+    overwrite: bool = False,
+    output: IO[str] | None = None,
+) -> Run:
     """Start `orchestrator up` on `config` with `settings` (or continue the run in `resume`,
     whose config.json is the config). `output`: where up's progress goes; default: this
     process's stdout. Raises ConfigError for settings that cannot be passed on."""
@@ -58,8 +64,13 @@ def start(config: str | Path | None = None, settings: Mapping[str, Any] | None =
     env = lifecycle.child_env()
     callers = [p for p in sys.path if p and os.path.isdir(p)]
     env["PYTHONPATH"] = os.pathsep.join([str(lifecycle.SOURCE_ROOT), *callers, env["PYTHONPATH"]])
-    proc = subprocess.Popen(lifecycle.python_module("orchestrator", "up", *args, *extra), env=env, text=True,
-                            stdout=output, stderr=None if output is None else subprocess.STDOUT)
+    proc = subprocess.Popen(
+        lifecycle.python_module("orchestrator", "up", *args, *extra),
+        env=env,
+        text=True,
+        stdout=output,
+        stderr=None if output is None else subprocess.STDOUT,
+    )
     return Run(proc, Path(resume) if resume is not None else None, config, run_dir, settings or {})
 
 
@@ -67,8 +78,14 @@ class Run:
     """A run started by `start`. `metrics()` follows it, `wait()` waits for its end, `stop()`
     stops it cleanly (as Ctrl-C does: the learner checkpoints, `resume` continues it)."""
 
-    def __init__(self, proc: subprocess.Popen, resumed: Path | None, config: str | Path | None,
-                 run_dir: str | Path | None, settings: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        resumed: Path | None,
+        config: str | Path | None,
+        run_dir: str | Path | None,
+        settings: Mapping[str, Any],
+    ) -> None:
         self.proc, self.resumed = proc, resumed is not None
         self._dir = resumed or (Path(run_dir) if run_dir is not None else None)
         self._config, self._settings = config, settings
@@ -124,11 +141,15 @@ def toml_value(name: str, value: Any) -> str:
         value = import_path(value)
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (int, float, str)) or (isinstance(value, list) and all(
-            isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in value)):
+    if isinstance(value, (int, float, str)) or (
+        isinstance(value, list)
+        and all(isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in value)
+    ):
         return json.dumps(value)  # JSON's numbers, strings and lists of them are TOML's
-    raise ConfigError(f"{name}: {value!r} is not a setting a config can hold (a number, a string, a bool, "
-                      "or a list of numbers or strings)")
+    raise ConfigError(
+        f"{name}: {value!r} is not a setting a config can hold (a number, a string, a bool, "
+        "or a list of numbers or strings)"
+    )
 
 
 def import_path(fn: Callable) -> str:
@@ -137,12 +158,16 @@ def import_path(fn: Callable) -> str:
     if not name or not module:
         raise ConfigError(f"{fn!r} has no import path: give a function defined in a module")
     if "<lambda>" in name or "<locals>" in name:
-        raise ConfigError(f"reward function {name} is a lambda or is defined inside a function: the learner, "
-                          "another process, imports reward functions by path; define it at the top level "
-                          f"of a module (here: {module})")
+        raise ConfigError(
+            f"reward function {name} is a lambda or is defined inside a function: the learner, "
+            "another process, imports reward functions by path; define it at the top level "
+            f"of a module (here: {module})"
+        )
     if module == "__main__":
-        raise ConfigError(f"reward function {name} is defined in the script being run: the learner would "
-                          "import that script, and run it; put reward functions in a module of their own")
+        raise ConfigError(
+            f"reward function {name} is defined in the script being run: the learner would "
+            "import that script, and run it; put reward functions in a module of their own"
+        )
     target = sys.modules.get(module)
     for part in name.split("."):
         target = getattr(target, part, None)

@@ -23,7 +23,7 @@ def read_lines(path: Path) -> list[dict]:
 
 def one_line(text: str, width: int) -> str:
     text = text.replace("\n", " ⏎ ")
-    return text if len(text) <= width else text[:max(width - 1, 0)] + "…"
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
 
 class NotLogged(LookupError):
@@ -78,8 +78,11 @@ def completions_table(rows: list[dict], step: int | None, width: int | None = No
     out = [f"step {step}"]
     names = sorted({k for r in rows if r["step"] == step for k in r["rewards"]})
     widths = [max(len(n), 7) + 2 for n in names]  # a reward's whole name: they tell functions apart
-    head = f"{'#':>2}  {'reward':>7}  {'adv':>7}  " + "".join(f"{n:>{w}}" for n, w in zip(names, widths)) + \
-        f"  {'finish':<6}  {'tok':>4}  completion"
+    head = (
+        f"{'#':>2}  {'reward':>7}  {'adv':>7}  "
+        + "".join(f"{n:>{w}}" for n, w in zip(names, widths))
+        + f"  {'finish':<6}  {'tok':>4}  completion"
+    )
     for group_id in dict.fromkeys(r["group_id"] for r in rows if r["step"] == step):
         group = [r for r in rows if r["step"] == step and r["group_id"] == group_id]
         prompt = group[0]["prompt"]
@@ -88,10 +91,14 @@ def completions_table(rows: list[dict], step: int | None, width: int | None = No
         out += ["", one_line(title, width), head]
         for r in group:
             reward = "-" if r["reward"] is None else f"{r['reward']:.3f}"
-            scores = "".join(f"{'-' if r['rewards'].get(n) is None else format(r['rewards'][n], '.3f'):>{w}}"
-                             for n, w in zip(names, widths))
-            cells = f"{r['index']:>2}  {reward:>7}  {r['advantage']:>+7.3f}  {scores}  " \
-                    f"{r['finish_reason']:<6}  {r['tokens']:>4}  "
+            scores = "".join(
+                f"{'-' if r['rewards'].get(n) is None else format(r['rewards'][n], '.3f'):>{w}}"
+                for n, w in zip(names, widths)
+            )
+            cells = (
+                f"{r['index']:>2}  {reward:>7}  {r['advantage']:>+7.3f}  {scores}  "
+                f"{r['finish_reason']:<6}  {r['tokens']:>4}  "
+            )
             out.append(cells + one_line(r["completion"], width - len(cells)))
     return "\n".join(out)
 
@@ -103,8 +110,10 @@ def reward_change(rows: list[dict], window: int = 10) -> str:
         return "fewer than two steps with a reward in metrics.jsonl"
     n = min(window, len(steps) // 2)
     first, last = (sum(m["reward"] for m in part) / n for part in (steps[:n], steps[-n:]))
-    return (f"reward: first {n} steps {first:.3f}, last {n} steps {last:.3f} ({last - first:+.3f}; "
-            f"steps {steps[0]['step']}-{steps[n - 1]['step']} and {steps[-n]['step']}-{steps[-1]['step']})")
+    return (
+        f"reward: first {n} steps {first:.3f}, last {n} steps {last:.3f} ({last - first:+.3f}; "
+        f"steps {steps[0]['step']}-{steps[n - 1]['step']} and {steps[-n]['step']}-{steps[-1]['step']})"
+    )
 
 
 # The curves `orchestrator plot` draws: (title, metric, its std for a band, if any).

@@ -74,26 +74,39 @@ def prepare_run_dir(cfg: Config, resume: bool = False, overwrite: bool = False) 
     return run_dir
 
 
-def spawn(name: str, args: list[str], run_dir: Path, lifeline: lifecycle.Lifeline, lock_fd: int,
-          share_mb: float | None = None, threads: int | None = None,
-          extra_env: dict[str, str] | None = None) -> Child:
+def spawn(
+    name: str,
+    args: list[str],
+    run_dir: Path,
+    lifeline: lifecycle.Lifeline,
+    lock_fd: int,
+    share_mb: float | None = None,
+    threads: int | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> Child:
     """Start `python -m ARGS --run-dir RUN` holding the lifeline and the run lock. It runs
     in a session of its own, so a terminal's Ctrl-C reaches only the orchestrator, which
     then stops the children in order (learner checkpoint first). `threads`: its BLAS
     threads on Linux (the CPU backend; Apple GPUs are not affected), unless the user set
     OPENBLAS_NUM_THREADS."""
     log_path = run_dir / f"{name}.log"
-    env = lifecycle.child_env(**lifeline.child_env(), **{lifecycle.RUN_LOCK_ENV: str(lock_fd)},
-                              **(extra_env or {}))
+    env = lifecycle.child_env(
+        **lifeline.child_env(), **{lifecycle.RUN_LOCK_ENV: str(lock_fd)}, **(extra_env or {})
+    )
     if share_mb is not None:
         env[MEMORY_SHARE_ENV] = f"{share_mb:.0f}"
     if threads is not None and sys.platform.startswith("linux") and "OPENBLAS_NUM_THREADS" not in os.environ:
         # (A user who set OPENBLAS_NUM_THREADS, e.g. to run several runs at once, keeps it.)
         env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     with open(log_path, "a") as log_file:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([*lifecycle.python_module(*args), "--run-dir", str(run_dir)],
-                                stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, pass_fds=(lifeline.read_fd, lock_fd))
+        proc = subprocess.Popen(
+            [*lifecycle.python_module(*args), "--run-dir", str(run_dir)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            pass_fds=(lifeline.read_fd, lock_fd),
+        )
     return Child(name, proc, log_path)
 
 
@@ -107,18 +120,26 @@ def exposure_note(cfg: Config, run_dir: Path) -> str | None:
         return None
     names = ["rollout", "reward"] + (["env"] if cfg.env.environment else [])
     ports = ", ".join(f"{n} {r.port + i}" for i, n in enumerate(names))
-    limits = (f"each socket refuses frames over {sockets.frame_limit(cfg.rollout_array_bytes) >> 20} MB, "
-              f"closes connections that have not finished their handshake after {sockets.HANDSHAKE_S:.0f} s "
-              f"and holds at most {sockets.MAX_CONNECTIONS} at a time.")
-    firewall = ("Nothing here stops a flood of connections from keeping new peers out: let only the run's "
-                "machines reach these ports (docs/scale-out.md, 'TCP and CURVE keys').")
+    limits = (
+        f"each socket refuses frames over {sockets.frame_limit(cfg.rollout_array_bytes) >> 20} MB, "
+        f"closes connections that have not finished their handshake after {sockets.HANDSHAKE_S:.0f} s "
+        f"and holds at most {sockets.MAX_CONNECTIONS} at a time."
+    )
+    firewall = (
+        "Nothing here stops a flood of connections from keeping new peers out: let only the run's "
+        "machines reach these ports (docs/scale-out.md, 'TCP and CURVE keys')."
+    )
     if r.insecure:
-        return (f"exposed on {r.host} (ports: {ports}) in PLAIN TCP (run.insecure): anyone who reaches them "
-                f"can join the run, send it rollouts and read its weights. {limits} {firewall}")
+        return (
+            f"exposed on {r.host} (ports: {ports}) in PLAIN TCP (run.insecure): anyone who reaches them "
+            f"can join the run, send it rollouts and read its weights. {limits} {firewall}"
+        )
     allowed = len(list((run_keys(run_dir) / AUTHORIZED).glob("*.key")))
-    return (f"exposed on {r.host} (ports: {ports}), protected by CURVE: encrypted, and only the {allowed} "
-            f"client key(s) in {run_keys(run_dir) / AUTHORIZED} get in (`orchestrator keys add-peer` adds "
-            f"one); {limits} {firewall}")
+    return (
+        f"exposed on {r.host} (ports: {ports}), protected by CURVE: encrypted, and only the {allowed} "
+        f"client key(s) in {run_keys(run_dir) / AUTHORIZED} get in (`orchestrator keys add-peer` adds "
+        f"one); {limits} {firewall}"
+    )
 
 
 # Below the systems' ephemeral ranges (Linux 32768-60999, macOS 49152-65535): a port found
@@ -165,11 +186,14 @@ def child_specs(cfg: Config) -> dict[str, ChildSpec]:
     an `env.environment = "module:Class"` or `"openenv"`."""
     threads = thread_count(cfg.train.max_staleness > 0)
     ranks = cfg.learner.ranks
-    specs = {learner_name(r): ChildSpec("learner", ["learner"], "learner", max(1, threads // ranks))
-             for r in range(ranks)}  # the ranks compute at the same time: they share the threads
+    specs = {
+        learner_name(r): ChildSpec("learner", ["learner"], "learner", max(1, threads // ranks))
+        for r in range(ranks)
+    }  # the ranks compute at the same time: they share the threads
     for slot in range(cfg.actor.count - cfg.actor.remote):
-        specs[actor_name(slot, cfg.actor.count)] = ChildSpec("actor", ["actor", "run", "--slot", str(slot)],
-                                                             "actor", threads)
+        specs[actor_name(slot, cfg.actor.count)] = ChildSpec(
+            "actor", ["actor", "run", "--slot", str(slot)], "actor", threads
+        )
     env = cfg.env
     if env.environment and env.environment != "socket":
         for i in range(env.num_workers):
@@ -183,8 +207,15 @@ def env_worker_args(cfg: Config) -> list[str]:
         assert env.openenv_url is not None  # validate() requires it
         field = env.openenv_observation_field
         observation = ["--observation-field", field] if field else []
-        return ["orchestrator", "env-worker", "--openenv", env.openenv_url,
-                "--action-field", env.openenv_action_field, *observation]
+        return [
+            "orchestrator",
+            "env-worker",
+            "--openenv",
+            env.openenv_url,
+            "--action-field",
+            env.openenv_action_field,
+            *observation,
+        ]
     assert env.environment is not None and cfg.reward.search_path is not None  # resolved paths
     return ["orchestrator", "env-worker", env.environment, "--search-path", cfg.reward.search_path]
 
@@ -199,9 +230,15 @@ class Supervisor:
     restarted `run.max_restarts` times.
     """
 
-    def __init__(self, cfg: Config, out: IO[str] = sys.stdout, resume: bool = False,
-                 shares_mb: dict[str, float] | None = None,
-                 signals: lifecycle.StopSignals | None = None, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        out: IO[str] = sys.stdout,
+        resume: bool = False,
+        shares_mb: dict[str, float] | None = None,
+        signals: lifecycle.StopSignals | None = None,
+        overwrite: bool = False,
+    ) -> None:
         self.cfg = cfg
         self.out = out
         self.resume = resume
@@ -242,8 +279,11 @@ class Supervisor:
         self.say(f"run directory: {self.run_dir}")
         if self.resume:
             at = self.metrics.resumed_at
-            self.say(f"resuming from the checkpoint of step {at} of {self.cfg.train.steps}"
-                     if at else "resuming: no checkpoint yet, so from step 0")
+            self.say(
+                f"resuming from the checkpoint of step {at} of {self.cfg.train.steps}"
+                if at
+                else "resuming: no checkpoint yet, so from step 0"
+            )
         note = exposure_note(self.cfg, self.run_dir)
         if note:
             self.say(note)
@@ -269,8 +309,16 @@ class Supervisor:
         heartbeat_path(self.run_dir, name).unlink(missing_ok=True)
         spec = self.specs[name]
         args = [*spec.args, *(["--resume"] if resume else [])]
-        child = spawn(name, args, self.run_dir, self.lifeline, self.lock_fd,
-                      self.shares_mb.get(spec.share), spec.threads, extra_env)
+        child = spawn(
+            name,
+            args,
+            self.run_dir,
+            self.lifeline,
+            self.lock_fd,
+            self.shares_mb.get(spec.share),
+            spec.threads,
+            extra_env,
+        )
         self.children[name] = child
         self.say(f"started {name} (pid {child.proc.pid}), log: {child.log_path}")
 
@@ -297,7 +345,8 @@ class Supervisor:
                 Phase.WAITING_FOR_ACTOR: "learner ready; waiting for the actor's handshake",
                 Phase.WAITING_FOR_REWARD_WORKER: (
                     f"waiting for a reward worker on {reward_socket}; attach one with "
-                    f"`orchestrator reward-worker module:function --run-dir {self.run_dir}`"),
+                    f"`orchestrator reward-worker module:function --run-dir {self.run_dir}`"
+                ),
                 Phase.TRAINING: "training",
             }.get(phase)
             if label:  # the end of the run is announced by up(), after the last step
@@ -316,8 +365,10 @@ class Supervisor:
             peak, share = metrics.get(f"{name}_peak_mb"), self.shares_mb.get(name)
             if peak and share and peak > 0.9 * share and name not in self.warned:
                 self.warned.add(name)
-                self.say(f"warning: the {name}'s peak memory {peak:.0f} MB is above 90% of its "
-                         f"{share:.0f} MB share; see `orchestrator plan`")
+                self.say(
+                    f"warning: the {name}'s peak memory {peak:.0f} MB is above 90% of its "
+                    f"{share:.0f} MB share; see `orchestrator plan`"
+                )
 
     def failure(self, name: str) -> str | None:
         """Why `name` needs a restart (it crashed, or its heartbeat stopped), or None.
@@ -327,8 +378,10 @@ class Supervisor:
         if code == lifecycle.EXIT_OK:
             return None  # the learner finished, or told the actor to stop: never restarted
         if code in lifecycle.FINAL_EXITS:
-            raise RunFailed(f"{name} stopped the run ({lifecycle.FINAL_EXITS[code]}, exit code "
-                            f"{code}):\n{child.tail(8)}", code)
+            raise RunFailed(
+                f"{name} stopped the run ({lifecycle.FINAL_EXITS[code]}, exit code {code}):\n{child.tail(8)}",
+                code,
+            )
         if code is not None:
             return f"exited with code {code}"
         age = seconds_since_beat(self.run_dir, name)
@@ -344,8 +397,9 @@ class Supervisor:
         if self.restarts[name] >= limit:
             raise RunFailed(f"{name} {why}, and it was restarted {limit} times already:\n{child.tail()}")
         self.restarts[name] += 1
-        self.say(f"{name} {why}; restarting it ({self.restarts[name]}/{limit}). Last log lines:\n"
-                 f"{child.tail(5)}")
+        self.say(
+            f"{name} {why}; restarting it ({self.restarts[name]}/{limit}). Last log lines:\n{child.tail(5)}"
+        )
         if self.specs[name].kind == "learner":
             if len(self.learners) > 1:
                 # The others wait for the lost rank inside a collective, where no signal
@@ -387,8 +441,10 @@ class Supervisor:
             return 0.0
         took = f"; the last took {self.last_step_s:.0f} s" if self.last_step_s else ""
         started = time.time() - status.get("since", time.time())
-        self.say(f"the learner is finishing step {status['step'] + 1} (started {started:.0f} s ago{took}); "
-                 "it stops after it")
+        self.say(
+            f"the learner is finishing step {status['step'] + 1} (started {started:.0f} s ago{took}); "
+            "it stops after it"
+        )
         return 2 * self.last_step_s
 
     def stop_child(self, name: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
@@ -427,15 +483,18 @@ class Supervisor:
             return e.code
         lifecycle.mark_final_stop(self.run_dir)
         if self.signals.requested:
-            self.say(f"{self.signals.name}: asking the learner to checkpoint and every process to "
-                     "stop (send it again to kill them now)")
+            self.say(
+                f"{self.signals.name}: asking the learner to checkpoint and every process to "
+                "stop (send it again to kill them now)"
+            )
             self.stop(STOP_TIMEOUT_S + self.step_under_way())
             self.poll_progress()  # the steps finished while stopping
             self.say(f"stopped; resume with `orchestrator up --resume {self.run_dir}`")
             return self.signals.exit_code()
         self.stop()
-        self.say(f"done: adapters in {self.run_dir / 'adapters'}, "
-                 f"metrics in {self.run_dir / 'metrics.jsonl'}")
+        self.say(
+            f"done: adapters in {self.run_dir / 'adapters'}, metrics in {self.run_dir / 'metrics.jsonl'}"
+        )
         return lifecycle.EXIT_OK
 
     def kill(self) -> None:
@@ -450,8 +509,13 @@ class Supervisor:
         os.close(self.lock_fd)
 
 
-def up(cfg: Config, out: IO[str] = sys.stdout, resume: bool = False,
-       shares_mb: dict[str, float] | None = None, overwrite: bool = False) -> int:
+def up(
+    cfg: Config,
+    out: IO[str] = sys.stdout,
+    resume: bool = False,
+    shares_mb: dict[str, float] | None = None,
+    overwrite: bool = False,
+) -> int:
     """Run training to the end. Returns the process exit code for the CLI: 0 done, 1 the
     run failed (restarts used up), 2 the run directory holds another run, 4 a user error,
     5 the run directory is busy, 128 + N stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129

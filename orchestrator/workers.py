@@ -49,8 +49,13 @@ class SocketWorker:
     job: tuple[str, Future] | None = None  # (request id, answer) being worked out in a thread
     run_dir: Path | None = None  # attached with --run-dir: exit when that run has ended
 
-    def __init__(self, endpoint: str, owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
-                 signals: lifecycle.StopSignals | None = None, keys: Path | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
+        signals: lifecycle.StopSignals | None = None,
+        keys: Path | None = None,
+    ) -> None:
         """`keys`: the CURVE key directory for a TCP endpoint (protocol.keys)."""
         self.endpoint = endpoint
         self.owner_timeout_s = owner_timeout_s
@@ -120,8 +125,12 @@ class SocketWorker:
             if msg.header.get("attached") is False:
                 # An owner that does not know us (restarted): what we hold belongs to the
                 # old one, which will never read the answer.
-                log.info("the %s restarted (instance %s -> %s); attaching again", self.owner,
-                         self.instance, msg.header.get("instance"))
+                log.info(
+                    "the %s restarted (instance %s -> %s); attaching again",
+                    self.owner,
+                    self.instance,
+                    msg.header.get("instance"),
+                )
                 self.forget()
                 self.attach()
             self.instance = msg.header.get("instance")
@@ -178,9 +187,15 @@ class RewardWorker(SocketWorker):
     hello_fields = {"beats_while_working": True}
     kinds = requests = (protocol.SCORE,)
 
-    def __init__(self, spec: str, endpoint: str, search_path: str | None = None,
-                 owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
-                 signals: lifecycle.StopSignals | None = None, keys: Path | None = None) -> None:
+    def __init__(
+        self,
+        spec: str,
+        endpoint: str,
+        search_path: str | None = None,
+        owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
+        signals: lifecycle.StopSignals | None = None,
+        keys: Path | None = None,
+    ) -> None:
         self.spec = spec
         self.fn = load_reward_function(spec, search_path)
         super().__init__(endpoint, owner_timeout_s, signals, keys)
@@ -190,8 +205,12 @@ class RewardWorker(SocketWorker):
         return super().run()
 
     def answer(self, msg: protocol.Message) -> dict:
-        inputs = {"prompts": msg["prompts"], "completions": msg["completions"],
-                  "completion_ids": msg["completion_ids"], **msg["columns"]}
+        inputs = {
+            "prompts": msg["prompts"],
+            "completions": msg["completions"],
+            "completion_ids": msg["completion_ids"],
+            **msg["columns"],
+        }
         try:
             return {"rewards": call_reward(self.fn, inputs, self.spec)}
         except RewardError as e:
@@ -210,10 +229,14 @@ class EnvError(RuntimeError):
 def load_env_class(spec: str, search_path: str | None = None) -> type:
     """Import `module:Class`, looking in `search_path` (the config's directory) first."""
     module_name, name, cls = import_spec(spec, search_path, EnvError, "environment")
-    if not (inspect.isclass(cls) and callable(getattr(cls, "reset", None))
-            and callable(getattr(cls, "step", None))):
-        raise EnvError(f"environment {spec!r}: {module_name} has no class {name!r} with reset and step "
-                       "methods")
+    if not (
+        inspect.isclass(cls)
+        and callable(getattr(cls, "reset", None))
+        and callable(getattr(cls, "step", None))
+    ):
+        raise EnvError(
+            f"environment {spec!r}: {module_name} has no class {name!r} with reset and step methods"
+        )
     return cls
 
 
@@ -227,8 +250,10 @@ def observation_reply(result: object) -> dict:
         return {"observation": observation, "reward": reward, "done": bool(done)}
     if isinstance(result, dict) and isinstance(result.get("observation"), str):
         return {**result, "done": bool(result.get("done", False))}
-    raise TypeError(f"must return a string, an (observation, reward, done) tuple or a dict with "
-                    f"'observation', got {type(result).__name__}")
+    raise TypeError(
+        f"must return a string, an (observation, reward, done) tuple or a dict with "
+        f"'observation', got {type(result).__name__}"
+    )
 
 
 class EnvWorker(SocketWorker):
@@ -244,9 +269,15 @@ class EnvWorker(SocketWorker):
     kinds = (protocol.END, protocol.RESET, protocol.STEP)
     requests = (protocol.RESET, protocol.STEP)
 
-    def __init__(self, make_env: Callable[[], Any], name: str, endpoint: str,
-                 owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
-                 signals: lifecycle.StopSignals | None = None, keys: Path | None = None) -> None:
+    def __init__(
+        self,
+        make_env: Callable[[], Any],
+        name: str,
+        endpoint: str,
+        owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
+        signals: lifecycle.StopSignals | None = None,
+        keys: Path | None = None,
+    ) -> None:
         self.make_env, self.name = make_env, name
         super().__init__(endpoint, owner_timeout_s, signals, keys)
         # The environment runs in the worker's thread, so it keeps beating meanwhile: a
@@ -264,8 +295,15 @@ class EnvWorker(SocketWorker):
         try:
             self.send(protocol.OBSERVATION, {"request_id": request_id, **answer})
         except (TypeError, ValueError) as e:  # e.g. an `info` msgpack cannot carry
-            self.send(protocol.OBSERVATION, {"request_id": request_id, "observation": "", "done": True,
-                                             "error": f"unsendable reply: {e}"})
+            self.send(
+                protocol.OBSERVATION,
+                {
+                    "request_id": request_id,
+                    "observation": "",
+                    "done": True,
+                    "error": f"unsendable reply: {e}",
+                },
+            )
 
     def answer(self, msg: protocol.Message) -> dict:
         episode_id = msg["episode_id"]

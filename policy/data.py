@@ -35,8 +35,9 @@ def _check_messages(prompt: Any, where: str) -> None:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in prompt
     ):
-        raise DataError(f"{where}: a chat prompt must be a non-empty list of "
-                        "{'role': str, 'content': str} messages")
+        raise DataError(
+            f"{where}: a chat prompt must be a non-empty list of {{'role': str, 'content': str}} messages"
+        )
 
 
 def encode_prompt(tokenizer: Any, prompt: Any, tools: list | None = None) -> list[int]:
@@ -51,8 +52,13 @@ def encode_prompt(tokenizer: Any, prompt: Any, tools: list | None = None) -> lis
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def load_prompts(source: str | Path, tokenizer: Any, max_prompt_tokens: int, split: str | None = None,
-                 prompt_column: str = "prompt") -> list[Prompt]:
+def load_prompts(
+    source: str | Path,
+    tokenizer: Any,
+    max_prompt_tokens: int,
+    split: str | None = None,
+    prompt_column: str = "prompt",
+) -> list[Prompt]:
     """Read and tokenize every row; long prompts keep their last `max_prompt_tokens` tokens
     (the end holds the question and the generation prompt)."""
     prompts: list[Prompt] = []
@@ -61,14 +67,16 @@ def load_prompts(source: str | Path, tokenizer: Any, max_prompt_tokens: int, spl
             raise DataError(f"{where}: each row must be an object with a {prompt_column!r} column")
         if prompt_column not in row:
             columns = ", ".join(map(str, row)) or "none"
-            raise DataError(f"{where}: no column {prompt_column!r} (columns: {columns}); "
-                            "set data.prompt_column")
+            raise DataError(
+                f"{where}: no column {prompt_column!r} (columns: {columns}); set data.prompt_column"
+            )
         prompt = row.pop(prompt_column)
         if isinstance(prompt, list):
             _check_messages(prompt, f"{where}, column {prompt_column!r}")
         elif not isinstance(prompt, str) or not prompt:
-            raise DataError(f"{where}, column {prompt_column!r}: must be a non-empty string or a message "
-                            "list")
+            raise DataError(
+                f"{where}, column {prompt_column!r}: must be a non-empty string or a message list"
+            )
         ids = encode_prompt(tokenizer, prompt)
         if not ids:
             raise DataError(f"{where}, column {prompt_column!r}: the prompt encodes to no tokens")
@@ -99,8 +107,9 @@ def read_rows(source: str | Path, split: str | None = None) -> Iterator[tuple[st
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise DataError(f"{path}: reading parquet needs pyarrow: pip install 'mlx-rl-ipc[data]'"
-                            ) from None
+            raise DataError(
+                f"{path}: reading parquet needs pyarrow: pip install 'mlx-rl-ipc[data]'"
+            ) from None
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             yield f"{path} row {i}", row
     elif path.suffix == ".json" and (rows := _json_array(path)) is not None:
@@ -131,8 +140,10 @@ def _datasets():
     try:
         import datasets
     except ImportError:
-        raise DataError("reading a `datasets` folder or a cached dataset needs the datasets library: "
-                        "pip install 'mlx-rl-ipc[data]'") from None
+        raise DataError(
+            "reading a `datasets` folder or a cached dataset needs the datasets library: "
+            "pip install 'mlx-rl-ipc[data]'"
+        ) from None
     return datasets
 
 
@@ -155,8 +166,10 @@ def _cached_dataset_rows(name: str, split: str | None) -> Iterable[tuple[str, di
     try:
         data = datasets.load_dataset(name, split=split or "train")
     except Exception as e:  # the library raises many kinds; the user needs its message
-        raise DataError(f"data.prompts {name!r} is neither a file nor a dataset in the local Hugging Face "
-                        f"cache: {type(e).__name__}: {e}") from None
+        raise DataError(
+            f"data.prompts {name!r} is neither a file nor a dataset in the local Hugging Face "
+            f"cache: {type(e).__name__}: {e}"
+        ) from None
     return _dataset_rows(data, None, f"{name} [{split or 'train'}]")
 
 
@@ -167,9 +180,11 @@ def check_context(prompts: list[Prompt], context: int | None, max_tokens: int) -
         return
     for p in prompts:
         if len(p.prompt_ids) + max_tokens > context:
-            raise DataError(f"data row {p.index}: {len(p.prompt_ids)} prompt tokens + "
-                            f"sampling.max_tokens {max_tokens} exceed the model's context of "
-                            f"{context}; lower sampling.max_prompt_tokens or sampling.max_tokens")
+            raise DataError(
+                f"data row {p.index}: {len(p.prompt_ids)} prompt tokens + "
+                f"sampling.max_tokens {max_tokens} exceed the model's context of "
+                f"{context}; lower sampling.max_prompt_tokens or sampling.max_tokens"
+            )
 
 
 class PromptStream:
@@ -182,9 +197,16 @@ class PromptStream:
     i mod slots, whatever the epoch, so actors never sample the same prompt twice.
     """
 
-    def __init__(self, prompts: list[Prompt], shuffle: bool, seed: int,
-                 cursor: tuple[int, int] = (0, 0), slot: int = 0, slots: int = 1,
-                 skip: Iterable[tuple[int, int]] = ()) -> None:
+    def __init__(
+        self,
+        prompts: list[Prompt],
+        shuffle: bool,
+        seed: int,
+        cursor: tuple[int, int] = (0, 0),
+        slot: int = 0,
+        slots: int = 1,
+        skip: Iterable[tuple[int, int]] = (),
+    ) -> None:
         """`skip`: the cursors just after prompts to pass over (their groups are already
         held: the learner's `data_skip`)."""
         self.prompts, self.shuffle, self.seed = prompts, shuffle, seed

@@ -86,8 +86,9 @@ class Engine:
     """Decode groups of rows continuously: `add` groups, call `step` until `busy` is
     False; each step returns the groups that completed in it, as (key, completions)."""
 
-    def __init__(self, model: nn.Module, params: SamplingConfig, eos_ids: set[int], seed: int,
-                 max_rows: int) -> None:
+    def __init__(
+        self, model: nn.Module, params: SamplingConfig, eos_ids: set[int], seed: int, max_rows: int
+    ) -> None:
         self.model, self.params, self.eos_ids, self.seed = model, params, eos_ids, seed
         self.max_rows = max_rows
         self.head = output_head(model)
@@ -107,8 +108,14 @@ class Engine:
         self.live = [None] * len(self.live)
         self._drop_dead()
 
-    def add(self, key: Hashable, prompt_ids: list[int], noise_ids: list[int], seed: int | None = None,
-            keep: bool = False) -> None:
+    def add(
+        self,
+        key: Hashable,
+        prompt_ids: list[int],
+        noise_ids: list[int],
+        seed: int | None = None,
+        keep: bool = False,
+    ) -> None:
         """A group to decode: one row per noise id, all continuing `prompt_ids`, with the
         noise of `seed` (default: the engine's). `keep` (one row only): when it ends, keep
         its KV cache for the next `add` of `key`, which then prefills only what its prompt
@@ -117,7 +124,7 @@ class Engine:
         if keep and len(rows) != 1:
             raise ValueError("only a single-row group can keep its KV cache")
         kept = self.kept.pop(key, None)
-        if kept is not None and prompt_ids[:len(kept.tokens)] != kept.tokens:
+        if kept is not None and prompt_ids[: len(kept.tokens)] != kept.tokens:
             kept = None
         seed = self.seed if seed is None else seed
         self.waiting.append(_Group(key, list(prompt_ids), rows, len(rows), seed, keep, kept))
@@ -162,8 +169,9 @@ class Engine:
                 if group.left == 0:
                     done.append(group)
                 if group.keep:
-                    self.kept[group.key] = _Kept([c.extract(k) for c in cast(list, self.cache)],
-                                                 group.prompt + row.tokens)
+                    self.kept[group.key] = _Kept(
+                        [c.extract(k) for c in cast(list, self.cache)], group.prompt + row.tokens
+                    )
                     left.append(self.kept[group.key])
                 self.live[k] = None
         # Copied out now: a lazy slice would keep the whole batch's cache alive while its
@@ -172,8 +180,16 @@ class Engine:
         dead = self.live.count(None)
         if dead and dead >= DEAD_SHARE * len(self.live):
             self._drop_dead()
-        return [(g.key, [Completion(r.tokens, r.logprobs, "stop" if r.stopped else "length", r.versions)
-                         for r in g.rows]) for g in done]
+        return [
+            (
+                g.key,
+                [
+                    Completion(r.tokens, r.logprobs, "stop" if r.stopped else "length", r.versions)
+                    for r in g.rows
+                ],
+            )
+            for g in done
+        ]
 
     def _sample(self) -> tuple[mx.array, mx.array]:
         """A token and its logprob for every row in the batch: the live rows' sampled, the
@@ -220,8 +236,11 @@ class Engine:
             self._drop_dead()
         fresh = [g for g in joining if g.kept is None]
         continued = [g for g in joining if g.kept is not None]
-        parts = [prefill_batch(self.model, self.head, [g.prompt for g in fresh], [len(g.rows) for g in fresh])
-                 ] if fresh else []
+        parts = (
+            [prefill_batch(self.model, self.head, [g.prompt for g in fresh], [len(g.rows) for g in fresh])]
+            if fresh
+            else []
+        )
         self.prefilled += sum(len(g.prompt) for g in fresh)
         if continued:
             parts.append(self._continue(continued))
@@ -244,7 +263,7 @@ class Engine:
         logits = []
         for g in groups:
             kept = cast(_Kept, g.kept)
-            new = g.prompt[len(kept.tokens):]
+            new = g.prompt[len(kept.tokens) :]
             if not new:
                 # Nothing added (an empty observation): the kept cache has no logits for its
                 # last token, so that token runs again.

@@ -32,11 +32,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def pass_ks(n: int) -> list[int]:
     """The k reported for n samples a prompt: 1, 2, 4, ... below n, and n."""
-    return sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
+    return sorted({2**i for i in range(n.bit_length()) if 2**i < n} | {n})
 
 
-def eval_metrics(rewards: list[list[float | None]], lengths: list[int], threshold: float,
-                 prefix: str = "eval/") -> dict[str, float | int | None]:
+def eval_metrics(
+    rewards: list[list[float | None]], lengths: list[int], threshold: float, prefix: str = "eval/"
+) -> dict[str, float | int | None]:
     """Summary of scored samples, one list of total rewards per prompt (None: unscored).
     A completion passes when its reward is at least `threshold`; an unscored one fails.
     pass@k is averaged over the prompts."""
@@ -82,16 +83,20 @@ class Tally:
 
     def summary(self) -> dict[str, float | int | None]:
         elapsed, f = time.perf_counter() - self.start, self.fraction()
-        return {"done": self.done, "total": self.total,
-                "tokens_per_s": self.tokens / elapsed if elapsed else 0.0, "elapsed_s": elapsed,
-                "eta_s": elapsed * (1 - f) / f if f > 0 else None}
+        return {
+            "done": self.done,
+            "total": self.total,
+            "tokens_per_s": self.tokens / elapsed if elapsed else 0.0,
+            "elapsed_s": elapsed,
+            "eta_s": elapsed * (1 - f) / f if f > 0 else None,
+        }
 
 
 Report = Callable[[Tally], None]
 
 
 class Progress:
-    """"sampling N/M prompts": rewritten in place on a terminal; into a file or a pipe, a
+    """ "sampling N/M prompts": rewritten in place on a terminal; into a file or a pipe, a
     line every PROGRESS_EVERY_S and the last one (no carriage returns in a log)."""
 
     EVERY_S = 10.0
@@ -116,9 +121,18 @@ class Progress:
             print(file=self.err)
 
 
-def sample_prompts(model, tok, prompts: list[Prompt], num_samples: int, params: SamplingConfig, seed: int,
-                   err: IO[str] | None = None, stopping: Callable[[], bool] | None = None,
-                   report: Report | None = None, report_every_s: float = 1.0) -> tuple[list[Sampled], float]:
+def sample_prompts(
+    model,
+    tok,
+    prompts: list[Prompt],
+    num_samples: int,
+    params: SamplingConfig,
+    seed: int,
+    err: IO[str] | None = None,
+    stopping: Callable[[], bool] | None = None,
+    report: Report | None = None,
+    report_every_s: float = 1.0,
+) -> tuple[list[Sampled], float]:
     """`num_samples` completions of each prompt, about 64 rows decoding as one batch; and
     the tokens per second. Row ids follow the prompt's position, so a prompt's samples
     depend only on the seed and the model. `stopping` is asked after every decode step
@@ -142,11 +156,18 @@ def sample_prompts(model, tok, prompts: list[Prompt], num_samples: int, params: 
     if report is not None:
         report(tally)
     for start in range(0, len(prompts), per_batch):
-        batch = prompts[start:start + per_batch]
+        batch = prompts[start : start + per_batch]
         tally.batch, tally.steps = len(batch), 0
-        groups = sample_groups(model, [p.prompt_ids for p in batch], num_samples, params,
-                               set(tok.eos_token_ids), seed=seed, noise_offset=start * num_samples,
-                               watch=watch)
+        groups = sample_groups(
+            model,
+            [p.prompt_ids for p in batch],
+            num_samples,
+            params,
+            set(tok.eos_token_ids),
+            seed=seed,
+            noise_offset=start * num_samples,
+            watch=watch,
+        )
         for p, completions in zip(batch, groups):
             texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in completions]
             rows.append(Sampled(p, completions, texts))
@@ -178,13 +199,18 @@ def summarize(rows: list[Sampled], scores: dict[str, Scored], threshold: float, 
 def eval_sampling(cfg: Config) -> SamplingConfig:
     """The run's sampling settings with [eval]'s temperature, length and seed."""
     e = cfg.eval
-    return dataclasses.replace(cfg.sampling, temperature=e.temperature or cfg.sampling.temperature,
-                               max_tokens=e.max_tokens or cfg.sampling.max_tokens, seed=e.seed)
+    return dataclasses.replace(
+        cfg.sampling,
+        temperature=e.temperature or cfg.sampling.temperature,
+        max_tokens=e.max_tokens or cfg.sampling.max_tokens,
+        seed=e.seed,
+    )
 
 
 def load_eval_prompts(cfg: Config, tok) -> list[Prompt]:
     if cfg.eval.prompts is None:
         raise ValueError("the config has no eval.prompts")
-    prompts = load_prompts(cfg.eval.prompts, tok, cfg.sampling.max_prompt_tokens, cfg.data.split,
-                           cfg.data.prompt_column)
-    return prompts[:cfg.eval.limit or None]
+    prompts = load_prompts(
+        cfg.eval.prompts, tok, cfg.sampling.max_prompt_tokens, cfg.data.split, cfg.data.prompt_column
+    )
+    return prompts[: cfg.eval.limit or None]

@@ -33,10 +33,17 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF n
 # GGUF tensor names (blk.N.<name>) and mlx-lm's module paths.
 TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BLOCK = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 
 
@@ -60,8 +67,9 @@ def convert(gguf_path: str | Path, out_dir: str | Path, say: Callable[[str], Non
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise GGUFError(f"{path}: architecture {arch!r} is not supported (supported: "
-                        f"{', '.join(ARCHITECTURES)})")
+        raise GGUFError(
+            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
     names = {t.name for t in reader.tensors}
     config = model_config(arch, meta, names)
     weights: dict[str, np.ndarray] = {}
@@ -80,15 +88,20 @@ def convert(gguf_path: str | Path, out_dir: str | Path, say: Callable[[str], Non
             weights[f"{module}.{suffix}"] = array
     if bits:
         common = Counter(bits.values()).most_common(1)[0][0]
-        config["quantization"] = {"group_size": GROUP, "bits": common, **{
-            m: {"group_size": GROUP, "bits": b} for m, b in sorted(bits.items()) if b != common}}
+        config["quantization"] = {
+            "group_size": GROUP,
+            "bits": common,
+            **{m: {"group_size": GROUP, "bits": b} for m, b in sorted(bits.items()) if b != common},
+        }
     out.mkdir(parents=True, exist_ok=True)
     save_weights(weights, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_tokenizer(arch, meta, out)
     kinds = Counter(t.tensor_type.name for t in reader.tensors)
-    say(f"converted {path.name} ({arch}, {config['num_hidden_layers']} layers; tensors: "
-        f"{', '.join(f'{n} {k}' for k, n in kinds.most_common())}) into {out}")
+    say(
+        f"converted {path.name} ({arch}, {config['num_hidden_layers']} layers; tensors: "
+        f"{', '.join(f'{n} {k}' for k, n in kinds.most_common())}) into {out}"
+    )
     return out
 
 
@@ -100,8 +113,10 @@ def mlx_name(name: str, path: Path) -> tuple[str, str]:
         return f"model.layers.{match.group(1)}.{BLOCK[match.group(2)]}", leaf
     if stem in TOP:
         return TOP[stem], leaf
-    raise GGUFError(f"{path}: tensor {name!r} has no place in mlx-lm's model (an architecture variant this "
-                    "converter does not know)")
+    raise GGUFError(
+        f"{path}: tensor {name!r} has no place in mlx-lm's model (an architecture variant this "
+        "converter does not know)"
+    )
 
 
 def tensor_arrays(tensor: Any, path: Path) -> list[np.ndarray]:
@@ -122,8 +137,9 @@ def tensor_arrays(tensor: Any, path: Path) -> list[np.ndarray]:
     try:
         return [gguf.quants.dequantize(data, kind).astype(np.float16)]
     except (NotImplementedError, KeyError, ValueError):
-        raise GGUFError(f"{path}: tensor {tensor.name!r} has type {kind.name}, which the gguf package cannot "
-                        "dequantize") from None
+        raise GGUFError(
+            f"{path}: tensor {tensor.name!r} has type {kind.name}, which the gguf package cannot dequantize"
+        ) from None
 
 
 def affine(kind: Any, data: np.ndarray) -> list[np.ndarray]:
@@ -162,6 +178,7 @@ def unpermute_rows(array: np.ndarray, heads: int) -> np.ndarray:
 
 def model_config(arch: str, meta: dict[str, Any], names: set[str]) -> dict[str, Any]:
     """mlx-lm's config.json from the file's metadata."""
+
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
@@ -184,8 +201,11 @@ def model_config(arch: str, meta: dict[str, Any], names: set[str]) -> dict[str, 
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": False,
     }
-    eos = [meta[f"tokenizer.ggml.{k}"] for k in ("eos_token_id", "eot_token_id", "eom_token_id")
-           if f"tokenizer.ggml.{k}" in meta]
+    eos = [
+        meta[f"tokenizer.ggml.{k}"]
+        for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if f"tokenizer.ggml.{k}" in meta
+    ]
     if eos:
         config["eos_token_id"] = sorted({int(e) for e in eos}) if len(set(eos)) > 1 else int(eos[0])
     if "tokenizer.ggml.bos_token_id" in meta:
@@ -226,14 +246,19 @@ def save_tokenizer(arch: str, meta: dict[str, Any], out: Path) -> None:
 
     if "tokenizer.ggml.tokens" not in meta:
         raise GGUFError("the file holds no tokenizer (tokenizer.ggml.tokens)")
-    groups = {group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items()
-                      if f"tokenizer.{key}" in meta}
-              for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    groups = {
+        group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
     tokenizer, tokenizer_config = groups["tokenizer"], groups["tokenizer_config"]
     backend, extra = convert_gguf_tokenizer(arch, tokenizer)
     tokens = tokenizer["tokens"]
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
         if f"tokenizer.ggml.{key}" in meta:
             tokenizer_config[name] = tokens[int(meta[f"tokenizer.ggml.{key}"])]
     fast = PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)

@@ -143,17 +143,24 @@ def rows_of(tokens: mx.array | Rows) -> Rows:
     return tokens if isinstance(tokens, Rows) else Rows(tokens)
 
 
-def sequence_logprobs(model: nn.Module, tokens: mx.array | Rows, temperature: float,
-                      head: Callable[[mx.array], mx.array] | None = None) -> mx.array:
+def sequence_logprobs(
+    model: nn.Module,
+    tokens: mx.array | Rows,
+    temperature: float,
+    head: Callable[[mx.array], mx.array] | None = None,
+) -> mx.array:
     """Full forward over `tokens` [B, L] (or Rows); returns [B, L-1], the logprob of
     tokens[:, 1:] (Rows: of its targets). `head`: see Rows.logits."""
     rows = rows_of(tokens)
     return token_logprobs(rows.logits(model, head), rows.targets, temperature)
 
 
-def sequence_logprobs_and_entropy(model: nn.Module, tokens: mx.array | Rows, temperature: float,
-                                  head: Callable[[mx.array], mx.array] | None = None
-                                  ) -> tuple[mx.array, mx.array]:
+def sequence_logprobs_and_entropy(
+    model: nn.Module,
+    tokens: mx.array | Rows,
+    temperature: float,
+    head: Callable[[mx.array], mx.array] | None = None,
+) -> tuple[mx.array, mx.array]:
     """As sequence_logprobs (with the very same operations, so the two agree bit for bit),
     plus the entropy of each position's tempered distribution.
 
@@ -191,9 +198,15 @@ def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     return head if mx.array_equal(model(probe), head(body(probe))).item() else None
 
 
-def chunked_terms(hidden: mx.array, targets: mx.array, head: Callable[[mx.array], mx.array],
-                  temperature: float, chunk: int, entropy: bool = False,
-                  jacobian: bool = False) -> tuple[mx.array, mx.array | None, mx.array | None]:
+def chunked_terms(
+    hidden: mx.array,
+    targets: mx.array,
+    head: Callable[[mx.array], mx.array],
+    temperature: float,
+    chunk: int,
+    entropy: bool = False,
+    jacobian: bool = False,
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
     """Per-position logprob of `targets` [N] under `head(hidden)` [N, V], `chunk` positions
     at a time, each chunk evaluated before the next: the logits of one chunk exist at once,
     never the whole batch's (at a 150k vocabulary, 8 rows of 512 tokens are 2.5 GB a copy).
@@ -205,18 +218,33 @@ def chunked_terms(hidden: mx.array, targets: mx.array, head: Callable[[mx.array]
     `dloss/dlogprob * jacobian` without the logits (learner/step.py)."""
     logps, entropies, jacobians = [], [], []
     for start in range(0, hidden.shape[0], chunk):
-        logp, ent, jac = _chunk_terms(head, hidden[start:start + chunk], targets[start:start + chunk],
-                                      temperature, entropy, jacobian)
+        logp, ent, jac = _chunk_terms(
+            head,
+            hidden[start : start + chunk],
+            targets[start : start + chunk],
+            temperature,
+            entropy,
+            jacobian,
+        )
         logps.append(logp)
         entropies += [] if ent is None else [ent]
         jacobians += [] if jac is None else [jac]
         mx.eval(logp, *entropies[-1:], *jacobians[-1:])
-    return (mx.concatenate(logps), mx.concatenate(entropies) if entropy else None,
-            mx.concatenate(jacobians) if jacobian else None)
+    return (
+        mx.concatenate(logps),
+        mx.concatenate(entropies) if entropy else None,
+        mx.concatenate(jacobians) if jacobian else None,
+    )
 
 
-def _chunk_terms(head: Callable[[mx.array], mx.array], h: mx.array, targets: mx.array, temperature: float,
-                 entropy: bool, jacobian: bool) -> tuple[mx.array, mx.array | None, mx.array | None]:
+def _chunk_terms(
+    head: Callable[[mx.array], mx.array],
+    h: mx.array,
+    targets: mx.array,
+    temperature: float,
+    entropy: bool,
+    jacobian: bool,
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
     """One chunk's logprobs, entropy and jacobian, from one exponential of its logits.
 
     The gradient is written out, not traced: d logprob / d logits = (onehot(target) -
@@ -257,9 +285,15 @@ def _logprob_cotangent(e: mx.array, inverse: mx.array, targets: mx.array, invers
     return (onehot - e * inverse[..., None]) * inverse_t
 
 
-def chunked_sequence_terms(model: nn.Module, head: Callable[[mx.array], mx.array], tokens: mx.array | Rows,
-                           temperature: float, chunk: int, entropy: bool = False, jacobian: bool = False
-                           ) -> tuple[mx.array, mx.array | None, mx.array | None]:
+def chunked_sequence_terms(
+    model: nn.Module,
+    head: Callable[[mx.array], mx.array],
+    tokens: mx.array | Rows,
+    temperature: float,
+    chunk: int,
+    entropy: bool = False,
+    jacobian: bool = False,
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
     """sequence_logprobs (and the entropy) of `tokens` [B, L] (or Rows) by chunks of
     positions, with the jacobian into the model's last hidden states [B, T, H] if asked.
     Evaluated, not differentiable: the learner differentiates through the jacobian (see
@@ -268,7 +302,17 @@ def chunked_sequence_terms(model: nn.Module, head: Callable[[mx.array], mx.array
     hidden = forward.outputs(model.model)
     mx.eval(hidden)
     rows, length, width = hidden.shape
-    logp, ent, jac = chunked_terms(hidden.reshape(rows * length, width), forward.targets.reshape(-1), head,
-                                   temperature, chunk, entropy, jacobian)
-    return (logp.reshape(rows, length), None if ent is None else ent.reshape(rows, length),
-            None if jac is None else jac.reshape(rows, length, width))
+    logp, ent, jac = chunked_terms(
+        hidden.reshape(rows * length, width),
+        forward.targets.reshape(-1),
+        head,
+        temperature,
+        chunk,
+        entropy,
+        jacobian,
+    )
+    return (
+        logp.reshape(rows, length),
+        None if ent is None else ent.reshape(rows, length),
+        None if jac is None else jac.reshape(rows, length, width),
+    )

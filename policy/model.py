@@ -42,6 +42,7 @@ def quantize_base(model: nn.Module, bits: int) -> None:
     """Quantize the frozen base weights (QLoRA style), where MLX can: linear and embedding
     layers whose input size is a multiple of the group size. Layers already quantized are
     left as they are."""
+
     def quantizable(_: str, m: nn.Module) -> bool:
         return hasattr(m, "to_quantized") and m.weight.shape[-1] % QUANT_GROUP == 0
 
@@ -57,9 +58,14 @@ def dequantize_base(model: nn.Module) -> int:
     for path, module in model.named_modules():
         if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             continue
-        weight = mx.dequantize(module.weight, module.scales.astype(mx.float32),
-                               None if module.biases is None else module.biases.astype(mx.float32),
-                               group_size=module.group_size, bits=module.bits, mode=module.mode)
+        weight = mx.dequantize(
+            module.weight,
+            module.scales.astype(mx.float32),
+            None if module.biases is None else module.biases.astype(mx.float32),
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=module.mode,
+        )
         if isinstance(module, nn.QuantizedEmbedding):
             dense: nn.Module = nn.Embedding(*weight.shape)
         else:
@@ -86,8 +92,13 @@ def dequantizes(dequantize_on_cpu: bool, quantize_bits: int = 0) -> bool:
     return dequantize_on_cpu and not quantize_bits and runs_on_cpu()
 
 
-def load_policy(model_path: str, lora: LoraConfig, adapter_path: str | None = None, quantize_bits: int = 0,
-                dequantize: bool = False):
+def load_policy(
+    model_path: str,
+    lora: LoraConfig,
+    adapter_path: str | None = None,
+    quantize_bits: int = 0,
+    dequantize: bool = False,
+):
     """Load a model through mlx-lm, freeze it and attach LoRA layers.
 
     Returns (model, tokenizer, adapter_config). With `adapter_path`, the saved adapter
@@ -101,8 +112,11 @@ def load_policy(model_path: str, lora: LoraConfig, adapter_path: str | None = No
 
     model, tokenizer = load(model_path, lazy=bool(quantize_bits))[:2]
     if dequantize and (layers := dequantize_base(model)):  # before freeze(): the new layers are frozen too
-        log.info("loaded %d quantized layers dequantized to float32 (MLX runs on the CPU here, where "
-                 "quantized matmuls are slow; model.dequantize_on_cpu = false keeps them)", layers)
+        log.info(
+            "loaded %d quantized layers dequantized to float32 (MLX runs on the CPU here, where "
+            "quantized matmuls are slow; model.dequantize_on_cpu = false keeps them)",
+            layers,
+        )
     model.freeze()
     if quantize_bits:
         quantize_base(model, quantize_bits)
@@ -135,13 +149,16 @@ def set_adapter_weights(model: nn.Module, weights: Mapping[str, Any]) -> None:
     missing = sorted(set(current) - set(weights))
     extra = sorted(set(weights) - set(current))
     if missing or extra:
-        raise ValueError(f"adapter weights do not match the model: missing {missing[:3]}, "
-                         f"unexpected {extra[:3]}")
+        raise ValueError(
+            f"adapter weights do not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
     update = []
     for name, value in weights.items():
         if tuple(value.shape) != tuple(current[name].shape):
-            raise ValueError(f"adapter weight {name} has shape {tuple(value.shape)}, "
-                             f"model expects {tuple(current[name].shape)}")
+            raise ValueError(
+                f"adapter weight {name} has shape {tuple(value.shape)}, "
+                f"model expects {tuple(current[name].shape)}"
+            )
         update.append((name, mx.array(value).astype(current[name].dtype)))
     model.load_weights(update, strict=False)
     mx.eval(model.parameters())

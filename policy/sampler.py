@@ -121,8 +121,9 @@ def _noise(row_keys: mx.array, t: int | mx.array, token_ids: mx.array) -> mx.arr
     return -mx.log(-mx.log(u))
 
 
-def _sample(logits: mx.array, row_keys: mx.array, t: int | mx.array,
-            p: SamplingConfig) -> tuple[mx.array, mx.array]:
+def _sample(
+    logits: mx.array, row_keys: mx.array, t: int | mx.array, p: SamplingConfig
+) -> tuple[mx.array, mx.array]:
     """Gumbel-max over the truncated distribution; the logprob is of the untruncated one,
     by policy/logprobs.py's definition (the learner's).
 
@@ -148,8 +149,9 @@ def _sample(logits: mx.array, row_keys: mx.array, t: int | mx.array,
     return _sample_all(scaled, lse, row_keys, t, p)
 
 
-def _sample_all(scaled: mx.array, lse: mx.array, row_keys: mx.array, t: int | mx.array,
-                p: SamplingConfig) -> tuple[mx.array, mx.array]:
+def _sample_all(
+    scaled: mx.array, lse: mx.array, row_keys: mx.array, t: int | mx.array, p: SamplingConfig
+) -> tuple[mx.array, mx.array]:
     """The definition: noise for every token of the vocabulary, the cut by a full sort."""
     logprobs = truncate(scaled - lse[:, None], p) if truncating(p) else scaled - lse[:, None]
     tokens = mx.argmax(logprobs + _noise(row_keys, t, mx.arange(scaled.shape[-1])[None]), axis=-1)
@@ -165,8 +167,16 @@ class Stopped(Exception):
 Watch = Callable[[int], None]
 
 
-def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int], params: SamplingConfig,
-            eos_ids: set[int], seed: int, watch: Watch | None = None) -> list[Completion]:
+def _decode(
+    model: nn.Module,
+    cache: list,
+    logits: mx.array,
+    rows: list[int],
+    params: SamplingConfig,
+    eos_ids: set[int],
+    seed: int,
+    watch: Watch | None = None,
+) -> list[Completion]:
     """Decode the batch whose next-token logits are `logits` ([len(rows), V]); row i has the
     noise id rows[i]. Each row stops at its first EOS.
 
@@ -211,8 +221,9 @@ def _decode(model: nn.Module, cache: list, logits: mx.array, rows: list[int], pa
     return [Completion(ts, lp, "stop" if d else "length") for ts, lp, d in zip(tokens, lps, done)]
 
 
-def prefill_logits(model: nn.Module, head: Callable[[mx.array], mx.array] | None, inputs: mx.array,
-                   cache: list) -> mx.array:
+def prefill_logits(
+    model: nn.Module, head: Callable[[mx.array], mx.array] | None, inputs: mx.array, cache: list
+) -> mx.array:
     """The next-token logits after `inputs`: through the output layer (`head`, see
     policy/logprobs.py::output_head) for the last position only when the model allows (a
     prompt's other positions need none, and at a 150k vocabulary 512 of them are 300 MB a
@@ -222,8 +233,9 @@ def prefill_logits(model: nn.Module, head: Callable[[mx.array], mx.array] | None
     return head(model.model(inputs, cache=cache)[:, -1:, :])[:, -1, :]
 
 
-def prefill_batch(model: nn.Module, head: Callable[[mx.array], mx.array] | None, prompts: list[list[int]],
-                  copies: list[int]) -> tuple[list[BatchKVCache], mx.array]:
+def prefill_batch(
+    model: nn.Module, head: Callable[[mx.array], mx.array] | None, prompts: list[list[int]], copies: list[int]
+) -> tuple[list[BatchKVCache], mx.array]:
     """One prefill for all `prompts`, left-padded and masked as mlx-lm's batch_generate
     does it; then each prompt's cache rows and next-token logits repeated `copies[i]`
     times (its rows). Returns the batch's caches (one per layer) and logits [rows, V]."""
@@ -236,10 +248,17 @@ def prefill_batch(model: nn.Module, head: Callable[[mx.array], mx.array] | None,
     return cache, logits[repeat]
 
 
-def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
-                  params: SamplingConfig, eos_ids: set[int], seed: int,
-                  noise_offset: int = 0, noise_ids: list[int] | None = None,
-                  watch: Watch | None = None) -> list[list[Completion]]:
+def sample_groups(
+    model: nn.Module,
+    prompts: list[list[int]],
+    group_size: int,
+    params: SamplingConfig,
+    eos_ids: set[int],
+    seed: int,
+    noise_offset: int = 0,
+    noise_ids: list[int] | None = None,
+    watch: Watch | None = None,
+) -> list[list[Completion]]:
     """`group_size` completions of each prompt, all rows decoding as one batch. `watch`
     sees every decode step (and may stop the batch by raising Stopped).
 
@@ -268,8 +287,10 @@ def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
             firsts.append(prefill(mx.array(p)[None], cache))
             caches.append(cache)
         # One copy of its prompt's cache per row; merge left-pads to the longest prompt.
-        batch = [layer.merge([c[i] for c in caches for _ in range(group_size)])
-                 for i, layer in enumerate(caches[0])]
+        batch = [
+            layer.merge([c[i] for c in caches for _ in range(group_size)])
+            for i, layer in enumerate(caches[0])
+        ]
         logits = mx.repeat(mx.concatenate(firsts), group_size, axis=0)
         flat = _decode(model, batch, logits, rows, params, eos_ids, seed, watch)
     else:
@@ -279,14 +300,28 @@ def sample_groups(model: nn.Module, prompts: list[list[int]], group_size: int,
         for i, p in enumerate(prompts):
             cache = make_prompt_cache(model)
             logits = prefill(mx.array([p] * group_size), cache)
-            flat += _decode(model, cache, logits, rows[i * group_size:(i + 1) * group_size],
-                            params, eos_ids, seed, watch)
-    return [flat[i:i + group_size] for i in range(0, len(flat), group_size)]
+            flat += _decode(
+                model,
+                cache,
+                logits,
+                rows[i * group_size : (i + 1) * group_size],
+                params,
+                eos_ids,
+                seed,
+                watch,
+            )
+    return [flat[i : i + group_size] for i in range(0, len(flat), group_size)]
 
 
-def reference_sample(model: nn.Module, prompt_ids: list[int], group_size: int,
-                     params: SamplingConfig, eos_ids: set[int], seed: int,
-                     noise_offset: int = 0) -> list[Completion]:
+def reference_sample(
+    model: nn.Module,
+    prompt_ids: list[int],
+    group_size: int,
+    params: SamplingConfig,
+    eos_ids: set[int],
+    seed: int,
+    noise_offset: int = 0,
+) -> list[Completion]:
     """The plain sampler sample_groups must agree with: one row at a time, no KV cache (a
     full forward over prompt + generated tokens every step), the same noise per noise id."""
     out = []
@@ -301,5 +336,5 @@ def reference_sample(model: nn.Module, prompt_ids: list[int], group_size: int,
             lps.append(cast(float, lp.item()))
             if stop := ids[-1] in eos_ids:
                 break
-        out.append(Completion(ids[len(prompt_ids):], lps, "stop" if stop else "length"))
+        out.append(Completion(ids[len(prompt_ids) :], lps, "stop" if stop else "length"))
     return out

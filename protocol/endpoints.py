@@ -17,8 +17,9 @@ _MAX_IPC_PATH = 100
 NAMES = ("learner", "reward", "env")
 
 
-def make_endpoints(run_dir: Path, transport: str = "ipc", host: str = "127.0.0.1",
-                   base_port: int = 5555) -> dict[str, str]:
+def make_endpoints(
+    run_dir: Path, transport: str = "ipc", host: str = "127.0.0.1", base_port: int = 5555
+) -> dict[str, str]:
     """Choose an address for every socket of the run, and create their directory."""
     if transport == "tcp":
         return {name: f"tcp://{host}:{base_port + i}" for i, name in enumerate(NAMES)}

@@ -183,8 +183,11 @@ class AllowList:
         start, logged, quiet = self.minute
         if now - start >= 60:
             if quiet:
-                log.warning("refused %d more connections to the %s socket in the last minute (not logged "
-                            "one by one)", quiet, domain)
+                log.warning(
+                    "refused %d more connections to the %s socket in the last minute (not logged one by one)",
+                    quiet,
+                    domain,
+                )
             start, logged, quiet = now, 0, 0
         # A refused client retries every second: once a minute per key is enough.
         if now - self.warned.get(client_key, -60.0) < 60.0:
@@ -197,8 +200,12 @@ class AllowList:
         if len(self.warned) > 4096:  # fresh keys without end: forget those a minute old
             self.warned = {k: t for k, t in self.warned.items() if now - t < 60.0}
         self.minute = (start, logged + 1, quiet)
-        log.warning("refused a connection to the %s socket: its client key %s is not in %s",
-                    domain, client_key.decode(errors="replace"), self.directory)
+        log.warning(
+            "refused a connection to the %s socket: its client key %s is not in %s",
+            domain,
+            client_key.decode(errors="replace"),
+            self.directory,
+        )
 
 
 # By context (not by id(): a new context may take a closed one's id).
@@ -227,10 +234,12 @@ def run_key_dir(run_dir: str | Path, endpoint: str, insecure: bool) -> Path | No
     run without them is an error: never plain TCP by accident."""
     keys = run_keys(run_dir)
     if endpoint.startswith("tcp://") and not insecure and not (keys / f"{SERVER}.key").exists():
-        raise KeysError(f"{endpoint} is TCP and the run is secure (run.insecure is false), but {keys} holds "
-                        "no CURVE keys. On the run's machine `orchestrator up` makes them; on another "
-                        "machine, make a key directory there with `orchestrator keys add-peer NAME --run-dir "
-                        "RUN`, copy it here and pass --key-dir")
+        raise KeysError(
+            f"{endpoint} is TCP and the run is secure (run.insecure is false), but {keys} holds "
+            "no CURVE keys. On the run's machine `orchestrator up` makes them; on another "
+            "machine, make a key directory there with `orchestrator keys add-peer NAME --run-dir "
+            "RUN`, copy it here and pass --key-dir"
+        )
     return key_dir_for(endpoint, keys if (keys / f"{SERVER}.key").exists() else None, insecure)
 
 
@@ -243,8 +252,10 @@ def key_dir_for(endpoint: str, key_dir: str | Path | None, insecure: bool) -> Pa
         log.warning("%s is plain TCP: no encryption, no authentication (insecure)", endpoint)
         return None
     if key_dir is None:
-        raise KeysError(f"{endpoint} is TCP: give a CURVE key directory (--key-dir; `orchestrator keys "
-                        "add-peer` makes one), or accept plain TCP with --insecure")
+        raise KeysError(
+            f"{endpoint} is TCP: give a CURVE key directory (--key-dir; `orchestrator keys "
+            "add-peer` makes one), or accept plain TCP with --insecure"
+        )
     key_dir = Path(key_dir)
     if not (key_dir / f"{SERVER}.key").exists():
         raise KeysError(f"{key_dir} is not a key directory: it has no {SERVER}.key")

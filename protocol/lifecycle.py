@@ -162,8 +162,9 @@ class StopSignals:
         self.signum = signum
 
 
-def exit_with(main: Callable[[], int], log: logging.Logger,
-              user_errors: tuple[type[Exception], ...] = ()) -> NoReturn:
+def exit_with(
+    main: Callable[[], int], log: logging.Logger, user_errors: tuple[type[Exception], ...] = ()
+) -> NoReturn:
     """Run a process's `main` and exit with the code that says what kind of end it was:
     its own code, EXIT_USER_ERROR for `user_errors` (logged: they are not retried),
     EXIT_BUSY, or 128 + N after a second stop signal."""
@@ -181,6 +182,7 @@ def exit_with(main: Callable[[], int], log: logging.Logger,
 
 
 # -- the lifeline ---------------------------------------------------------------------
+
 
 class Lifeline:
     """The orchestrator's end: a pipe whose read end every child inherits. Keep this
@@ -275,6 +277,7 @@ def peer_sees_run_ended(run_dir: Path | None, down: float) -> bool:
 
 # -- the run lock ---------------------------------------------------------------------
 
+
 class RunBusy(RuntimeError):
     """The run directory is held by live processes of another run."""
 
@@ -324,11 +327,15 @@ def acquire_run_lock(run_dir: str | Path, wait_s: float = 0.0, say=None) -> int:
         if _alive(holder) or time.monotonic() >= deadline:
             os.close(fd)
             who = f"pid {holder}" if holder else "another process"
-            raise RunBusy(f"run directory {Path(run_dir)} is in use by {who} and its processes "
-                          f"({path} is locked); stop that run first, or use another run directory")
+            raise RunBusy(
+                f"run directory {Path(run_dir)} is in use by {who} and its processes "
+                f"({path} is locked); stop that run first, or use another run directory"
+            )
         if not announced and say is not None:
-            say(f"waiting for the processes of an earlier run in {Path(run_dir)} to exit "
-                f"(started by pid {holder}, now gone)")
+            say(
+                f"waiting for the processes of an earlier run in {Path(run_dir)} to exit "
+                f"(started by pid {holder}, now gone)"
+            )
             announced = True
         time.sleep(0.2)
     os.ftruncate(fd, 0)

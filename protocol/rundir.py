@@ -15,8 +15,16 @@ from enum import StrEnum
 from pathlib import Path
 
 # What a run's training leaves (docs/run-directory.md); `--overwrite` deletes it.
-RESULTS = ("metrics.jsonl", "completions.jsonl", "checkpoints", "adapters", "tensorboard", "trackio", "wandb",
-           "curves.png")
+RESULTS = (
+    "metrics.jsonl",
+    "completions.jsonl",
+    "checkpoints",
+    "adapters",
+    "tensorboard",
+    "trackio",
+    "wandb",
+    "curves.png",
+)
 
 
 class Phase(StrEnum):
@@ -52,8 +60,10 @@ def trained(run_dir: str | Path) -> list[str]:
     run_dir = Path(run_dir)
     found = [name for name in RESULTS if (run_dir / name).exists() and not _empty(run_dir / name)]
     newest = latest_checkpoint(run_dir)
-    return [f"checkpoints up to step {checkpoint_step(newest)}" if name == "checkpoints" and newest else name
-            for name in found]
+    return [
+        f"checkpoints up to step {checkpoint_step(newest)}" if name == "checkpoints" and newest else name
+        for name in found
+    ]
 
 
 def _empty(path: Path) -> bool:
@@ -64,8 +74,10 @@ def refuse_to_overwrite(run_dir: str | Path) -> None:
     """Raise RunExists when `run_dir` holds another run's results, naming the two ways on."""
     found = trained(run_dir)
     if found:
-        raise RunExists(f"{run_dir} holds a run ({', '.join(found)}): continue it with `orchestrator up "
-                        f"--resume {run_dir}`, or start over with --overwrite, which deletes those")
+        raise RunExists(
+            f"{run_dir} holds a run ({', '.join(found)}): continue it with `orchestrator up "
+            f"--resume {run_dir}`, or start over with --overwrite, which deletes those"
+        )
 
 
 def clear_results(run_dir: str | Path) -> None:

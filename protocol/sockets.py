@@ -64,8 +64,13 @@ def frame_limit(*array_bytes: int) -> int:
     return max(MAX_HEADER_BYTES, *array_bytes)
 
 
-def listen(ctx: zmq.Context, endpoint: str, keys: Path | None = None, name: str = "",
-           max_frame: int = MAX_HEADER_BYTES) -> zmq.Socket:
+def listen(
+    ctx: zmq.Context,
+    endpoint: str,
+    keys: Path | None = None,
+    name: str = "",
+    max_frame: int = MAX_HEADER_BYTES,
+) -> zmq.Socket:
     """The binding side: a ROUTER bound to `endpoint`; with `keys` (a run's key directory)
     a CURVE server that lets in only authorized clients (protocol.keys). `name` names the
     socket in logs; `max_frame`: the largest frame it takes (`frame_limit`). Over TCP,
@@ -88,8 +93,9 @@ def listen(ctx: zmq.Context, endpoint: str, keys: Path | None = None, name: str 
     return sock
 
 
-def connect(ctx: zmq.Context, endpoint: str, keys: Path | None = None,
-            max_frame: int = MAX_HEADER_BYTES) -> tuple[zmq.Socket, ConnectionWatch]:
+def connect(
+    ctx: zmq.Context, endpoint: str, keys: Path | None = None, max_frame: int = MAX_HEADER_BYTES
+) -> tuple[zmq.Socket, ConnectionWatch]:
     """A peer's side: a DEALER connected to `endpoint`, and its watch; with `keys` (a key
     directory) a CURVE client. `max_frame`: the largest frame it takes (`frame_limit`)."""
     raise_fd_limit()
@@ -166,8 +172,13 @@ class ConnectionWatch:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)  # find a restarted learner within a second
         self.sock, self.curve = sock, curve
         self.monitor = monitor_socket(
-            sock, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+            sock,
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+        )
         self.down_since: float | None = time.monotonic()  # not connected yet
         self.refused: str | None = None  # why no retry could succeed
         self.failing_since: float | None = None  # the first of the handshakes failing in a row
@@ -183,8 +194,10 @@ class ConnectionWatch:
                 self.down_since, self.failing_since = None, None
                 self.connections += 1
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                self.refused = ("it refused our CURVE key: the key directory's client key is not in the "
-                                "run's keys/authorized (`orchestrator keys add-peer` makes one that is)")
+                self.refused = (
+                    "it refused our CURVE key: the key directory's client key is not in the "
+                    "run's keys/authorized (`orchestrator keys add-peer` makes one that is)"
+                )
             elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 self.refused = self.protocol_failure(value)
             elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
@@ -194,9 +207,11 @@ class ConnectionWatch:
                 now = time.monotonic()
                 self.failing_since = self.failing_since or now
                 if now - self.failing_since >= WRONG_KEY_S:
-                    self.refused = (f"every CURVE handshake failed for {WRONG_KEY_S:.0f} s: the key "
-                                    "directory's server.key is not this run's (or the other end does "
-                                    "not use CURVE: see run.insecure)")
+                    self.refused = (
+                        f"every CURVE handshake failed for {WRONG_KEY_S:.0f} s: the key "
+                        "directory's server.key is not this run's (or the other end does "
+                        "not use CURVE: see run.insecure)"
+                    )
             elif event == zmq.EVENT_DISCONNECTED and self.down_since is None:
                 self.down_since = time.monotonic()
         return 0.0 if self.down_since is None else time.monotonic() - self.down_since
@@ -204,11 +219,15 @@ class ConnectionWatch:
     def protocol_failure(self, code: int) -> str:
         if code == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             if self.curve:
-                return ("the other end is plain TCP and we use CURVE: the run is insecure (run.insecure = "
-                        "true); connect with --insecure, or make the run secure")
-            return ("the other end uses CURVE and we connected in plain TCP: the run is secure, so "
-                    "connect with its keys (--key-dir, or the run directory's keys/), not --insecure "
-                    "or run.insecure = true")
+                return (
+                    "the other end is plain TCP and we use CURVE: the run is insecure (run.insecure = "
+                    "true); connect with --insecure, or make the run secure"
+                )
+            return (
+                "the other end uses CURVE and we connected in plain TCP: the run is secure, so "
+                "connect with its keys (--key-dir, or the run directory's keys/), not --insecure "
+                "or run.insecure = true"
+            )
         return f"the handshake failed with ZMTP protocol error {code:#x}; libzmq will not retry"
 
     def close(self) -> None:
@@ -233,8 +252,9 @@ class ConnectionCap:
     def __init__(self, sock: zmq.Socket, name: str, limit: int = MAX_CONNECTIONS) -> None:
         self.name, self.limit = name, limit
         self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-        self.monitor = monitor_socket(sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-                                      | zmq.EVENT_MONITOR_STOPPED)
+        self.monitor = monitor_socket(
+            sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+        )
         self.opened: dict[int, float] = {}  # descriptor -> when accepted
         self.refused: collections.deque[float] = collections.deque()  # when, over the last minute
         self.last_said = -60.0
@@ -283,10 +303,14 @@ class ConnectionCap:
             self.refused.popleft()
         if self.refused and now - self.last_said >= 60:
             self.last_said = now
-            log.warning("the %s socket is over its cap of %d connections: closed %d silent ones in the last "
-                        "minute (a flood? docs/scale-out.md, 'TCP and CURVE keys', says how to firewall "
-                        "the port)",
-                        self.name, self.limit, len(self.refused))
+            log.warning(
+                "the %s socket is over its cap of %d connections: closed %d silent ones in the last "
+                "minute (a flood? docs/scale-out.md, 'TCP and CURVE keys', says how to firewall "
+                "the port)",
+                self.name,
+                self.limit,
+                len(self.refused),
+            )
 
 
 def shut_down_if_silent(fd: int, port: int) -> bool:
@@ -297,8 +321,11 @@ def shut_down_if_silent(fd: int, port: int) -> bool:
     except OSError:  # closed meanwhile, or not a socket
         return False
     try:
-        if conn.family in (socket.AF_INET, socket.AF_INET6) and conn.getsockname()[1] == port \
-                and not bytes_received(conn):
+        if (
+            conn.family in (socket.AF_INET, socket.AF_INET6)
+            and conn.getsockname()[1] == port
+            and not bytes_received(conn)
+        ):
             conn.shutdown(socket.SHUT_RDWR)
             return True
     except OSError:

@@ -80,8 +80,7 @@ _SCHEMA: dict[str, dict[str, Any]] = {
     HEARTBEAT: {"role": str, "time": _NUMBER},
     STOP: {"reason": str},
     READY: {},
-    SCORE: {"request_id": str, "prompts": list, "completions": list, "completion_ids": list,
-            "columns": dict},
+    SCORE: {"request_id": str, "prompts": list, "completions": list, "completion_ids": list, "columns": dict},
     SCORE_REPLY: {"request_id": str, "rewards": list},
     RESET: {"request_id": str, "episode_id": str, "prompt": _ANY, "columns": dict},
     STEP: {"request_id": str, "episode_id": str, "action": str, "action_ids": list},
@@ -201,7 +200,8 @@ def _type_name(typ: Any) -> str:
     if isinstance(typ, tuple):
         return "a number"
     return {str: "a string", int: "an integer", dict: "a map", list: "a list", bool: "true or false"}.get(
-        typ, str(typ))
+        typ, str(typ)
+    )
 
 
 def _decode_arrays(kind: str, specs: Any, frames: list[bytes]) -> dict[str, np.ndarray]:
@@ -218,11 +218,14 @@ def _decode_arrays(kind: str, specs: Any, frames: list[bytes]) -> dict[str, np.n
             raise ProtocolError(f"{kind}: array {name!r} appears twice")
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ProtocolError(f"{kind}: array {name!r} has unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_NDIM
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape)
         ):
-            raise ProtocolError(f"{kind}: array {name!r} needs a shape of at most {MAX_NDIM} "
-                                f"integers in [0, {MAX_DIM}]")
+            raise ProtocolError(
+                f"{kind}: array {name!r} needs a shape of at most {MAX_NDIM} integers in [0, {MAX_DIM}]"
+            )
         expected = math.prod(shape) * np.dtype(dtype).itemsize
         if len(frame) != expected:
             raise ProtocolError(
@@ -253,18 +256,25 @@ def _check_score_reply(head: dict) -> None:
     by_fn = head.get("rewards_by_function")
     if by_fn is not None:
         if not isinstance(by_fn, dict) or not all(
-            isinstance(k, str) and isinstance(v, list) and len(v) == len(head["rewards"])
-            and all(_is_reward(x) for x in v) for k, v in by_fn.items()
+            isinstance(k, str)
+            and isinstance(v, list)
+            and len(v) == len(head["rewards"])
+            and all(_is_reward(x) for x in v)
+            for k, v in by_fn.items()
         ):
-            raise ProtocolError("score_reply: rewards_by_function must map names to lists of "
-                                "finite numbers or nil, one per completion")
+            raise ProtocolError(
+                "score_reply: rewards_by_function must map names to lists of "
+                "finite numbers or nil, one per completion"
+            )
 
 
 def _check_observation(head: dict) -> None:
-    for name, ok, what in (("reward", _is_reward, "a finite number or nil"),
-                           ("role", lambda v: isinstance(v, str) and v, "a non-empty string"),
-                           ("info", lambda v: isinstance(v, dict), "a map"),
-                           ("error", lambda v: isinstance(v, str), "a string")):
+    for name, ok, what in (
+        ("reward", _is_reward, "a finite number or nil"),
+        ("role", lambda v: isinstance(v, str) and v, "a non-empty string"),
+        ("info", lambda v: isinstance(v, dict), "a map"),
+        ("error", lambda v: isinstance(v, str), "a string"),
+    ):
         if head.get(name) is not None and not ok(head[name]):
             raise ProtocolError(f"observation: field {name!r} must be {what}")
 
@@ -276,8 +286,10 @@ def _check_rollout(msg: Message) -> None:
     if g == 0:
         raise ProtocolError("rollout: a group needs at least one completion")
     if len(h["texts"]) != g or len(h["finish_reasons"]) != g:
-        raise ProtocolError(f"rollout: {g} completions but {len(h['texts'])} texts and "
-                            f"{len(h['finish_reasons'])} finish reasons")
+        raise ProtocolError(
+            f"rollout: {g} completions but {len(h['texts'])} texts and "
+            f"{len(h['finish_reasons'])} finish reasons"
+        )
     if not all(isinstance(t, str) for t in h["texts"]):
         raise ProtocolError("rollout: every text must be a string")
     bad = [r for r in h["finish_reasons"] if not isinstance(r, str) or r not in FINISH_REASONS]
@@ -293,8 +305,9 @@ def _check_rollout(msg: Message) -> None:
     if not np.isfinite(lp).all() or (lp > 1e-4).any():
         raise ProtocolError("rollout: logprobs must be finite and <= 0")
     versions = a.get("policy_versions")
-    if versions is not None and (versions.dtype != np.int32 or versions.shape != a["completion_ids"].shape
-                                 or (versions < 0).any()):
+    if versions is not None and (
+        versions.dtype != np.int32 or versions.shape != a["completion_ids"].shape or (versions < 0).any()
+    ):
         raise ProtocolError("rollout: policy_versions must be int32 >= 0, one per completion id")
     _check_episode_fields(msg, g)
 
@@ -303,17 +316,28 @@ def _check_episode_fields(msg: Message, g: int) -> None:
     """The optional fields of a rollout whose completions are episodes."""
     a, h = msg.arrays, msg.header
     mask = a.get("loss_mask")
-    if mask is not None and (mask.dtype != np.uint8 or mask.shape != a["completion_ids"].shape
-                             or (mask > 1).any()):
+    if mask is not None and (
+        mask.dtype != np.uint8 or mask.shape != a["completion_ids"].shape or (mask > 1).any()
+    ):
         raise ProtocolError("rollout: loss_mask must be uint8 0/1, one per completion id")
     rewards = h.get("env_rewards")
-    if rewards is not None and not (isinstance(rewards, list) and len(rewards) == g
-                                    and all(_is_reward(v) for v in rewards)):
+    if rewards is not None and not (
+        isinstance(rewards, list) and len(rewards) == g and all(_is_reward(v) for v in rewards)
+    ):
         raise ProtocolError(f"rollout: env_rewards must be {g} finite numbers or nil")
     turns = h.get("turns")
-    if turns is not None and not (isinstance(turns, list) and len(turns) == g and all(
-            isinstance(t, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                        and isinstance(m.get("content"), str) for m in t) for t in turns)):
+    if turns is not None and not (
+        isinstance(turns, list)
+        and len(turns) == g
+        and all(
+            isinstance(t, list)
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in t
+            )
+            for t in turns
+        )
+    ):
         raise ProtocolError(f"rollout: turns must be {g} lists of {{'role': str, 'content': str}} messages")
     if h.get("error") is not None and not isinstance(h["error"], str):
         raise ProtocolError("rollout: field 'error' must be a string")

@@ -98,9 +98,18 @@ class Reply:
 
 
 class WorkerPool:
-    def __init__(self, ctx: zmq.Context, endpoint: str, role: str, reply_kind: str, timeout_s: float,
-                 max_attempts: int, instance: str | None = None, owner_role: str = "learner",
-                 keys: Path | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        role: str,
+        reply_kind: str,
+        timeout_s: float,
+        max_attempts: int,
+        instance: str | None = None,
+        owner_role: str = "learner",
+        keys: Path | None = None,
+    ) -> None:
         """`role`: the hello role workers must have; `reply_kind`: the kind they answer
         with; `owner_role`: the role this side's hello carries; `keys`: the run's CURVE
         key directory, for TCP."""
@@ -135,11 +144,23 @@ class WorkerPool:
         """`attached` tells a worker whether this answers its hello, or greets a stranger
         that must say hello (PROTOCOL.md, "Liveness"); `timeout_s` is the deadline for a
         reply."""
-        return {"role": self.owner_role, "pid": os.getpid(), "instance": self.instance,
-                "heartbeat_s": HEARTBEAT_S, "timeout_s": self.timeout_s, "attached": attached}
+        return {
+            "role": self.owner_role,
+            "pid": os.getpid(),
+            "instance": self.instance,
+            "heartbeat_s": HEARTBEAT_S,
+            "timeout_s": self.timeout_s,
+            "attached": attached,
+        }
 
-    def submit(self, request_id: str, header: dict, kind: str = protocol.SCORE,
-               check: ReplyCheck | None = None, pinned: Holder | None = None) -> None:
+    def submit(
+        self,
+        request_id: str,
+        header: dict,
+        kind: str = protocol.SCORE,
+        check: ReplyCheck | None = None,
+        pinned: Holder | None = None,
+    ) -> None:
         frames = protocol.encode(kind, {"request_id": request_id, **header})
         self.waiting.append(Request(request_id, frames, check, pinned))
 
@@ -210,8 +231,9 @@ class WorkerPool:
             self.stats["late_replies"] += 1  # to a request it lost, or of a previous instance
         if identity not in self.greeted:
             self.greeted.add(identity)
-            log.info("a peer not attached to this %s sent %r; sending it our hello", self.owner_role,
-                     msg.kind)
+            log.info(
+                "a peer not attached to this %s sent %r; sending it our hello", self.owner_role, msg.kind
+            )
             self.send(identity, protocol.HELLO, self.hello(attached=False))
 
     def take_reply(self, identity: bytes, msg: protocol.Message) -> None:
@@ -219,8 +241,10 @@ class WorkerPool:
         if request is None or request.worker != identity:
             held = self.holding(identity)
             if held is not None:
-                self.reject(identity, f"reply names request {msg['request_id']!r}, "
-                            f"the worker holds {held.request_id!r}")
+                self.reject(
+                    identity,
+                    f"reply names request {msg['request_id']!r}, the worker holds {held.request_id!r}",
+                )
                 return
             self.stats["late_replies"] += 1
             log.warning("ignored a reply to request %s: it was never that worker's", msg["request_id"])
@@ -272,8 +296,13 @@ class WorkerPool:
         now = time.monotonic()
         for request in [r for r in self.assigned.values() if r.deadline < now]:
             worker = worker_of(request)
-            log.error("%s pid %d missed the %.0f s deadline for request %s; sending it elsewhere",
-                      self.name, self.workers[worker].pid, self.timeout_s, request.request_id)
+            log.error(
+                "%s pid %d missed the %.0f s deadline for request %s; sending it elsewhere",
+                self.name,
+                self.workers[worker].pid,
+                self.timeout_s,
+                request.request_id,
+            )
             self.lose(worker, "deadline missed")
         for identity, w in list(self.workers.items()):
             silent = now - w.last_seen
@@ -281,8 +310,13 @@ class WorkerPool:
                 continue
             held = self.holding(identity)
             if held is None or w.beats_while_working:
-                log.error("%s pid %d sent nothing for %.1f s: taking it for gone%s", self.name,
-                          w.pid, silent, f"; request {held.request_id} goes elsewhere" if held else "")
+                log.error(
+                    "%s pid %d sent nothing for %.1f s: taking it for gone%s",
+                    self.name,
+                    w.pid,
+                    silent,
+                    f"; request {held.request_id} goes elsewhere" if held else "",
+                )
                 self.lose(identity, "the worker fell silent")
 
     def mark_ready(self, identity: bytes) -> None:
@@ -300,8 +334,13 @@ class WorkerPool:
             if len(request.frames[0]) > MAX_HEADER_BYTES:  # workers refuse it unread
                 self.waiting.remove(request)
                 size = len(request.frames[0])
-                self.failed.append((request.request_id, f"{self.name}: the request's {size} bytes exceed "
-                                    f"the protocol's limit of {MAX_HEADER_BYTES}"))
+                self.failed.append(
+                    (
+                        request.request_id,
+                        f"{self.name}: the request's {size} bytes exceed "
+                        f"the protocol's limit of {MAX_HEADER_BYTES}",
+                    )
+                )
                 continue
             if request.pinned is None and self.ready:
                 identity = self.ready.popleft()
@@ -328,10 +367,19 @@ class WorkerPool:
         if now - self.said_starved < STARVED_SAY_S:
             return
         self.said_starved = now
-        held = "".join(f"; pid {self.workers[worker_of(r)].pid} holds {r.request_id} (deadline in "
-                       f"{r.deadline - now:.0f} s)" for r in self.assigned.values())
-        log.warning("no %s has been ready for %.0f s: %d request(s) wait, %d worker(s) attached%s", self.name,
-                    now - self.starved_since, len(self.waiting), self.n_workers, held)
+        held = "".join(
+            f"; pid {self.workers[worker_of(r)].pid} holds {r.request_id} (deadline in "
+            f"{r.deadline - now:.0f} s)"
+            for r in self.assigned.values()
+        )
+        log.warning(
+            "no %s has been ready for %.0f s: %d request(s) wait, %d worker(s) attached%s",
+            self.name,
+            now - self.starved_since,
+            len(self.waiting),
+            self.n_workers,
+            held,
+        )
 
     def beat(self) -> None:
         """Heartbeats to the attached workers, while this process's loop runs."""

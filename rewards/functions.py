@@ -26,8 +26,9 @@ class RewardError(RuntimeError):
     """A reward function failed or returned something unusable."""
 
 
-def import_spec(spec: str, search_path: str | None, error: type[Exception],
-                what: str) -> tuple[str, str, Any]:
+def import_spec(
+    spec: str, search_path: str | None, error: type[Exception], what: str
+) -> tuple[str, str, Any]:
     """Import `module:name`, looking in `search_path` (the config's directory) first, like
     a local import. Returns (module name, name, the object or None); raises `error`
     naming the `what` when the module does not import.
@@ -60,7 +61,8 @@ def _import_from(directory: str | None, module_name: str) -> ModuleType | None:
     private = f"_user_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}_{top}"
     if private not in sys.modules:
         spec = importlib.util.spec_from_file_location(
-            private, path, submodule_search_locations=[str(base)] if path == package else None)
+            private, path, submodule_search_locations=[str(base)] if path == package else None
+        )
         if spec is None or spec.loader is None:
             raise ImportError(f"{path} cannot be loaded as a module")
         module = importlib.util.module_from_spec(spec)
@@ -81,8 +83,13 @@ def load_reward_function(spec: str, search_path: str | None = None) -> RewardFn:
     return fn
 
 
-def reward_inputs(prompt: Any, texts: list[str], completion_ids: list[list[int]],
-                  columns: dict[str, Any], turns: list[list[dict]] | None = None) -> dict[str, list]:
+def reward_inputs(
+    prompt: Any,
+    texts: list[str],
+    completion_ids: list[list[int]],
+    columns: dict[str, Any],
+    turns: list[list[dict]] | None = None,
+) -> dict[str, list]:
     """TRL's per-completion argument lists for one prompt and its completions. A chat
     episode's completion is its list of turns (assistant and environment messages); a text
     episode's is its whole text, the environment's included."""
@@ -93,8 +100,11 @@ def reward_inputs(prompt: Any, texts: list[str], completion_ids: list[list[int]]
         completions = turns
     else:
         completions = [[{"role": "assistant", "content": t}] if chat else t for t in texts]
-    inputs = {"prompts": [prompt] * n, "completions": completions,
-              "completion_ids": [list(map(int, ids)) for ids in completion_ids]}
+    inputs = {
+        "prompts": [prompt] * n,
+        "completions": completions,
+        "completion_ids": [list(map(int, ids)) for ids in completion_ids],
+    }
     for name, value in columns.items():
         if name not in inputs:
             inputs[name] = [value] * n
@@ -113,8 +123,7 @@ def check_rewards(values: Any, n: int, source: str) -> list[float | None]:
         if v is None:
             out.append(None)
         elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise RewardError(f"{source} returned {v!r} for completion {i}; "
-                              "expected a finite number or None")
+            raise RewardError(f"{source} returned {v!r} for completion {i}; expected a finite number or None")
         else:
             out.append(float(v))
     return out

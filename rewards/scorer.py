@@ -36,25 +36,42 @@ def short_names(specs: list[str]) -> dict[str, str]:
     """Each spec's name in metrics: the function's name, or the whole `module:function`
     where two modules have a function of that name (their scores must not merge)."""
     counts = Counter(s.partition(":")[2] for s in specs if s not in (WORKER, ENV))
-    return {s: s if s in (WORKER, ENV) or counts[s.partition(":")[2]] > 1 else s.partition(":")[2]
-            for s in specs}
+    return {
+        s: s if s in (WORKER, ENV) or counts[s.partition(":")[2]] > 1 else s.partition(":")[2] for s in specs
+    }
 
 
 class Scorer:
-    def __init__(self, reward: RewardConfig, ctx: zmq.Context | None = None,
-                 endpoint: str | None = None, instance: str | None = None, keys: Path | None = None) -> None:
+    def __init__(
+        self,
+        reward: RewardConfig,
+        ctx: zmq.Context | None = None,
+        endpoint: str | None = None,
+        instance: str | None = None,
+        keys: Path | None = None,
+    ) -> None:
         specs = list(reward.functions)
         weights = reward.weights or [1.0] * len(specs)
         # Keyed by the whole `module:function`: two modules may both have a `correct`.
-        self.entries = [(s, None if s in (WORKER, ENV) else load_reward_function(s, reward.search_path), w)
-                        for s, w in zip(specs, weights)]
+        self.entries = [
+            (s, None if s in (WORKER, ENV) else load_reward_function(s, reward.search_path), w)
+            for s, w in zip(specs, weights)
+        ]
         self.names = short_names(specs)
         self.pool = None
         if WORKER in specs:
             if ctx is None or endpoint is None:
                 raise ValueError("a 'worker' reward needs a reward socket")
-            self.pool = WorkerPool(ctx, endpoint, "reward_worker", protocol.SCORE_REPLY,
-                                         reward.timeout_s, reward.max_attempts, instance, keys=keys)
+            self.pool = WorkerPool(
+                ctx,
+                endpoint,
+                "reward_worker",
+                protocol.SCORE_REPLY,
+                reward.timeout_s,
+                reward.max_attempts,
+                instance,
+                keys=keys,
+            )
         self.partial: dict[str, dict[str, list]] = {}
 
     def metric_name(self, key: str) -> str:
@@ -79,9 +96,16 @@ class Scorer:
         if self.pool is not None:
             self.pool.stats.update({k: saved.get(f"reward_{k}", 0) for k in WORKER_STATS})
 
-    def submit(self, key: str, prompt: Any, texts: list[str], completion_ids: list,
-               columns: dict[str, Any], turns: list[list[dict]] | None = None,
-               env_rewards: list[float | None] | None = None) -> Scored | None:
+    def submit(
+        self,
+        key: str,
+        prompt: Any,
+        texts: list[str],
+        completion_ids: list,
+        columns: dict[str, Any],
+        turns: list[list[dict]] | None = None,
+        env_rewards: list[float | None] | None = None,
+    ) -> Scored | None:
         """Score in-process at once; returns None while an external score is awaited.
         Episodes bring their `turns` (chat completions) and the rewards their environment
         returned (the `"env"` entry). Raises RewardError if an in-process function fails."""
@@ -133,18 +157,19 @@ class Scorer:
 
 def reply_check(n: int):
     """A `score_reply` must have one reward per completion (unless it reports an error)."""
+
     def check(header: dict) -> str | None:
         if header.get("error") is None and len(header["rewards"]) != n:
             return f"{len(header['rewards'])} rewards for {n} completions"
         return None
+
     return check
 
 
 def inputs_for_wire(inputs: dict[str, list]) -> dict:
     """The score request's fields: TRL's arguments, with the columns under their own key."""
     fixed = ("prompts", "completions", "completion_ids")
-    return {**{k: inputs[k] for k in fixed},
-            "columns": {k: v for k, v in inputs.items() if k not in fixed}}
+    return {**{k: inputs[k] for k in fixed}, "columns": {k: v for k, v in inputs.items() if k not in fixed}}
 
 
 __all__ = ["RewardError", "Scored", "Scorer"]

@@ -34,8 +34,12 @@ def answer_format(completions: list, **kwargs) -> list[float]:
     for c in completions:
         text = text_of(c).rstrip()
         found = ANSWER_TAG.findall(text)
-        ok = (len(found) == 1 and found[0].strip() and text.endswith("</answer>")
-              and text.count("<answer>") == text.count("</answer>") == 1)
+        ok = (
+            len(found) == 1
+            and found[0].strip()
+            and text.endswith("</answer>")
+            and text.count("<answer>") == text.count("</answer>") == 1
+        )
         rewards.append(1.0 if ok else 0.0)
     return rewards
 
@@ -76,8 +80,9 @@ def final_number(completions: list, answer: list, **kwargs) -> list[float]:
     return rewards
 
 
-def math_answer(completions: list, solution: list | None = None, answer: list | None = None,
-                **kwargs) -> list[float | None]:
+def math_answer(
+    completions: list, solution: list | None = None, answer: list | None = None, **kwargs
+) -> list[float | None]:
     """math-verify's judgement (the `math` extra), as TRL's `accuracy_reward`: the gold is the
     row's `solution` column (else `answer`), parsed as LaTeX or a plain expression; the
     completion's answer is its last `<answer>` tag's content if it has one, else the
@@ -87,8 +92,9 @@ def math_answer(completions: list, solution: list | None = None, answer: list | 
     try:
         from math_verify import LatexExtractionConfig, parse, verify
     except ImportError:
-        raise ImportError("rewards.verifiable:math_answer needs math-verify: pip install 'mlx-rl-ipc[math]'"
-                          ) from None
+        raise ImportError(
+            "rewards.verifiable:math_answer needs math-verify: pip install 'mlx-rl-ipc[math]'"
+        ) from None
     golds = solution if solution is not None else answer
     if golds is None:
         raise ValueError("math_answer needs a `solution` or an `answer` column")
@@ -101,8 +107,11 @@ def math_answer(completions: list, solution: list | None = None, answer: list | 
         text = text_of(c)
         tagged = tagged_answer(text)
         # A tag holds a bare answer ("3/4"); a free text needs its math found (boxed first).
-        given = parse(tagged) if tagged is not None else parse(
-            text, extraction_config=[LatexExtractionConfig(boxed_match_priority=0)])
+        given = (
+            parse(tagged)
+            if tagged is not None
+            else parse(text, extraction_config=[LatexExtractionConfig(boxed_match_priority=0)])
+        )
         rewards.append(1.0 if given and verify(gold_parsed, given) else 0.0)
     return rewards
 
@@ -117,8 +126,14 @@ def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) ->
     free = max_completion_len - soft_punish_cache
 
     def overlong(completion_ids: list, **kwargs) -> list[float]:
-        return [0.0 if len(ids) <= free else
-                (free - len(ids)) / soft_punish_cache if len(ids) <= max_completion_len else -1.0
-                for ids in completion_ids]
+        return [
+            0.0
+            if len(ids) <= free
+            else (free - len(ids)) / soft_punish_cache
+            if len(ids) <= max_completion_len
+            else -1.0
+            for ids in completion_ids
+        ]
+
     overlong.__name__ = "soft_overlong_punishment"
     return overlong

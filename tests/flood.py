@@ -25,8 +25,15 @@ CLAIMED = 256 << 20  # what each oversized frame says it holds
 def zmtp3(mechanism: bytes, flags: bytes) -> bytes:
     """A 3.0 greeting (signature, version, mechanism, as-server, filler), then the header
     of a long frame: a command (CURVE's HELLO would be one) or a message."""
-    return SIGNATURE + b"\x03\x00" + mechanism.ljust(20, b"\0") + b"\0" + b"\0" * 31 + flags + \
-        CLAIMED.to_bytes(8, "big")
+    return (
+        SIGNATURE
+        + b"\x03\x00"
+        + mechanism.ljust(20, b"\0")
+        + b"\0"
+        + b"\0" * 31
+        + flags
+        + CLAIMED.to_bytes(8, "big")
+    )
 
 
 GREETINGS = [
@@ -77,8 +84,10 @@ def main() -> None:
         except OSError as e:
             print(f"connect failed: {e}", flush=True)
     print(f"idle {len(idle)}", flush=True)
-    sent = sum(oversized(args.host, args.port, GREETINGS[i % len(GREETINGS)], args.body_mb)
-               for i in range(args.oversized))
+    sent = sum(
+        oversized(args.host, args.port, GREETINGS[i % len(GREETINGS)], args.body_mb)
+        for i in range(args.oversized)
+    )
     print(f"oversized {args.oversized} sent {sent / (1 << 20):.1f} MB", flush=True)
     print("holding", flush=True)
     deadline = time.monotonic() + args.hold

@@ -33,10 +33,24 @@ PLAIN_WORKER = Path(__file__).parent / "workers" / "plain_worker.py"
 WORKER_CONFIG = "[reward]\ntimeout_s = 3.0\nmax_attempts = 10"
 
 
-def trainer_for(model, name: str = "grpo", *, beta: float = 0.0, correction=None, micro: int = 0,
-                fused: bool = False, logits=None, optimizer=None, temperature: float = 1.0,
-                max_grad_norm: float = 1.0, epsilon: float | None = None, max_tokens: int = 6,
-                sort_by_length: bool = True, share_prompts: bool = True, grad_checkpoint: bool = False):
+def trainer_for(
+    model,
+    name: str = "grpo",
+    *,
+    beta: float = 0.0,
+    correction=None,
+    micro: int = 0,
+    fused: bool = False,
+    logits=None,
+    optimizer=None,
+    temperature: float = 1.0,
+    max_grad_norm: float = 1.0,
+    epsilon: float | None = None,
+    max_tokens: int = 6,
+    sort_by_length: bool = True,
+    share_prompts: bool = True,
+    grad_checkpoint: bool = False,
+):
     """learner.step.Trainer with these settings, built from the config sections as the
     learner builds it; `logits` (learner.step.Logits, whole by default) and the optimizer
     (Adam at 1e-2 by default) set directly."""
@@ -46,13 +60,25 @@ def trainer_for(model, name: str = "grpo", *, beta: float = 0.0, correction=None
     from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig
 
     c = correction or Correction()
-    algorithm = AlgorithmConfig(name=name, beta=beta, epsilon=epsilon, is_correction=c.mode, is_level=c.level,
-                                is_cap=c.cap)
-    train = TrainConfig(max_grad_norm=max_grad_norm, micro_batch_size=micro, fuse_old_logprobs=fused,
-                        logit_chunk_mb=0, sort_by_length=sort_by_length, share_prompts=share_prompts,
-                        grad_checkpoint=grad_checkpoint)
-    trainer = Trainer(model, algorithm, train, SamplingConfig(temperature=temperature, max_tokens=max_tokens),
-                      optimizer=optimizer or optim.Adam(learning_rate=1e-2))
+    algorithm = AlgorithmConfig(
+        name=name, beta=beta, epsilon=epsilon, is_correction=c.mode, is_level=c.level, is_cap=c.cap
+    )
+    train = TrainConfig(
+        max_grad_norm=max_grad_norm,
+        micro_batch_size=micro,
+        fuse_old_logprobs=fused,
+        logit_chunk_mb=0,
+        sort_by_length=sort_by_length,
+        share_prompts=share_prompts,
+        grad_checkpoint=grad_checkpoint,
+    )
+    trainer = Trainer(
+        model,
+        algorithm,
+        train,
+        SamplingConfig(temperature=temperature, max_tokens=max_tokens),
+        optimizer=optimizer or optim.Adam(learning_rate=1e-2),
+    )
     trainer.logits = logits or WHOLE
     return trainer
 
@@ -83,8 +109,12 @@ def peer(run: Path, role: str):
         sock = ctx.socket(zmq.DEALER)
         sock.connect(endpoint)
     args = ["actor", "run"] if role == "actor" else ["learner"]
-    proc = subprocess.Popen([sys.executable, "-m", *args, "--run-dir", str(run)], cwd=ROOT,
-                            stdout=open(run / f"{role}.log", "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *args, "--run-dir", str(run)],
+        cwd=ROOT,
+        stdout=open(run / f"{role}.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         yield proc, sock
     finally:
@@ -101,7 +131,7 @@ def write_config(tmp_path: Path, extra: str = "", steps: int = 3, reward: str = 
 [model]
 path = "{TINY_MODEL}"
 [data]
-prompts = "{EXAMPLES / 'tiny_prompts.jsonl'}"
+prompts = "{EXAMPLES / "tiny_prompts.jsonl"}"
 [sampling]
 group_size = 4
 max_tokens = 6
@@ -113,7 +143,7 @@ checkpoint_every = 0
 [reward]
 functions = ["{reward}"]
 [run]
-dir = "{tmp_path / 'run'}"
+dir = "{tmp_path / "run"}"
 """
     # Reward modules are imported from beside the config, as a user's would be.
     shutil.copy(EXAMPLES / "tiny_task.py", tmp_path / "tiny_task.py")
@@ -138,8 +168,14 @@ def merge_toml(base: str, extra: str) -> str:
 
 
 def orchestrator(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        **kw,
+    )
 
 
 def run_up(cfg: Path, *args: str, timeout: float = 300) -> tuple[int, str]:
@@ -163,8 +199,9 @@ def wait_for_step(run: Path, step: int, proc, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     path = run / "metrics.jsonl"
     while True:
-        if path.exists() and any(json.loads(line)["step"] >= step
-                                 for line in path.read_text().splitlines() if line.strip()):
+        if path.exists() and any(
+            json.loads(line)["step"] >= step for line in path.read_text().splitlines() if line.strip()
+        ):
             return
         assert time.monotonic() < deadline and proc.poll() is None, "the run did not reach the step"
         time.sleep(0.05)
@@ -184,8 +221,12 @@ def assert_steps_once_and_nothing_lost(metrics: list[dict], steps: int) -> None:
 def start_worker(run: Path, *args: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
     wait_for(run / "endpoints.json")
     endpoint = protocol.read_endpoints(run)["reward"]
-    return subprocess.Popen([sys.executable, str(PLAIN_WORKER), endpoint, *args], text=True,
-                            stdout=stdout, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, str(PLAIN_WORKER), endpoint, *args],
+        text=True,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def finish(proc: subprocess.Popen, workers: list[subprocess.Popen]) -> str:
@@ -232,8 +273,13 @@ class Lines:
 
 def start_server(*args: str) -> tuple[subprocess.Popen, str]:
     """`actor serve ... --port 0`, and its base URL once it listens."""
-    proc = subprocess.Popen([sys.executable, "-m", "actor", "serve", "--port", "0", *args], cwd=ROOT,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "actor", "serve", "--port", "0", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     line = proc.stdout.readline()
     found = re.search(r"on (http://\S+/v1)", line)
     if not found:
@@ -252,31 +298,65 @@ def held_out_config(tmp_path, extra: str = "", steps: int = 5, reward: str = "ju
     (tmp_path / "judged.py").write_text(JUDGED)
     rows = [{"prompt": f"repeat {i}", "target": str(i), "ok": i in (1, 4, 6)} for i in range(8)]
     (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return write_config(tmp_path, f'[eval]\nprompts = "{tmp_path / "held_out.jsonl"}"\nevery = 2\n'
-                                  f'num_samples = 4\n{extra}', steps=steps, reward=reward)
+    return write_config(
+        tmp_path,
+        f'[eval]\nprompts = "{tmp_path / "held_out.jsonl"}"\nevery = 2\nnum_samples = 4\n{extra}',
+        steps=steps,
+        reward=reward,
+    )
 
 
 def raw_worker(endpoint: str, *args: str) -> subprocess.Popen:
     """The env worker written from PROTOCOL.md alone (pyzmq and msgpack, no project code)."""
-    return subprocess.Popen([sys.executable, str(ENV_WORKER), endpoint, *args], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, str(ENV_WORKER), endpoint, *args],
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
-CHAOS_KINDS = {"episodes": ("actor", "learner", "reward-worker", "env-worker", "orchestrator"),
-               "actors": ("actor", "remote-actor", "learner", "reward-worker", "orchestrator")}
+CHAOS_KINDS = {
+    "episodes": ("actor", "learner", "reward-worker", "env-worker", "orchestrator"),
+    "actors": ("actor", "remote-actor", "learner", "reward-worker", "orchestrator"),
+}
 
 
 def check_chaos(tmp_path: Path, scenario: str) -> None:
     """`benchmarks.chaos`, short: one SIGKILL of each kind of `scenario`, then all its checks pass."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.chaos", "--kills", "1", "--seed", "1",
-                           "--scenario", scenario, "--steps-per-kill", "4", "--work-dir", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.chaos",
+            "--kills",
+            "1",
+            "--seed",
+            "1",
+            "--scenario",
+            scenario,
+            "--steps-per-kill",
+            "4",
+            "--work-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     assert f"chaos, {scenario}:" in out, out
     for kind in CHAOS_KINDS[scenario]:
         assert f"| {kind} | 1 |" in out, out
-    for check in ("every step exactly once", "ledger on every line", "no stall over 30 s",
-                  "workers and remote actor stayed to the end", "final adapters load",
-                  "resume twice, identical adapters", "no process left"):
+    for check in (
+        "every step exactly once",
+        "ledger on every line",
+        "no stall over 30 s",
+        "workers and remote actor stayed to the end",
+        "final adapters load",
+        "resume twice, identical adapters",
+        "no process left",
+    ):
         assert f"| {check} | PASS |" in out, out

@@ -51,8 +51,8 @@ def group_logprobs(model, msg: protocol.Message, temperature: float) -> tuple[np
     ids, lens = msg.arrays["completion_ids"].tolist(), msg.arrays["completion_lens"].tolist()
     ours, start = [], 0
     for n in lens:
-        row = prompt + ids[start:start + n]
-        ours.append(np.array(sequence_logprobs(model, mx.array([row]), temperature))[0, len(prompt) - 1:])
+        row = prompt + ids[start : start + n]
+        ours.append(np.array(sequence_logprobs(model, mx.array([row]), temperature))[0, len(prompt) - 1 :])
         start += n
     return msg.arrays["logprobs"], np.concatenate(ours)
 
@@ -71,8 +71,16 @@ def test_actor_applies_each_weight_version_it_receives(tmp_path):
 
         # Garbage first: the actor must log it, drop it and carry on.
         sock.send_multipart([identity, b"\x00garbage"])
-        send(protocol.HELLO, {"role": "learner", "model": cfg.model.path,
-                              "tokenizer": hello["tokenizer"], "lora": as_dict(cfg.lora), "pid": os.getpid()})
+        send(
+            protocol.HELLO,
+            {
+                "role": "learner",
+                "model": cfg.model.path,
+                "tokenizer": hello["tokenizer"],
+                "lora": as_dict(cfg.lora),
+                "pid": os.getpid(),
+            },
+        )
         v0 = adapter_weights_numpy(model)
         send(protocol.WEIGHTS, {"version": 0}, v0)
         batch = cfg.train.batch_size
@@ -128,9 +136,10 @@ def test_an_actor_refused_by_its_stop_s_code_exits_4_and_a_stop_s_text_is_only_t
     """The actor acts on `code`, not on the words of `reason` (which are for logs)."""
     cfg = load_config(write_config(tmp_path))
     run = prepare_run_dir(cfg)
-    for header, code in (({"reason": "incompatible: another model", "code": protocol.INCOMPATIBLE},
-                          lifecycle.EXIT_USER_ERROR),
-                         ({"reason": "incompatible words, but the run is over"}, lifecycle.EXIT_OK)):
+    for header, code in (
+        ({"reason": "incompatible: another model", "code": protocol.INCOMPATIBLE}, lifecycle.EXIT_USER_ERROR),
+        ({"reason": "incompatible words, but the run is over"}, lifecycle.EXIT_OK),
+    ):
         with peer(run, "actor") as (actor, sock):
             identity, hello = recv(sock)
             assert hello.kind == protocol.HELLO
@@ -180,9 +189,19 @@ def test_groups_go_out_as_they_finish_and_a_restarted_actor_samples_what_the_lea
         assert hello.kind == protocol.HELLO
         ledger.attach(identity, 0)
         cursor, skip = ledger.cursor_for(0)
-        send(identity, protocol.HELLO, {"role": "learner", "model": cfg.model.path, "pid": os.getpid(),
-                                        "tokenizer": hello["tokenizer"], "lora": as_dict(cfg.lora),
-                                        "data_cursor": cursor, "data_skip": skip})
+        send(
+            identity,
+            protocol.HELLO,
+            {
+                "role": "learner",
+                "model": cfg.model.path,
+                "pid": os.getpid(),
+                "tokenizer": hello["tokenizer"],
+                "lora": as_dict(cfg.lora),
+                "data_cursor": cursor,
+                "data_skip": skip,
+            },
+        )
         send(identity, protocol.WEIGHTS, {"version": 0}, adapter_weights_numpy(model))
         return identity
 
@@ -215,8 +234,12 @@ def test_groups_go_out_as_they_finish_and_a_restarted_actor_samples_what_the_lea
                 take(identity, msg)
         assert ledger.cursor_for(0)[1], "no hole: the test needs groups that overtook others"
 
-        restarted = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(run)], cwd=ROOT,
-                                     stdout=open(run / "actor2.log", "w"), stderr=subprocess.STDOUT)
+        restarted = subprocess.Popen(
+            [sys.executable, "-m", "actor", "run", "--run-dir", str(run)],
+            cwd=ROOT,
+            stdout=open(run / "actor2.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         try:
             second = attach()
             for _ in range(6):

@@ -14,8 +14,14 @@ def loss_and_grad(alg, logp, old, adv, mask, ref=None, is_weight=None):
     w = np.ones_like(logp) if is_weight is None else is_weight
 
     def f(lp):
-        x = LossInputs(lp, mx.array(old), None if ref is None else mx.array(ref), mx.array(adv),
-                       mx.array(mask), mx.array(w))
+        x = LossInputs(
+            lp,
+            mx.array(old),
+            None if ref is None else mx.array(ref),
+            mx.array(adv),
+            mx.array(mask),
+            mx.array(w),
+        )
         return alg.loss_sum(x)[0] / norm
 
     loss, grad = mx.value_and_grad(f)(mx.array(logp))
@@ -23,8 +29,7 @@ def loss_and_grad(alg, logp, old, adv, mask, ref=None, is_weight=None):
 
 
 def diagnostics(alg, logp, old, adv, mask):
-    x = LossInputs(mx.array(logp), mx.array(old), None, mx.array(adv), mx.array(mask),
-                   mx.ones(logp.shape))
+    x = LossInputs(mx.array(logp), mx.array(old), None, mx.array(adv), mx.array(mask), mx.ones(logp.shape))
     return {k: float(v.item()) for k, v in alg.loss_sum(x)[1].items()}
 
 
@@ -44,29 +49,48 @@ MASK = np.array([[1, 1], [1, 0]], np.float32)
 ADV = np.array([1.0, -1.0], np.float32)
 
 
-@pytest.mark.parametrize("name,kwargs,loss,grad", [
-    # per-token: row 0 [-1.2 (clipped), -0.9], row 1 [+0.8 (clipped)]
-    ("grpo", {}, (-1.05 + 0.8) / 2, [[0, -0.9 / 2 / 2], [0, 0]]),  # mean per row, then rows
-    ("bnpo", {}, (-1.2 - 0.9 + 0.8) / 3, [[0, -0.9 / 3], [0, 0]]),  # over the batch's 3 tokens
-    ("dapo", {}, (-1.28 - 0.9 + 0.8) / 3, [[0, -0.9 / 3], [0, 0]]),  # upper clip at 1.28
-    ("dr_grpo", {"max_tokens": 4}, (-1.2 - 0.9 + 0.8) / 8, [[0, -0.9 / 8], [0, 0]]),  # 2 rows x 4
-    ("rloo", {}, (-1.05 + 0.8) / 2, [[0, -0.9 / 2 / 2], [0, 0]]),  # GRPO's loss, own advantages
-    # sequence ratio s0 = sqrt(1.5 * 0.9) = 1.16190 (inside [0.8, 1.2]), s1 = 0.5 (clipped):
-    # loss (-s0 + 0.8) / 2; d/dlogp_t of -s0 = -s0 / 2 per token, then / 2 rows.
-    ("gspo", {"epsilon": 0.2}, (-np.sqrt(1.35) + 0.8) / 2,
-     [[-np.sqrt(1.35) / 4, -np.sqrt(1.35) / 4], [0, 0]]),
-    # CISPO: -sg(min(r, eh)) * A * logp over the batch's 3 tokens; eh 5 caps nothing, the
-    # gradient is -w * A / 3 (the weight is detached).
-    ("cispo", {}, (-1.5 * np.log(1.5) - 0.9 * np.log(0.9) + 0.5 * np.log(0.5)) / 3,
-     [[-1.5 / 3, -0.9 / 3], [0.5 / 3, 0]]),
-    # eh 1.2 caps row 0's first weight at 1.2.
-    ("cispo", {"epsilon_high": 1.2}, (-1.2 * np.log(1.5) - 0.9 * np.log(0.9) + 0.5 * np.log(0.5)) / 3,
-     [[-1.2 / 3, -0.9 / 3], [0.5 / 3, 0]]),
-    # SAPO: -sigmoid(tau (r - 1)) 4 / tau * A, tau 1 (A > 0), 1.05 (A < 0); mean per row, then
-    # rows. Its slope in logp: -4 sigmoid'(tau (r - 1)) r A.
-    ("sapo", {}, ((-4 * SIG(0.5) - 4 * SIG(-0.1)) / 2 + 4 / 1.05 * SIG(-0.525)) / 2,
-     [[-4 * DSIG(0.5) * 1.5 / 4, -4 * DSIG(-0.1) * 0.9 / 4], [4 * DSIG(-0.525) * 0.5 / 2, 0]]),
-])
+@pytest.mark.parametrize(
+    "name,kwargs,loss,grad",
+    [
+        # per-token: row 0 [-1.2 (clipped), -0.9], row 1 [+0.8 (clipped)]
+        ("grpo", {}, (-1.05 + 0.8) / 2, [[0, -0.9 / 2 / 2], [0, 0]]),  # mean per row, then rows
+        ("bnpo", {}, (-1.2 - 0.9 + 0.8) / 3, [[0, -0.9 / 3], [0, 0]]),  # over the batch's 3 tokens
+        ("dapo", {}, (-1.28 - 0.9 + 0.8) / 3, [[0, -0.9 / 3], [0, 0]]),  # upper clip at 1.28
+        ("dr_grpo", {"max_tokens": 4}, (-1.2 - 0.9 + 0.8) / 8, [[0, -0.9 / 8], [0, 0]]),  # 2 rows x 4
+        ("rloo", {}, (-1.05 + 0.8) / 2, [[0, -0.9 / 2 / 2], [0, 0]]),  # GRPO's loss, own advantages
+        # sequence ratio s0 = sqrt(1.5 * 0.9) = 1.16190 (inside [0.8, 1.2]), s1 = 0.5 (clipped):
+        # loss (-s0 + 0.8) / 2; d/dlogp_t of -s0 = -s0 / 2 per token, then / 2 rows.
+        (
+            "gspo",
+            {"epsilon": 0.2},
+            (-np.sqrt(1.35) + 0.8) / 2,
+            [[-np.sqrt(1.35) / 4, -np.sqrt(1.35) / 4], [0, 0]],
+        ),
+        # CISPO: -sg(min(r, eh)) * A * logp over the batch's 3 tokens; eh 5 caps nothing, the
+        # gradient is -w * A / 3 (the weight is detached).
+        (
+            "cispo",
+            {},
+            (-1.5 * np.log(1.5) - 0.9 * np.log(0.9) + 0.5 * np.log(0.5)) / 3,
+            [[-1.5 / 3, -0.9 / 3], [0.5 / 3, 0]],
+        ),
+        # eh 1.2 caps row 0's first weight at 1.2.
+        (
+            "cispo",
+            {"epsilon_high": 1.2},
+            (-1.2 * np.log(1.5) - 0.9 * np.log(0.9) + 0.5 * np.log(0.5)) / 3,
+            [[-1.2 / 3, -0.9 / 3], [0.5 / 3, 0]],
+        ),
+        # SAPO: -sigmoid(tau (r - 1)) 4 / tau * A, tau 1 (A > 0), 1.05 (A < 0); mean per row, then
+        # rows. Its slope in logp: -4 sigmoid'(tau (r - 1)) r A.
+        (
+            "sapo",
+            {},
+            ((-4 * SIG(0.5) - 4 * SIG(-0.1)) / 2 + 4 / 1.05 * SIG(-0.525)) / 2,
+            [[-4 * DSIG(0.5) * 1.5 / 4, -4 * DSIG(-0.1) * 0.9 / 4], [4 * DSIG(-0.525) * 0.5 / 2, 0]],
+        ),
+    ],
+)
 def test_toy_loss_and_gradient_by_hand(name, kwargs, loss, grad):
     alg = make_algorithm(name, **{"epsilon": None, **kwargs})
     got_loss, got_grad = loss_and_grad(alg, LOGP, OLD, ADV, MASK)
@@ -122,8 +146,9 @@ def test_k3_kl_by_hand():
     """ref - logp = log 2 on every token: k3 = 2 - log 2 - 1; beta 0.5, zero advantages."""
     logp = np.log(np.full((1, 2), 0.25, np.float32))
     ref = np.log(np.full((1, 2), 0.5, np.float32))
-    loss, grad = loss_and_grad(GRPO(beta=0.5), logp, logp, np.zeros(1, np.float32),
-                               np.ones((1, 2), np.float32), ref=ref)
+    loss, grad = loss_and_grad(
+        GRPO(beta=0.5), logp, logp, np.zeros(1, np.float32), np.ones((1, 2), np.float32), ref=ref
+    )
     assert loss == pytest.approx(0.5 * (1 - np.log(2)), abs=1e-6)
     # d k3 / d logp = 1 - exp(ref - logp) = -1, times beta and 1/len(2).
     np.testing.assert_allclose(grad, [[-0.25, -0.25]], atol=1e-6)
@@ -133,21 +158,32 @@ def test_advantages_by_hand():
     rewards = np.array([[1.0, 0, 0, 1], [2.0, 2, 2, 3]])
     # group 1: mean .5, sample std sqrt(1/3); group 2: mean 2.25, sample std 0.5
     a, s2 = 0.5 / (np.sqrt(1 / 3) + 1e-4), 0.5 + 1e-4
-    np.testing.assert_allclose(make_algorithm("grpo").advantages(rewards),
-                               [a, -a, -a, a, -0.25 / s2, -0.25 / s2, -0.25 / s2, 0.75 / s2], rtol=1e-6)
+    np.testing.assert_allclose(
+        make_algorithm("grpo").advantages(rewards),
+        [a, -a, -a, a, -0.25 / s2, -0.25 / s2, -0.25 / s2, 0.75 / s2],
+        rtol=1e-6,
+    )
     # RLOO: r_i minus the mean of the other three: 1 - 1/3, 0 - 2/3, ...; 2 - 7/3, 3 - 2
-    np.testing.assert_allclose(make_algorithm("rloo").advantages(rewards),
-                               [2 / 3, -2 / 3, -2 / 3, 2 / 3, -1 / 3, -1 / 3, -1 / 3, 1], rtol=1e-6)
+    np.testing.assert_allclose(
+        make_algorithm("rloo").advantages(rewards),
+        [2 / 3, -2 / 3, -2 / 3, 2 / 3, -1 / 3, -1 / 3, -1 / 3, 1],
+        rtol=1e-6,
+    )
     batch_std = rewards.std(ddof=1)
     centered = rewards - rewards.mean(axis=1, keepdims=True)
-    np.testing.assert_allclose(make_algorithm("grpo", scale_rewards="batch").advantages(rewards),
-                               (centered / (batch_std + 1e-4)).reshape(-1), rtol=1e-6)
+    np.testing.assert_allclose(
+        make_algorithm("grpo", scale_rewards="batch").advantages(rewards),
+        (centered / (batch_std + 1e-4)).reshape(-1),
+        rtol=1e-6,
+    )
 
 
 def test_grpo_without_scaling_equals_dr_grpo_advantages():
     rewards = np.random.default_rng(1).random((3, 5))
-    np.testing.assert_array_equal(make_algorithm("grpo", scale_rewards="none").advantages(rewards),
-                                  make_algorithm("dr_grpo").advantages(rewards))
+    np.testing.assert_array_equal(
+        make_algorithm("grpo", scale_rewards="none").advantages(rewards),
+        make_algorithm("dr_grpo").advantages(rewards),
+    )
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
@@ -225,10 +261,15 @@ def test_matches_numpy_reference_on_ragged_batches(name, beta):
         mask = (np.arange(t)[None] < lens[:, None]).astype(np.float64)
         alg = make_algorithm(name, beta=beta, max_tokens=t, epsilon=0.1 if name == "gspo" else None)
         adv = alg.advantages(rng.random((2, 3)))
-        loss, grad = loss_and_grad(alg, logp.astype(np.float32), old.astype(np.float32),
-                                   adv.astype(np.float32), mask.astype(np.float32),
-                                   ref=ref.astype(np.float32) if beta else None,
-                                   is_weight=w.astype(np.float32))
+        loss, grad = loss_and_grad(
+            alg,
+            logp.astype(np.float32),
+            old.astype(np.float32),
+            adv.astype(np.float32),
+            mask.astype(np.float32),
+            ref=ref.astype(np.float32) if beta else None,
+            is_weight=w.astype(np.float32),
+        )
         args = (old, ref, adv, mask, alg.epsilon_low, alg.epsilon_high, beta, t, w)
         assert loss == pytest.approx(numpy_loss(name, logp, *args), abs=1e-5)
         ref_grad = numeric_grad(lambda lp, args=args, at=logp: numpy_loss(name, lp, *args, frozen=at), logp)

@@ -35,8 +35,16 @@ def test_the_held_out_problems_are_never_trained_on_and_the_files_are_current():
 def test_the_model_is_small_enough_to_commit_and_its_build_runs(tmp_path):
     size = sum(f.stat().st_size for f in (EXAMPLES / "arithmetic-model").iterdir())
     assert size <= 10 * 2**20
-    build = [str(EXAMPLES / "build_arithmetic_model.py"), str(tmp_path / "m"),
-             "--max-steps", "50", "--target", "0", "--batch-size", "8"]
+    build = [
+        str(EXAMPLES / "build_arithmetic_model.py"),
+        str(tmp_path / "m"),
+        "--max-steps",
+        "50",
+        "--target",
+        "0",
+        "--batch-size",
+        "8",
+    ]
     proc = subprocess.run([sys.executable, *build], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step 50" in proc.stdout and "greedy validation accuracy" in proc.stdout
@@ -49,10 +57,22 @@ def test_the_model_is_small_enough_to_commit_and_its_build_runs(tmp_path):
 def test_a_short_run_raises_held_out_pass_at_1(tmp_path):
     """30 steps of the README's run at half its batch: pass@1 on 100 held-out problems rises
     (+9.4 points here), and the answer format is kept all along."""
-    overrides = ["eval.limit=100", "eval.every=0", "train.checkpoint_every=0", "log.completions_every=0",
-                 "train.batch_size=8"]
-    code, out = run_up(EXAMPLES / "arithmetic.toml", "--steps", "30", "--run-dir", str(tmp_path / "run"),
-                       *[arg for o in overrides for arg in ("--set", o)], timeout=900)
+    overrides = [
+        "eval.limit=100",
+        "eval.every=0",
+        "train.checkpoint_every=0",
+        "log.completions_every=0",
+        "train.batch_size=8",
+    ]
+    code, out = run_up(
+        EXAMPLES / "arithmetic.toml",
+        "--steps",
+        "30",
+        "--run-dir",
+        str(tmp_path / "run"),
+        *[arg for o in overrides for arg in ("--set", o)],
+        timeout=900,
+    )
     assert code == 0, out
     metrics = read_metrics(tmp_path / "run")
     before, after = [m for m in metrics if "eval/pass@1" in m]

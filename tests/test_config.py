@@ -51,8 +51,12 @@ def toml_text(sections: dict[str, dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def write_config(tmp_path: Path, sections: dict[str, dict[str, str]] | None = None,
-                 name: str = "run.toml", **changes: dict[str, str]) -> Path:
+def write_config(
+    tmp_path: Path,
+    sections: dict[str, dict[str, str]] | None = None,
+    name: str = "run.toml",
+    **changes: dict[str, str],
+) -> Path:
     """Write base_sections() with `changes` merged in (section=dict of key -> literal)."""
     sections = sections if sections is not None else base_sections()
     for section, keys in changes.items():
@@ -77,9 +81,25 @@ def error_of(path: Path, **kw) -> str:
 
 def test_example_config_loads_and_resolves():
     cfg = load_config(str(TINY))
-    assert list(cfg.to_dict()) == list(SECTIONS) == [
-        "model", "lora", "data", "sampling", "train", "algorithm", "actor", "learner", "reward", "env", "log",
-        "eval", "run"]
+    assert (
+        list(cfg.to_dict())
+        == list(SECTIONS)
+        == [
+            "model",
+            "lora",
+            "data",
+            "sampling",
+            "train",
+            "algorithm",
+            "actor",
+            "learner",
+            "reward",
+            "env",
+            "log",
+            "eval",
+            "run",
+        ]
+    )
     # Values from the file.
     assert cfg.lora.rank == 8
     assert cfg.lora.scale == 20.0
@@ -191,23 +211,27 @@ def test_unknown_key(tmp_path, section, key):
     assert f"unknown key {section}.{key}" in msg
 
 
-@pytest.mark.parametrize("section,key,literal,type_name", [
-    ("train", "steps", '"5"', "an integer"),
-    ("train", "steps", "5.0", "an integer"),
-    ("lora", "rank", "[8]", "an integer"),
-    ("sampling", "temperature", '"hot"', "a number"),
-    ("data", "shuffle", "1", "true or false"),
-    ("run", "transport", "1", "a string"),
-    ("lora", "keys", '"q_proj"', "a list"),
-    ("model", "path", "3", "a string"),
-])
+@pytest.mark.parametrize(
+    "section,key,literal,type_name",
+    [
+        ("train", "steps", '"5"', "an integer"),
+        ("train", "steps", "5.0", "an integer"),
+        ("lora", "rank", "[8]", "an integer"),
+        ("sampling", "temperature", '"hot"', "a number"),
+        ("data", "shuffle", "1", "true or false"),
+        ("run", "transport", "1", "a string"),
+        ("lora", "keys", '"q_proj"', "a list"),
+        ("model", "path", "3", "a string"),
+    ],
+)
 def test_wrong_type(tmp_path, section, key, literal, type_name):
     msg = error_of(write_config(tmp_path, **{section: {key: literal}}))
     assert msg.startswith(f"{section}.{key} must be {type_name}, got ")
 
 
-@pytest.mark.parametrize("section,key", [("train", "steps"), ("sampling", "group_size"), ("lora", "rank"),
-                                         ("run", "port")])
+@pytest.mark.parametrize(
+    "section,key", [("train", "steps"), ("sampling", "group_size"), ("lora", "rank"), ("run", "port")]
+)
 def test_bool_rejected_for_int(tmp_path, section, key):
     msg = error_of(write_config(tmp_path, **{section: {key: "true"}}))
     assert msg == f"{section}.{key} must be an integer, got True"
@@ -221,48 +245,57 @@ def test_bool_rejected_for_float(tmp_path):
 def test_int_accepted_for_float(tmp_path):
     path = write_config(tmp_path, sampling={"temperature": "2", "top_p": "1"}, lora={"scale": "16"})
     cfg = load_config(path)
-    for value, want in [(cfg.sampling.temperature, 2.0), (cfg.sampling.top_p, 1.0),
-                        (cfg.lora.scale, 16.0)]:
+    for value, want in [(cfg.sampling.temperature, 2.0), (cfg.sampling.top_p, 1.0), (cfg.lora.scale, 16.0)]:
         assert type(value) is float
         assert value == want
 
 
-@pytest.mark.parametrize("section,key,literal,problem", [
-    ("sampling", "group_size", "1", "must be >= 2"),
-    ("sampling", "temperature", "0", "must be > 0"),
-    ("sampling", "temperature", "-0.5", "must be > 0"),
-    ("sampling", "top_p", "1.5", "must be <= 1"),
-    ("sampling", "top_p", "0.0", "must be > 0"),
-    ("sampling", "min_p", "1.0", "must be < 1"),
-    ("sampling", "max_tokens", "0", "must be >= 1"),
-    ("lora", "dropout", "1.0", "must be < 1"),
-    ("lora", "dropout", "-0.1", "must be >= 0"),
-    ("lora", "rank", "0", "must be >= 1"),
-    ("lora", "num_layers", "-2", "must be >= -1"),
-    ("train", "steps", "0", "must be >= 1"),
-    ("train", "learning_rate", "0.0", "must be > 0"),
-    ("algorithm", "beta", "-1", "must be >= 0"),
-    ("algorithm", "is_cap", "1", "must be > 1"),
-    ("run", "port", "0", "must be >= 1"),
-    ("run", "port", "70000", "must be <= 65535"),
-    ("run", "transport", '"udp"', "must be one of 'ipc', 'tcp'"),
-    ("algorithm", "name", '"ppo"',
-     "must be one of 'grpo', 'bnpo', 'dapo', 'dr_grpo', 'gspo', 'rloo', 'cispo', 'sapo'"),
-])
+@pytest.mark.parametrize(
+    "section,key,literal,problem",
+    [
+        ("sampling", "group_size", "1", "must be >= 2"),
+        ("sampling", "temperature", "0", "must be > 0"),
+        ("sampling", "temperature", "-0.5", "must be > 0"),
+        ("sampling", "top_p", "1.5", "must be <= 1"),
+        ("sampling", "top_p", "0.0", "must be > 0"),
+        ("sampling", "min_p", "1.0", "must be < 1"),
+        ("sampling", "max_tokens", "0", "must be >= 1"),
+        ("lora", "dropout", "1.0", "must be < 1"),
+        ("lora", "dropout", "-0.1", "must be >= 0"),
+        ("lora", "rank", "0", "must be >= 1"),
+        ("lora", "num_layers", "-2", "must be >= -1"),
+        ("train", "steps", "0", "must be >= 1"),
+        ("train", "learning_rate", "0.0", "must be > 0"),
+        ("algorithm", "beta", "-1", "must be >= 0"),
+        ("algorithm", "is_cap", "1", "must be > 1"),
+        ("run", "port", "0", "must be >= 1"),
+        ("run", "port", "70000", "must be <= 65535"),
+        ("run", "transport", '"udp"', "must be one of 'ipc', 'tcp'"),
+        (
+            "algorithm",
+            "name",
+            '"ppo"',
+            "must be one of 'grpo', 'bnpo', 'dapo', 'dr_grpo', 'gspo', 'rloo', 'cispo', 'sapo'",
+        ),
+    ],
+)
 def test_out_of_range(tmp_path, section, key, literal, problem):
     msg = error_of(write_config(tmp_path, **{section: {key: literal}}))
     assert msg.startswith(f"{section}.{key} {problem}, got ")
 
 
-@pytest.mark.parametrize("section,key,literal", [
-    ("sampling", "group_size", "2"),
-    ("sampling", "top_p", "1.0"),
-    ("lora", "dropout", "0.99"),
-    ("lora", "num_layers", "-1"),
-    ("run", "port", "65535"),
-    ("run", "insecure", "true"),
-    ("train", "checkpoint_every", "0"),
-])
+@pytest.mark.parametrize(
+    "section,key,literal",
+    [
+        ("sampling", "group_size", "2"),
+        ("sampling", "top_p", "1.0"),
+        ("lora", "dropout", "0.99"),
+        ("lora", "num_layers", "-1"),
+        ("run", "port", "65535"),
+        ("run", "insecure", "true"),
+        ("train", "checkpoint_every", "0"),
+    ],
+)
 def test_boundary_values_accepted(tmp_path, section, key, literal):
     cfg = load_config(write_config(tmp_path, **{section: {key: literal}}))
     assert value(cfg, section, key) == json.loads(literal)
@@ -286,7 +319,8 @@ def test_reward_function_needs_module_and_function(tmp_path, function):
 
 def test_reward_function_list_problems_are_named(tmp_path):
     assert error_of(write_config(tmp_path, reward={"functions": "[]"})) == (
-        "reward.functions must name at least one reward, got []")
+        "reward.functions must name at least one reward, got []"
+    )
     msg = error_of(write_config(tmp_path, reward={"functions": '["worker", "worker"]'}))
     assert msg.startswith("reward.functions may name each function (and 'worker', 'env') once")
     msg = error_of(write_config(tmp_path, reward={"functions": '["a:b", "a:b"]'}))
@@ -319,7 +353,8 @@ def test_prompts_may_be_a_folder_or_a_dataset_name_but_not_a_missing_file(tmp_pa
     assert named.data.prompts == "acme/prompts"
     for missing in ("./acme/prompts", "rows.csv", "rows.parquet"):
         assert error_of(write_config(tmp_path, data={"prompts": json.dumps(missing)})).startswith(
-            "data.prompts file ")
+            "data.prompts file "
+        )
 
 
 @pytest.mark.parametrize("model", ["./nope", "../nope", "/definitely/not/here", "./tiny_prompts.jsonl"])
@@ -335,8 +370,9 @@ def test_hub_id_model_path_kept(tmp_path, hub_id):
     assert cfg.model.path == hub_id
 
 
-@pytest.mark.parametrize("text", ["[train\nsteps = 1\n", "steps = \n", "[train]\nsteps = 1\nsteps = 2\n",
-                                  "key without value\n"])
+@pytest.mark.parametrize(
+    "text", ["[train\nsteps = 1\n", "steps = \n", "[train]\nsteps = 1\nsteps = 2\n", "key without value\n"]
+)
 def test_invalid_toml(tmp_path, text):
     path = tmp_path / "broken.toml"
     path.write_text(text)
@@ -360,19 +396,22 @@ def test_validate_reports_unknown_before_missing():
 # --------------------------------------------------------------------------- overrides
 
 
-@pytest.mark.parametrize("item,expected", [
-    ("train.steps=5", ("train", "steps", 5)),
-    ("sampling.temperature=0.7", ("sampling", "temperature", 0.7)),
-    ("algorithm.name=grpo", ("algorithm", "name", "grpo")),
-    ('algorithm.name="grpo"', ("algorithm", "name", "grpo")),
-    ("data.shuffle=false", ("data", "shuffle", False)),
-    ('lora.keys=["q_proj", "v_proj"]', ("lora", "keys", ["q_proj", "v_proj"])),
-    ("run.dir=runs/x", ("run", "dir", "runs/x")),
-    (" train.steps =12", ("train", "steps", 12)),
-    ('reward.functions=["mod:fn"]', ("reward", "functions", ["mod:fn"])),
-    ("train.steps=", ("train", "steps", "")),
-    ("train.steps=abc", ("train", "steps", "abc")),
-])
+@pytest.mark.parametrize(
+    "item,expected",
+    [
+        ("train.steps=5", ("train", "steps", 5)),
+        ("sampling.temperature=0.7", ("sampling", "temperature", 0.7)),
+        ("algorithm.name=grpo", ("algorithm", "name", "grpo")),
+        ('algorithm.name="grpo"', ("algorithm", "name", "grpo")),
+        ("data.shuffle=false", ("data", "shuffle", False)),
+        ('lora.keys=["q_proj", "v_proj"]', ("lora", "keys", ["q_proj", "v_proj"])),
+        ("run.dir=runs/x", ("run", "dir", "runs/x")),
+        (" train.steps =12", ("train", "steps", 12)),
+        ('reward.functions=["mod:fn"]', ("reward", "functions", ["mod:fn"])),
+        ("train.steps=", ("train", "steps", "")),
+        ("train.steps=abc", ("train", "steps", "abc")),
+    ],
+)
 def test_parse_override(item, expected):
     got = parse_override(item)
     assert got == expected
@@ -387,8 +426,17 @@ def test_parse_override_malformed(item):
 
 def test_load_config_applies_overrides(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(TINY, overrides=["train.steps=5", "sampling.temperature=0.7", "algorithm.name=grpo",
-                                       "lora.dropout=0", "run.transport=tcp", "run.insecure=true"])
+    cfg = load_config(
+        TINY,
+        overrides=[
+            "train.steps=5",
+            "sampling.temperature=0.7",
+            "algorithm.name=grpo",
+            "lora.dropout=0",
+            "run.transport=tcp",
+            "run.insecure=true",
+        ],
+    )
     assert cfg.train.steps == 5
     assert cfg.sampling.temperature == pytest.approx(0.7)
     assert cfg.lora.dropout == 0.0 and type(cfg.lora.dropout) is float
@@ -417,13 +465,16 @@ def test_load_config_steps_are_validated():
         load_config(TINY, steps=0)
 
 
-@pytest.mark.parametrize("item,message", [
-    ("train.steps=abc", r"train\.steps must be an integer, got 'abc'"),
-    ("train.nope=1", r"unknown key train\.nope"),
-    ("nosuch.key=1", r"unknown section \[nosuch\]"),
-    ("sampling.group_size=1", r"sampling\.group_size must be >= 2"),
-    ("steps5", r"--set expects section\.key=value, got 'steps5'"),
-])
+@pytest.mark.parametrize(
+    "item,message",
+    [
+        ("train.steps=abc", r"train\.steps must be an integer, got 'abc'"),
+        ("train.nope=1", r"unknown key train\.nope"),
+        ("nosuch.key=1", r"unknown section \[nosuch\]"),
+        ("sampling.group_size=1", r"sampling\.group_size must be >= 2"),
+        ("steps5", r"--set expects section\.key=value, got 'steps5'"),
+    ],
+)
 def test_load_config_bad_override(item, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, overrides=[item])
@@ -432,12 +483,15 @@ def test_load_config_bad_override(item, message):
 # --------------------------------------------------------------------------- non-finite numbers
 
 
-@pytest.mark.parametrize("section,key,literal", [
-    ("sampling", "temperature", "nan"),
-    ("sampling", "top_p", "nan"),
-    ("train", "learning_rate", "nan"),
-    ("train", "learning_rate", "inf"),
-])
+@pytest.mark.parametrize(
+    "section,key,literal",
+    [
+        ("sampling", "temperature", "nan"),
+        ("sampling", "top_p", "nan"),
+        ("train", "learning_rate", "nan"),
+        ("train", "learning_rate", "inf"),
+    ],
+)
 def test_non_finite_floats_rejected(tmp_path, section, key, literal):
     path = write_config(tmp_path, **{section: {key: literal}})
     try:
@@ -445,8 +499,10 @@ def test_non_finite_floats_rejected(tmp_path, section, key, literal):
     except ConfigError as e:
         assert f"{section}.{key}" in str(e)
         return
-    pytest.fail(f"{section}.{key} = {literal} accepted as {value(cfg, section, key)!r} "
-                f"(finite: {math.isfinite(value(cfg, section, key))})")
+    pytest.fail(
+        f"{section}.{key} = {literal} accepted as {value(cfg, section, key)!r} "
+        f"(finite: {math.isfinite(value(cfg, section, key))})"
+    )
 
 
 @pytest.mark.parametrize("kw", [{"overrides": ["model.path=x"]}, {"run_dir": "x"}, {"steps": 3}])
@@ -478,8 +534,13 @@ def test_empty_model_path_rejected(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", "up", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "up", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -603,8 +664,11 @@ def test_several_actors_with_an_environment_are_refused():
     """Each actor would bind the run's one env socket: say so instead of splitting the env
     workers between actors that cannot tell."""
     digits = TINY.parent / "digits.toml"
-    with pytest.raises(ConfigError, match=r"actor\.count = 2 with env\.environment: one actor serves the "
-                                          r"environment's episodes for now; set actor\.count = 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"actor\.count = 2 with env\.environment: one actor serves the "
+        r"environment's episodes for now; set actor\.count = 1",
+    ):
         load_config(digits, overrides=["actor.count=2"])
 
 
@@ -615,14 +679,19 @@ def test_up_starts_what_the_config_names_each_process_built_once(tmp_path):
     from orchestrator.supervisor import ChildSpec, child_specs
     from tests.helpers import write_config as small_config
 
-    cfg = load_config(small_config(tmp_path, '[learner]\nranks = 2\n[actor]\ncount = 3\nremote = 1\n'))
+    cfg = load_config(small_config(tmp_path, "[learner]\nranks = 2\n[actor]\ncount = 3\nremote = 1\n"))
     specs = child_specs(cfg)
     threads = thread_count(False)
     assert list(specs) == ["learner", "learner-1", "actor-0", "actor-1"]
     assert specs["learner-1"].args == ["learner"] and specs["learner-1"].threads == max(1, threads // 2)
     assert specs["actor-1"].args == ["actor", "run", "--slot", "1"] and specs["actor-1"].share == "actor"
-    cfg = load_config(small_config(tmp_path, '[env]\nenvironment = "digits_env:DigitsEnv"\nnum_workers = 2\n'
-                                   '[sampling]\nmax_tokens = 4', reward="env"))
+    cfg = load_config(
+        small_config(
+            tmp_path,
+            '[env]\nenvironment = "digits_env:DigitsEnv"\nnum_workers = 2\n[sampling]\nmax_tokens = 4',
+            reward="env",
+        )
+    )
     specs = child_specs(cfg)
     assert list(specs) == ["learner", "actor", "env-worker-0", "env-worker-1"]
     worker = ["orchestrator", "env-worker", "digits_env:DigitsEnv", "--search-path", str(tmp_path.resolve())]

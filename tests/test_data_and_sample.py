@@ -26,8 +26,9 @@ def write_jsonl(path, rows):
 def test_text_and_chat_prompts_are_encoded_as_the_model_expects(tiny, tmp_path):
     _, tok = tiny
     messages = [{"role": "user", "content": "repeat 3"}]
-    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "repeat 3", "target": "3"},
-                                             {"prompt": messages, "answer": "3"}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": "repeat 3", "target": "3"}, {"prompt": messages, "answer": "3"}]
+    )
     text, chat = load_prompts(path, tok, 1024)
     assert text.prompt_ids == list(tok.encode("repeat 3")) and text.columns == {"target": "3"}
     rendered = "<|user|>repeat 3<|end|><|assistant|>"
@@ -43,14 +44,20 @@ def test_long_prompts_keep_their_end(tiny, tmp_path):
     assert tok.decode(p.prompt_ids) == "ghij"
 
 
-@pytest.mark.parametrize("line,problem", [
-    ("{not json", "p.jsonl:2: not valid JSON"),
-    ('{"question": "x"}', "p.jsonl:2: no column 'prompt' (columns: question); set data.prompt_column"),
-    ('{"prompt": ""}', "p.jsonl:2, column 'prompt': must be a non-empty string or a message list"),
-    ('{"prompt": [{"role": "user"}]}', "p.jsonl:2, column 'prompt': a chat prompt must be a non-empty list"),
-    ('{"prompt": 7}', "p.jsonl:2, column 'prompt': must be a non-empty string"),
-    ("[1, 2]", "p.jsonl:2: each row must be an object with a 'prompt' column"),
-])
+@pytest.mark.parametrize(
+    "line,problem",
+    [
+        ("{not json", "p.jsonl:2: not valid JSON"),
+        ('{"question": "x"}', "p.jsonl:2: no column 'prompt' (columns: question); set data.prompt_column"),
+        ('{"prompt": ""}', "p.jsonl:2, column 'prompt': must be a non-empty string or a message list"),
+        (
+            '{"prompt": [{"role": "user"}]}',
+            "p.jsonl:2, column 'prompt': a chat prompt must be a non-empty list",
+        ),
+        ('{"prompt": 7}', "p.jsonl:2, column 'prompt': must be a non-empty string"),
+        ("[1, 2]", "p.jsonl:2: each row must be an object with a 'prompt' column"),
+    ],
+)
 def test_bad_rows_name_file_and_line(tiny, tmp_path, line, problem):
     _, tok = tiny
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, line])
@@ -58,9 +65,11 @@ def test_bad_rows_name_file_and_line(tiny, tmp_path, line, problem):
         load_prompts(path, tok, 64)
 
 
-ROWS = [{"question": "repeat 3", "answer": "3", "level": "easy"},
-        {"question": "repeat 42", "answer": "42", "level": "hard"},
-        {"question": "hi", "answer": "", "level": "easy"}]
+ROWS = [
+    {"question": "repeat 3", "answer": "3", "level": "easy"},
+    {"question": "repeat 42", "answer": "42", "level": "hard"},
+    {"question": "hi", "answer": "", "level": "easy"},
+]
 
 
 def write_every_format(tmp_path) -> dict[str, str]:
@@ -84,7 +93,8 @@ def write_every_format(tmp_path) -> dict[str, str]:
     data.save_to_disk(str(tmp_path / "saved"))
     out["save_to_disk"] = tmp_path / "saved"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:1]), "test": data}).save_to_disk(
-        str(tmp_path / "saved-dict"))
+        str(tmp_path / "saved-dict")
+    )
     out["save_to_disk, split test"] = tmp_path / "saved-dict"
     return {k: str(v) for k, v in out.items()}
 
@@ -114,8 +124,12 @@ def test_a_dataset_in_the_local_hugging_face_cache_loads_offline(tiny, tmp_path,
     from datasets.packaged_modules.json.json import Json
 
     _, tok = tiny
-    builder = Json(data_files={"train": str(write_jsonl(tmp_path / "train.jsonl", ROWS))},
-                   dataset_name="tiny-prompts", hash="0" * 16, cache_dir=str(tmp_path / "build"))
+    builder = Json(
+        data_files={"train": str(write_jsonl(tmp_path / "train.jsonl", ROWS))},
+        dataset_name="tiny-prompts",
+        hash="0" * 16,
+        cache_dir=str(tmp_path / "build"),
+    )
     builder.download_and_prepare()
     cache = tmp_path / "datasets"
     (cache / "acme___tiny-prompts").mkdir(parents=True)
@@ -130,12 +144,15 @@ def test_a_dataset_in_the_local_hugging_face_cache_loads_offline(tiny, tmp_path,
         load_prompts("acme/nothing", tok, 64)
 
 
-@pytest.mark.parametrize("form,problem", [
-    ("csv", r"p\.csv:2: no column 'prompt' \(columns: question, answer, level\)"),
-    ("parquet", r"p\.parquet row 0: no column 'prompt'"),
-    ("save_to_disk", r"saved row 0: no column 'prompt'"),
-    ("save_to_disk, split test", r"saved-dict: no split 'validation' \(splits: train, test\); set data"),
-])
+@pytest.mark.parametrize(
+    "form,problem",
+    [
+        ("csv", r"p\.csv:2: no column 'prompt' \(columns: question, answer, level\)"),
+        ("parquet", r"p\.parquet row 0: no column 'prompt'"),
+        ("save_to_disk", r"saved row 0: no column 'prompt'"),
+        ("save_to_disk, split test", r"saved-dict: no split 'validation' \(splits: train, test\); set data"),
+    ],
+)
 def test_bad_data_names_the_file_row_and_column(tiny, tmp_path, form, problem):
     _, tok = tiny
     source = write_every_format(tmp_path)[form]
@@ -179,8 +196,10 @@ def test_actor_slots_split_the_one_stream_and_resume_within_their_share(tiny):
 
 def test_reward_inputs_repeat_columns_and_shape_completions_like_the_prompt():
     chat = reward_inputs([{"role": "user", "content": "q"}], ["a", "b"], [[1], [2, 3]], {"answer": "7"})
-    assert chat["completions"] == [[{"role": "assistant", "content": "a"}],
-                                   [{"role": "assistant", "content": "b"}]]
+    assert chat["completions"] == [
+        [{"role": "assistant", "content": "a"}],
+        [{"role": "assistant", "content": "b"}],
+    ]
     assert chat["answer"] == ["7", "7"] and chat["completion_ids"] == [[1], [2, 3]]
     assert len(chat["prompts"]) == 2
     text = reward_inputs("q", ["a"], [[1]], {})
@@ -190,7 +209,8 @@ def test_reward_inputs_repeat_columns_and_shape_completions_like_the_prompt():
 def test_weighted_rewards_leave_none_out_like_trl(tmp_path):
     (tmp_path / "two.py").write_text(
         "def a(completions, **kw):\n    return [1.0, None, 0.5, None]\n"
-        "def b(completions, **kw):\n    return [2.0, 3.0, None, None]\n")
+        "def b(completions, **kw):\n    return [2.0, 3.0, None, None]\n"
+    )
     scorer = Scorer(RewardConfig(("two:a", "two:b"), (1.0, 0.5), search_path=str(tmp_path)))
     scored = scorer.submit("k", "q", ["x", "y", "z", "w"], [[1], [2], [3], [4]], {})
     # the last completion no function scores: unscorable, NaN (TRL's marking)
@@ -206,22 +226,27 @@ def test_user_modules_named_like_the_project_s_packages_load_from_their_director
     from rewards.functions import load_reward_function
 
     (tmp_path / "bonus_of_theirs.py").write_text("BONUS = 0.5\n")
-    (tmp_path / "protocol.py").write_text("from bonus_of_theirs import BONUS\n"
-                                          "def score(completions, **kw):\n"
-                                          "    return [BONUS] * len(completions)\n")
-    (tmp_path / "policy.py").write_text("class Echo:\n    def reset(self, **kw):\n        return 'go'\n"
-                                        "    def step(self, action):\n        return (action, 1.0, True)\n")
+    (tmp_path / "protocol.py").write_text(
+        "from bonus_of_theirs import BONUS\n"
+        "def score(completions, **kw):\n"
+        "    return [BONUS] * len(completions)\n"
+    )
+    (tmp_path / "policy.py").write_text(
+        "class Echo:\n    def reset(self, **kw):\n        return 'go'\n"
+        "    def step(self, action):\n        return (action, 1.0, True)\n"
+    )
     (tmp_path / "actor").mkdir()
     (tmp_path / "actor" / "__init__.py").write_text("")
-    (tmp_path / "actor" / "scoring.py").write_text("from . import weights\n"
-                                                   "def score(completions, **kw):\n"
-                                                   "    return [weights.W] * len(completions)\n")
+    (tmp_path / "actor" / "scoring.py").write_text(
+        "from . import weights\ndef score(completions, **kw):\n    return [weights.W] * len(completions)\n"
+    )
     (tmp_path / "actor" / "weights.py").write_text("W = 2.0\n")
     assert load_reward_function("protocol:score", str(tmp_path))(["a", "b"]) == [0.5, 0.5]
     assert load_reward_function("actor.scoring:score", str(tmp_path))(["a"]) == [2.0]
     assert load_env_class("policy:Echo", str(tmp_path))().step("x") == ("x", 1.0, True)
     import policy
     import protocol
+
     assert hasattr(protocol, "encode") and not hasattr(policy, "Echo")  # ours are untouched
     with pytest.raises(RewardError, match="has no function 'nope'"):
         load_reward_function("protocol:nope", str(tmp_path))
@@ -232,14 +257,18 @@ def test_reward_functions_of_the_same_name_in_two_modules_do_not_collide(tmp_pat
     the total with their own weights, and each keeps its own column in the metrics."""
     for module, value in (("math_rewards", 1.0), ("code_rewards", 0.25)):
         (tmp_path / f"{module}.py").write_text(
-            f"def correct(completions, **kw):\n    return [{value}] * len(completions)\n")
-    scorer = Scorer(RewardConfig(("math_rewards:correct", "code_rewards:correct"), (1.0, 2.0),
-                                 search_path=str(tmp_path)))
+            f"def correct(completions, **kw):\n    return [{value}] * len(completions)\n"
+        )
+    scorer = Scorer(
+        RewardConfig(("math_rewards:correct", "code_rewards:correct"), (1.0, 2.0), search_path=str(tmp_path))
+    )
     scored = scorer.submit("k", "q", ["x", "y"], [[1], [2]], {})
     np.testing.assert_allclose(scored.total, [1.0 + 2 * 0.25] * 2)
     assert scored.by_function == {"math_rewards:correct": [1.0, 1.0], "code_rewards:correct": [0.25, 0.25]}
-    assert {scorer.metric_name(k) for k in scored.by_function} == {"math_rewards:correct",
-                                                                   "code_rewards:correct"}
+    assert {scorer.metric_name(k) for k in scored.by_function} == {
+        "math_rewards:correct",
+        "code_rewards:correct",
+    }
 
 
 @pytest.mark.slow
@@ -251,30 +280,56 @@ def test_chat_prompts_train_end_to_end_and_rewards_read_the_answer_column(tmp_pa
         "        f.write(json.dumps({'prompts': prompts, 'completions': completions,\n"
         "                            'answer': answer, 'ids': completion_ids}) + '\\n')\n"
         "    return [c[0]['content'].count(a) / max(len(c[0]['content']), 1)\n"
-        "            for c, a in zip(completions, answer)]\n")
-    cfg = write_config(tmp_path, f'[data]\nprompts = "{EXAMPLES / "tiny_chat_prompts.jsonl"}"',
-                       steps=3, reward="recording:reward")
+        "            for c, a in zip(completions, answer)]\n"
+    )
+    cfg = write_config(
+        tmp_path,
+        f'[data]\nprompts = "{EXAMPLES / "tiny_chat_prompts.jsonl"}"',
+        steps=3,
+        reward="recording:reward",
+    )
     code, out = run_up(cfg)
     assert code == 0, out
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3]
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    rows = {json.dumps(json.loads(line)["prompt"]): json.loads(line)["answer"]
-            for line in (EXAMPLES / "tiny_chat_prompts.jsonl").read_text().splitlines()}
+    rows = {
+        json.dumps(json.loads(line)["prompt"]): json.loads(line)["answer"]
+        for line in (EXAMPLES / "tiny_chat_prompts.jsonl").read_text().splitlines()
+    }
     assert len(calls) >= 6  # one call per group of 4
     for call in calls:
         assert len(call["answer"]) == len(call["completions"]) == len(call["prompts"]) == 4
         # the answer column is the one of the row the prompt came from, repeated per completion
         assert call["answer"] == [rows[json.dumps(call["prompts"][0])]] * 4
-        assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str)
-                   for c in call["completions"])
+        assert all(
+            c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in call["completions"]
+        )
         assert all(isinstance(i, int) for ids in call["ids"] for i in ids)
 
 
 def actor_sample(tmp_path, name, *args):
     out = tmp_path / f"{name}.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "actor", "sample", "--config", str(EXAMPLES / "tiny.toml"),
-                           "--limit", "16", "-k", "4", "--out", str(out), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "actor",
+            "sample",
+            "--config",
+            str(EXAMPLES / "tiny.toml"),
+            "--limit",
+            "16",
+            "-k",
+            "4",
+            "--out",
+            str(out),
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines() if line.strip()}
     return out, summary
@@ -306,12 +361,30 @@ def test_actor_sample_is_reproducible_by_seed(tmp_path):
 def test_pass_at_k_for_binary_rewards(tmp_path):
     (tmp_path / "binary.py").write_text(
         "def exact(completions, target, **kw):\n"
-        "    return [1.0 if c[:1] == t else 0.0 for c, t in zip(completions, target)]\n")
+        "    return [1.0 if c[:1] == t else 0.0 for c, t in zip(completions, target)]\n"
+    )
     out = tmp_path / "s.jsonl"
     cfg = write_config(tmp_path, reward="binary:exact")
-    proc = subprocess.run([sys.executable, "-m", "actor", "sample", "--config", str(cfg), "--limit", "8",
-                           "-k", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "actor",
+            "sample",
+            "--config",
+            str(cfg),
+            "--limit",
+            "8",
+            "-k",
+            "4",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     by_prompt: dict[int, list[float]] = {}

@@ -24,15 +24,20 @@ from tests.helpers import ROOT, orchestrator, read_metrics, run_up, wait_for, wr
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
 
 REQUIRED_METRICS = {
-    "step", "policy_version", "reward", "reward_std", "loss", "kl", "clip_ratio/region_mean", "mismatch_kl",
-    "completions/mean_length", "rollout_tokens_per_s", "step_s", "learner_peak_mb", "actor_peak_mb",
+    "step",
+    "policy_version",
+    "reward",
+    "reward_std",
+    "loss",
+    "kl",
+    "clip_ratio/region_mean",
+    "mismatch_kl",
+    "completions/mean_length",
+    "rollout_tokens_per_s",
+    "step_s",
+    "learner_peak_mb",
+    "actor_peak_mb",
 }
-
-
-
-
-
-
 
 
 def test_up_trains_end_to_end(tmp_path):
@@ -56,15 +61,16 @@ def test_up_trains_end_to_end(tmp_path):
     assert all(m["version_lag_mean"] == 0 for m in metrics)  # max_staleness = 0: on-policy
     endpoints = json.loads((run / "endpoints.json").read_text())
     assert endpoints["learner"].startswith("ipc://")
-    sock_dir = Path(endpoints["learner"][len("ipc://"):]).parent
+    sock_dir = Path(endpoints["learner"][len("ipc://") :]).parent
     assert oct(sock_dir.stat().st_mode & 0o777) == "0o700"
     assert (run / "learner.log").stat().st_size > 0 and (run / "actor.log").exists()
     assert "step    3/3" in out
 
     from mlx_lm import generate, load
 
-    model, tok = load(json.loads((run / "config.json").read_text())["model"]["path"],
-                      adapter_path=str(run / "adapters"))
+    model, tok = load(
+        json.loads((run / "config.json").read_text())["model"]["path"], adapter_path=str(run / "adapters")
+    )
     assert len(generate(model, tok, "repeat 3", max_tokens=4)) > 0
 
 
@@ -76,8 +82,6 @@ def test_default_run_raises_the_reward(default_run):
     assert np.mean(rewards[-5:]) - np.mean(rewards[:5]) >= 0.2, rewards
 
 
-
-
 SHADOWS = ("protocol", "policy", "learner", "actor", "orchestrator")
 
 
@@ -85,8 +89,9 @@ def a_user_s_folder(tmp_path: Path) -> Path:
     """A folder as a user keeps one: the config, their `rewards.py`, and modules named like
     each of the project's other packages, which fail loudly if imported in their place."""
     tmp_path.mkdir(exist_ok=True)
-    (tmp_path / "rewards.py").write_text("def correctness(prompts, completions, **columns):\n"
-                                         "    return [0.25] * len(completions)\n")
+    (tmp_path / "rewards.py").write_text(
+        "def correctness(prompts, completions, **columns):\n    return [0.25] * len(completions)\n"
+    )
     for name in SHADOWS:
         (tmp_path / f"{name}.py").write_text(f"raise ImportError('{name}.py of the user shadowed ours')\n")
     write_config(tmp_path, steps=1, reward="rewards:correctness")
@@ -101,8 +106,9 @@ def test_a_user_s_folder_never_shadows_the_project(tmp_path):
     folder = a_user_s_folder(tmp_path)
     script = Path(sys.executable).parent / "orchestrator"  # the console script, as a user runs it
     assert script.exists(), "pip install -e . puts the orchestrator command beside python"
-    done = subprocess.run([str(script), "up", "--config", "run.toml"], cwd=folder, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [str(script), "up", "--config", "run.toml"], cwd=folder, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr + (folder / "run" / "learner.log").read_text()
     assert read_metrics(folder / "run")[0]["reward"] == 0.25
 
@@ -113,13 +119,16 @@ def test_orchestrator_start_from_a_user_s_folder(tmp_path):
     folder = a_user_s_folder(tmp_path / "user")
     script = tmp_path / "scripts" / "train.py"
     script.parent.mkdir()
-    script.write_text("import orchestrator\n"
-                      "with orchestrator.start('run.toml', {'train.steps': 2}) as run:\n"
-                      "    print([m['reward'] for m in run.metrics()])\n"
-                      "    raise SystemExit(run.wait())\n")
+    script.write_text(
+        "import orchestrator\n"
+        "with orchestrator.start('run.toml', {'train.steps': 2}) as run:\n"
+        "    print([m['reward'] for m in run.metrics()])\n"
+        "    raise SystemExit(run.wait())\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(script)], cwd=folder, capture_output=True, text=True,
-                          timeout=300, env=env)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=folder, capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[0.25, 0.25]" in done.stdout
 
@@ -131,16 +140,37 @@ def test_learner_survives_malformed_messages(tmp_path):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(protocol.read_endpoints(run)["learner"])
-    rollout = protocol.encode(protocol.ROLLOUT, {
-        "group_id": "x", "policy_version": 0, "prompt": "p", "columns": {}, "texts": ["a"],
-        "finish_reasons": ["stop"]}, {
-        "prompt_ids": np.array([1], np.int32), "completion_ids": np.array([2], np.int32),
-        "completion_lens": np.array([1], np.int32), "logprobs": np.array([-1.0], np.float32)})
+    rollout = protocol.encode(
+        protocol.ROLLOUT,
+        {
+            "group_id": "x",
+            "policy_version": 0,
+            "prompt": "p",
+            "columns": {},
+            "texts": ["a"],
+            "finish_reasons": ["stop"],
+        },
+        {
+            "prompt_ids": np.array([1], np.int32),
+            "completion_ids": np.array([2], np.int32),
+            "completion_lens": np.array([1], np.int32),
+            "logprobs": np.array([-1.0], np.float32),
+        },
+    )
     garbage = [
         [b"\xc1 not msgpack"],
         [msgpack.packb({"protocol": 99, "kind": "rollout"})],
-        [msgpack.packb({"protocol": 1, "kind": "weights", "version": 1,
-                        "arrays": [{"name": "w", "dtype": "float32", "shape": [1000]}]}), b"short"],
+        [
+            msgpack.packb(
+                {
+                    "protocol": 1,
+                    "kind": "weights",
+                    "version": 1,
+                    "arrays": [{"name": "w", "dtype": "float32", "shape": [1000]}],
+                }
+            ),
+            b"short",
+        ],
         rollout,  # well-formed, but from a peer that never said hello
     ]
     for frames in garbage:
@@ -158,8 +188,7 @@ def test_learner_survives_malformed_messages(tmp_path):
 
 
 def test_ctrl_c_stops_both_processes_and_keeps_the_adapters(tmp_path):
-    proc = orchestrator("up", "--config", str(write_config(tmp_path, steps=100000)),
-                        start_new_session=True)
+    proc = orchestrator("up", "--config", str(write_config(tmp_path, steps=100000)), start_new_session=True)
     run = tmp_path / "run"
     deadline = time.monotonic() + 120
     while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
@@ -191,8 +220,16 @@ def objective_runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     """One run per objective, all started at once (small runs wait on each other's
     processes often enough that several together take about 60% of them in a row), each to its
     end before any test looks: (exit code, output, run directory) by name."""
-    extra = ["--set", "algorithm.beta=0.04", "--set", "algorithm.num_iterations=2",
-             "--set", "train.micro_batch_size=3", "--set", "algorithm.is_correction=truncate"]
+    extra = [
+        "--set",
+        "algorithm.beta=0.04",
+        "--set",
+        "algorithm.num_iterations=2",
+        "--set",
+        "train.micro_batch_size=3",
+        "--set",
+        "algorithm.is_correction=truncate",
+    ]
     procs = {}
     try:
         for name in OBJECTIVES:
@@ -218,10 +255,23 @@ def test_every_objective_trains_end_to_end(objective_runs, name):
     assert [m["iteration"] for m in metrics] == [0, 1, 0]  # two optimizer steps per batch
     for m in metrics:
         clipped = CLIPPED.get(name, ["clip_ratio/low_mean", "clip_ratio/high_mean"])
-        for key in ("loss", "surrogate_loss", "kl", *clipped, "entropy", "learner/padding_ratio",
-                    "advantage_mean", "advantage_std", "is_ratio_mean", "is_cut_frac",
-                    "sampling/importance_sampling_ratio/mean", "completions/max_length",
-                    "completions/clipped_ratio", "num_tokens", "learning_rate"):
+        for key in (
+            "loss",
+            "surrogate_loss",
+            "kl",
+            *clipped,
+            "entropy",
+            "learner/padding_ratio",
+            "advantage_mean",
+            "advantage_std",
+            "is_ratio_mean",
+            "is_cut_frac",
+            "sampling/importance_sampling_ratio/mean",
+            "completions/max_length",
+            "completions/clipped_ratio",
+            "num_tokens",
+            "learning_rate",
+        ):
             assert np.isfinite(m[key]), (key, m)
         assert m["groups_received"] == m["groups_trained"] + m["groups_dropped"] + m["groups_queued"]
     assert metrics[0]["ratio_min"] == 1.0 == metrics[0]["ratio_max"]  # first pass on a fresh batch
@@ -252,7 +302,7 @@ def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
     from protocol.config import load_config, write_run_config
 
     port = free_ports(1)[0]
-    cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\nport = {port}", steps=6, reward="worker")
+    cfg = write_config(tmp_path, f'[run]\ntransport = "tcp"\nport = {port}', steps=6, reward="worker")
     run = tmp_path / "run"
     # The stranger: a run directory of its own, as on another Mac, with a foreign key.
     stranger = tmp_path / "stranger"
@@ -269,13 +319,28 @@ def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
             assert up.poll() is None, up.communicate()[0]
             time.sleep(0.05)
         (keys / "server.key").write_bytes((run / "keys" / "server.key").read_bytes())
-        actor = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(stranger),
-                                  "--key-dir", str(keys)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT)
+        actor = subprocess.Popen(
+            [sys.executable, "-m", "actor", "run", "--run-dir", str(stranger), "--key-dir", str(keys)],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         actor_out, _ = actor.communicate(timeout=240)
-        worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
-                                   "--run-dir", str(run)], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.STDOUT)
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator",
+                "reward-worker",
+                "tiny_task:reward",
+                "--run-dir",
+                str(run),
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         out, _ = up.communicate(timeout=300)
         worker.wait(timeout=60)
     finally:
@@ -289,8 +354,11 @@ def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
     assert worker.returncode == 0  # the learner told it to stop: the run is over
     assert "refused a connection to the rollout socket" in (run / "learner.log").read_text()
     endpoints = json.loads((run / "endpoints.json").read_text())
-    assert endpoints == {"learner": f"tcp://127.0.0.1:{port}", "reward": f"tcp://127.0.0.1:{port + 1}",
-                         "env": f"tcp://127.0.0.1:{port + 2}"}
+    assert endpoints == {
+        "learner": f"tcp://127.0.0.1:{port}",
+        "reward": f"tcp://127.0.0.1:{port + 1}",
+        "env": f"tcp://127.0.0.1:{port + 2}",
+    }
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == list(range(1, 7))
     assert metrics[-1]["groups_dropped"] == 0 and metrics[-1]["groups_trained"] == 12
@@ -300,7 +368,7 @@ def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
 
 def test_an_insecure_tcp_run_trains_without_keys(tmp_path):
     port = free_ports(1)[0]
-    cfg = write_config(tmp_path, f"[run]\ntransport = \"tcp\"\ninsecure = true\nport = {port}", steps=2)
+    cfg = write_config(tmp_path, f'[run]\ntransport = "tcp"\ninsecure = true\nport = {port}', steps=2)
     code, out = run_up(cfg)
     assert code == 0, out
     assert not (tmp_path / "run" / "keys").exists()
@@ -313,7 +381,7 @@ def test_a_quantized_actor_trains_and_its_mismatch_shows(tmp_path):
     trains full precision. The run completes, the mismatch is there in the metrics (it is 0
     to float precision with a full-precision actor, see the test above), and the
     truncated-IS correction acts on it."""
-    cfg = write_config(tmp_path, "[algorithm]\nis_correction = \"truncate\"", steps=2)
+    cfg = write_config(tmp_path, '[algorithm]\nis_correction = "truncate"', steps=2)
     code, out = run_up(cfg, "--set", "actor.quantize_bits=4")
     assert code == 0, out
     metrics = read_metrics(tmp_path / "run")
@@ -349,8 +417,10 @@ def test_completions_are_logged_at_the_configured_steps_and_shown(tmp_path):
     assert shown.returncode == 0, text
     assert "step 2" in text and rows[0]["prompt"] in text
     assert rows[0]["completion"].replace("\n", " ⏎ ") in text
-    for args, said in ((["--step", "3"], "no completions logged at step 3; logged steps: 2, 4"),
-                       (["--run-dir", str(tmp_path / "nope")], "nope does not exist; give the run.dir")):
+    for args, said in (
+        (["--step", "3"], "no completions logged at step 3; logged steps: 2, 4"),
+        (["--run-dir", str(tmp_path / "nope")], "nope does not exist; give the run.dir"),
+    ):
         shown = orchestrator("show", "completions", "--run-dir", str(run), *args)
         text, _ = shown.communicate(timeout=60)
         assert shown.returncode == 2 and said in text, text

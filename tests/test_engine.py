@@ -96,8 +96,9 @@ def test_weights_that_change_between_steps_are_recorded_token_by_token(policy): 
                 version = 1
             out.update(engine.step(version))
             steps += 1
-        after = [reference_sample(model, p, G, params, eos, 3, noise_offset=i * G)
-                 for i, p in enumerate(prompts)]
+        after = [
+            reference_sample(model, p, G, params, eos, 3, noise_offset=i * G) for i, p in enumerate(prompts)
+        ]
     finally:
         set_adapter_weights(model, old)
     for row, ref in zip(out[0], before):

@@ -83,9 +83,15 @@ def perturbed_policy():
     """The tiny model with random LoRA weights, so that the adapters matter."""
     model, tokenizer, _ = load_policy(str(TINY_MODEL), LoraConfig())
     mx.random.seed(3)
-    model.update(tree_unflatten([(name, 0.05 * mx.random.normal(value.shape))
-                                 for name, value in tree_flatten(model.trainable_parameters())
-                                 if name.endswith("lora_b")]))
+    model.update(
+        tree_unflatten(
+            [
+                (name, 0.05 * mx.random.normal(value.shape))
+                for name, value in tree_flatten(model.trainable_parameters())
+                if name.endswith("lora_b")
+            ]
+        )
+    )
     mx.eval(model.parameters())
     return model, tokenizer
 
@@ -101,12 +107,15 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
     env = EnvConfig(environment="socket", max_turns=3, max_episode_tokens=200)
     record = tmp_path / "actions.jsonl"
     ctx = zmq.Context()
-    pool = WorkerPool(ctx, f"ipc://{tmp_path}/env.sock", "env_worker", protocol.OBSERVATION, 30, 1,
-                      owner_role="actor")
+    pool = WorkerPool(
+        ctx, f"ipc://{tmp_path}/env.sock", "env_worker", protocol.OBSERVATION, 30, 1, owner_role="actor"
+    )
     worker = raw_worker(pool.endpoint, "--record", str(record))
     try:
-        prompts = [Prompt(i, [{"role": "user", "content": f"repeat {d}"}], [], {"target": d})
-                   for i, d in enumerate("37")]
+        prompts = [
+            Prompt(i, [{"role": "user", "content": f"repeat {d}"}], [], {"target": d})
+            for i, d in enumerate("37")
+        ]
         groups = EpisodeRunner(pool, model, tokenizer, eos, sampling, env).run(prompts, [0, 3])
     finally:
         pool.close("test over")
@@ -120,11 +129,16 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
     samples, episodes = [], []
     for group in groups:
         header, arrays = group.fields(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        frames = protocol.encode(protocol.ROLLOUT, {"group_id": "g", "policy_version": 0, "columns": {},
-                                                    "prompt": group.prompt.prompt, **header}, arrays)
+        frames = protocol.encode(
+            protocol.ROLLOUT,
+            {"group_id": "g", "policy_version": 0, "columns": {}, "prompt": group.prompt.prompt, **header},
+            arrays,
+        )
         g = group_from_message(b"actor", protocol.decode(frames), model.args.vocab_size, sampling.group_size)
-        samples += [Sample(g.prompt_ids, ids, lp, fr, m) for ids, lp, fr, m in
-                    zip(g.completion_ids, g.logprobs, g.finish_reasons, g.loss_masks)]
+        samples += [
+            Sample(g.prompt_ids, ids, lp, fr, m)
+            for ids, lp, fr, m in zip(g.completion_ids, g.logprobs, g.finish_reasons, g.loss_masks)
+        ]
         episodes += group.episodes
     assert all(e.finish == "env_done" and e.model_turns == 3 for e in episodes)
 
@@ -137,7 +151,7 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
         # The environment's tokens: the template's text, written out by hand.
         p = len(s.prompt_ids)
         env_runs, current = [], []
-        for t, m in zip(targets[p - 1:p - 1 + len(s.completion_ids)], mask[row, p - 1:]):
+        for t, m in zip(targets[p - 1 : p - 1 + len(s.completion_ids)], mask[row, p - 1 :]):
             if m == 0:
                 current.append(int(t))
             elif current:
@@ -148,8 +162,11 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
         assert env_runs == ["<|assistant|>"] + [("" if ended else "<|end|>") + obs for ended in turn_ends]
 
     # One micro-batch: the whole batch padded to its longest row, in the rows' order.
-    (micro,) = trainer_for(model, temperature=sampling.temperature, sort_by_length=False,
-                           share_prompts=False).prepare(batch).micro
+    (micro,) = (
+        trainer_for(model, temperature=sampling.temperature, sort_by_length=False, share_prompts=False)
+        .prepare(batch)
+        .micro
+    )
     assert micro.old is not None and micro.is_weight is not None
     old, behavior = np.array(micro.old), np.array(batch.behavior)
     assert int(mask.sum()) == sum(len(a) for a in actions.values())
@@ -180,10 +197,26 @@ def test_the_digits_example_learns(tmp_path):
     assert metrics[-1]["episodes/mean_model_turns"] == 3.0
     assert metrics[-1]["episodes/finish/env_done"] == 1.0
     assert_nothing_lost(metrics, 10, 8)
-    shown = subprocess.run([sys.executable, "-m", "orchestrator", "show", "reward", "--run-dir",
-                            str(tmp_path / "run"), "--window", "4"], cwd=ROOT, capture_output=True, text=True)
-    assert shown.stdout.startswith(f"reward: first 4 steps {first:.3f}, last 4 steps {last:.3f} "
-                                   f"({last - first:+.3f}; steps 1-4 and 7-10)"), shown
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "show",
+            "reward",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--window",
+            "4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert shown.stdout.startswith(
+        f"reward: first 4 steps {first:.3f}, last 4 steps {last:.3f} "
+        f"({last - first:+.3f}; steps 1-4 and 7-10)"
+    ), shown
 
 
 ENV_CONFIG = """
@@ -226,9 +259,23 @@ def test_killing_an_env_worker_mid_episode_loses_nothing(tmp_path):
 def test_an_env_worker_serves_a_python_class_and_says_what_is_wrong(tmp_path):
     """`orchestrator env-worker` refuses a spec that names no environment class."""
     (tmp_path / "envs.py").write_text("class NotAnEnv:\n    pass\n")
-    out = subprocess.run([sys.executable, "-m", "orchestrator", "env-worker", "envs:NotAnEnv",
-                          "--connect", f"ipc://{tmp_path}/x.sock", "--search-path", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "env-worker",
+            "envs:NotAnEnv",
+            "--connect",
+            f"ipc://{tmp_path}/x.sock",
+            "--search-path",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "has no class 'NotAnEnv' with reset and step methods" in out.stderr
 
@@ -239,9 +286,11 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_before_the_first_epis
     from policy.data import DataError
 
     _, tokenizer, _ = load_policy(str(TINY_MODEL), LoraConfig())
-    tokenizer._tokenizer.chat_template = ("{% for m in messages[-1:] %}<|{{ m['role'] }}|>{{ m['content'] }}"
-                                          "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
-                                          "{% endif %}")
+    tokenizer._tokenizer.chat_template = (
+        "{% for m in messages[-1:] %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+        "{% endif %}"
+    )
     r = Renderer(tokenizer, set(tokenizer.eos_token_ids))
     r.check("repeat 3")  # text prompts need no template
     with pytest.raises(DataError, match="does not render a conversation as the start of its continuation"):
@@ -272,8 +321,12 @@ def test_a_python_env_worker_killed_mid_step_is_noticed_in_seconds(tmp_path):
     by its missing heartbeats (it beats while its environment works), long before the
     60 s deadline: the episodes start again on the new worker and nothing is lost."""
     (tmp_path / "slow_env.py").write_text(SLOW_ENV)
-    cfg = write_config(tmp_path, '[env]\nenvironment = "slow_env:SlowEnv"\nmax_turns = 3\n'
-                                 'max_episode_tokens = 64', steps=3, reward="env")
+    cfg = write_config(
+        tmp_path,
+        '[env]\nenvironment = "slow_env:SlowEnv"\nmax_turns = 3\nmax_episode_tokens = 64',
+        steps=3,
+        reward="env",
+    )
     proc = orchestrator("up", "--config", str(cfg))
     run = tmp_path / "run"
     lines = Lines(proc)
@@ -298,8 +351,12 @@ def test_env_workers_attach_to_a_restarted_actor(tmp_path):
     the env worker it started attaches to the new one by itself (its hello is answered
     with `attached: false`); the run finishes with nothing lost."""
     (tmp_path / "slow_env.py").write_text(SLOW_ENV.replace("time.sleep(0.15)", "time.sleep(0.01)"))
-    cfg = write_config(tmp_path, '[env]\nenvironment = "slow_env:SlowEnv"\nmax_turns = 3\n'
-                                 'max_episode_tokens = 64', steps=4, reward="env")
+    cfg = write_config(
+        tmp_path,
+        '[env]\nenvironment = "slow_env:SlowEnv"\nmax_turns = 3\nmax_episode_tokens = 64',
+        steps=4,
+        reward="env",
+    )
     proc = orchestrator("up", "--config", str(cfg))
     run = tmp_path / "run"
     lines = Lines(proc)
@@ -334,18 +391,33 @@ def test_an_episode_that_starts_again_is_the_episode_an_uninterrupted_run_sample
     for name in ("uninterrupted", "left", "killed"):
         (tmp_path / name).mkdir()
         runs[name] = tmp_path / name / "run"
-        ups[name] = orchestrator("up", "--config", str(write_config(tmp_path / name, extra, steps=2,
-                                                                    reward="env")))
+        ups[name] = orchestrator(
+            "up", "--config", str(write_config(tmp_path / name, extra, steps=2, reward="env"))
+        )
     try:
-        for name, args in (("uninterrupted", []), ("left", ["--leave-after", "20"]),
-                           ("killed", ["--die-after", "20"])):
+        for name, args in (
+            ("uninterrupted", []),
+            ("left", ["--leave-after", "20"]),
+            ("killed", ["--die-after", "20"]),
+        ):
             wait_for(runs[name] / "endpoints.json")
-            workers.append(raw_worker(protocol.read_endpoints(runs[name])["env"], *args, "--record",
-                                      str(runs[name].parent / "first.jsonl")))
+            workers.append(
+                raw_worker(
+                    protocol.read_endpoints(runs[name])["env"],
+                    *args,
+                    "--record",
+                    str(runs[name].parent / "first.jsonl"),
+                )
+            )
         for w, name in zip(workers[1:], ("left", "killed")):
             w.wait(timeout=120)  # gone partway through the first batch
-            workers.append(raw_worker(protocol.read_endpoints(runs[name])["env"], "--record",
-                                      str(runs[name].parent / "second.jsonl")))
+            workers.append(
+                raw_worker(
+                    protocol.read_endpoints(runs[name])["env"],
+                    "--record",
+                    str(runs[name].parent / "second.jsonl"),
+                )
+            )
         for up in ups.values():
             assert up.wait(timeout=240) == 0, up.communicate()[0]
     finally:
@@ -353,8 +425,10 @@ def test_an_episode_that_starts_again_is_the_episode_an_uninterrupted_run_sample
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-    completions = {name: [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-                   for name, run in runs.items()}
+    completions = {
+        name: [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+        for name, run in runs.items()
+    }
     reference = episode_record(tmp_path / "uninterrupted" / "first.jsonl")
     for name in ("left", "killed"):
         metrics = read_metrics(runs[name])

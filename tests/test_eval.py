@@ -68,8 +68,9 @@ def test_sampling_progress_is_rewritten_on_a_terminal_and_whole_lines_elsewhere(
         sample_prompts(model, tok, prompts, 2, params, seed=0, err=err)
         text = err.getvalue()
         if isinstance(err, Terminal):  # 32 prompts a batch: 32, then 40, in place
-            assert text.count("\r") == 2 and text.endswith("sampling 40/40 prompts  " + text.split()[-2]
-                                                           + " tok/s\n")
+            assert text.count("\r") == 2 and text.endswith(
+                "sampling 40/40 prompts  " + text.split()[-2] + " tok/s\n"
+            )
         else:  # the first batch is under 10 s: only the last line
             assert "\r" not in text and re.fullmatch(r"sampling 40/40 prompts  \d+ tok/s\n", text), text
 
@@ -98,8 +99,6 @@ def test_eval_every_needs_eval_prompts(tmp_path):
 # whether every completion of theirs passes, so pass@k is known whatever the model writes.
 
 
-
-
 def eval_lines(metrics: list[dict]) -> list[dict]:
     return [m for m in metrics if "eval/pass@1" in m]
 
@@ -121,28 +120,43 @@ def test_a_run_evaluates_before_the_first_step_every_n_steps_and_after_the_last(
 
 def test_actor_eval_reports_the_numbers_a_run_logs(tmp_path):
     cfg = held_out_config(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "actor", "eval", "--config", str(cfg)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "actor", "eval", "--config", str(cfg)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     shown = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
     assert float(shown["eval/pass@1"]) == pytest.approx(3 / 8, abs=1e-4)
     assert float(shown["eval/pass@4"]) == pytest.approx(3 / 8, abs=1e-4)
     assert shown["eval/prompts"] == "8"
     (tmp_path / "plain").mkdir()
-    without = subprocess.run([sys.executable, "-m", "actor", "eval", "--config",
-                              str(write_config(tmp_path / "plain", steps=1))],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    without = subprocess.run(
+        [sys.executable, "-m", "actor", "eval", "--config", str(write_config(tmp_path / "plain", steps=1))],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert without.returncode == 2 and "eval.prompts is not set" in without.stderr
 
 
 def test_the_tiny_task_s_held_out_pass_rate_rises_with_training(tmp_path, default_run):
     """`actor eval` on the default task, the base model against the default run's adapter."""
-    cfg = write_config(tmp_path, f'[eval]\nprompts = "{EXAMPLES / "tiny_prompts.jsonl"}"\nlimit = 16\n'
-                                 'pass_threshold = 0.75')
+    cfg = write_config(
+        tmp_path, f'[eval]\nprompts = "{EXAMPLES / "tiny_prompts.jsonl"}"\nlimit = 16\npass_threshold = 0.75'
+    )
     shown = {}
     for name, args in (("base", []), ("tuned", ["--adapter", str(default_run / "adapters")])):
-        proc = subprocess.run([sys.executable, "-m", "actor", "eval", "--config", str(cfg), *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "actor", "eval", "--config", str(cfg), *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
         shown[name] = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
     assert float(shown["tuned"]["eval/pass@1"]) > float(shown["base"]["eval/pass@1"]) + 0.3, shown
@@ -175,8 +189,12 @@ def test_the_first_evaluation_shows_progress_and_ctrl_c_stops_it_within_5_s(tmp_
 
     rows = [{"prompt": f"repeat {i % 10}", "target": str(i % 10)} for i in range(400)]
     (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = write_config(tmp_path, f'[eval]\nprompts = "{tmp_path / "held_out.jsonl"}"\nnum_samples = 16\n'
-                                 "max_tokens = 400\ntemperature = 2.0", steps=2)
+    cfg = write_config(
+        tmp_path,
+        f'[eval]\nprompts = "{tmp_path / "held_out.jsonl"}"\nnum_samples = 16\n'
+        "max_tokens = 400\ntemperature = 2.0",
+        steps=2,
+    )
     proc = orchestrator("up", "--config", str(cfg), start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)

@@ -34,11 +34,14 @@ def episode_run(tmp_path: Path, port: int) -> Path:
     """The digits environment's task over CURVE TCP on every interface; its rewards come
     from a reward worker, so no step is taken before the test starts one."""
     (tmp_path / "digits_env.py").write_text((EXAMPLES / "digits_env.py").read_text())
-    (tmp_path / "flat.py").write_text("def reward(completions, **columns):\n"
-                                      "    return [float(len(c) > 0) for c in completions]\n")
-    return write_config(tmp_path, f"""
+    (tmp_path / "flat.py").write_text(
+        "def reward(completions, **columns):\n    return [float(len(c) > 0) for c in completions]\n"
+    )
+    return write_config(
+        tmp_path,
+        f"""
 [data]
-prompts = "{EXAMPLES / 'digits_prompts.jsonl'}"
+prompts = "{EXAMPLES / "digits_prompts.jsonl"}"
 [train]
 checkpoint_every = 4
 [env]
@@ -49,7 +52,10 @@ max_episode_tokens = 64
 transport = "tcp"
 host = "0.0.0.0"
 port = {port}
-""", steps=STEPS, reward="worker")
+""",
+        steps=STEPS,
+        reward="worker",
+    )
 
 
 class PeakRSS:
@@ -62,8 +68,11 @@ class PeakRSS:
     def watch(self) -> None:
         while not self.done:
             try:
-                out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid_of(self.run, "learner"))],
-                                     capture_output=True, text=True).stdout.strip()
+                out = subprocess.run(
+                    ["ps", "-o", "rss=", "-p", str(pid_of(self.run, "learner"))],
+                    capture_output=True,
+                    text=True,
+                ).stdout.strip()
                 self.peak_mb = max(self.peak_mb, int(out) / 1024 if out else 0.0)
             except (OSError, ValueError, IndexError):
                 pass  # not started yet
@@ -92,19 +101,47 @@ def test_a_flood_of_idle_connections_and_oversized_frames_ends_nothing(tmp_path)
             lines_of_run.wait_for("waiting for a reward worker", timeout=180)
         for port in (flooded, flooded + 1, flooded + 2):  # rollout, reward and env sockets
             for _ in range(2):
-                flooders.append(subprocess.Popen(
-                    [sys.executable, str(FLOOD), "127.0.0.1", str(port), "--idle", "2500",
-                     "--oversized", "50", "--hold", "120"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    text=True))
+                flooders.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            str(FLOOD),
+                            "127.0.0.1",
+                            str(port),
+                            "--idle",
+                            "2500",
+                            "--oversized",
+                            "50",
+                            "--hold",
+                            "120",
+                        ],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                )
         reports = [Lines(f) for f in flooders]
         for report in reports:
             report.wait_for("holding", timeout=180)
         # The strangers hold their connections while both runs train.
         for run in runs:
             wait_for(run / "endpoints.json")
-            workers.append(subprocess.Popen(
-                [sys.executable, "-m", "orchestrator", "reward-worker", "flat:reward", "--run-dir", str(run)],
-                cwd=run.parent, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+            workers.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "orchestrator",
+                        "reward-worker",
+                        "flat:reward",
+                        "--run-dir",
+                        str(run),
+                    ],
+                    cwd=run.parent,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         codes = [up.wait(timeout=300) for up in ups]
     finally:
         for peak in peaks:

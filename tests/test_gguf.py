@@ -20,14 +20,31 @@ from policy.from_gguf import GGUFError, convert  # noqa: E402
 
 # llama.cpp's names for mlx-lm's modules, as its convert_hf_to_gguf writes them.
 GGUF_NAMES = {
-    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
-SHAPE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256)
+SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+)
 CHAT = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
 
@@ -81,8 +98,9 @@ def encoded(w: np.ndarray, kind: T) -> np.ndarray:
     return gguf.quants.quantize(w.astype(np.float32), kind)
 
 
-def write_gguf(path: Path, arch: str, weights: dict[str, np.ndarray], kind: T,
-               kinds: dict[str, T] | None = None) -> dict:
+def write_gguf(
+    path: Path, arch: str, weights: dict[str, np.ndarray], kind: T, kinds: dict[str, T] | None = None
+) -> dict:
     """A GGUF file as llama.cpp writes one: 2-D weights in `kind`, norms and biases in F32.
     Returns what each weight reads back as (gguf's dequantization), by mlx-lm name."""
     tokens, merges = byte_vocab()
@@ -157,8 +175,9 @@ def test_each_architecture_converts_to_the_model_it_was_made_from(tmp_path, arch
     assert "quantization" not in config
 
 
-@pytest.mark.parametrize("kind", [T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1],
-                         ids=lambda k: k.name)
+@pytest.mark.parametrize(
+    "kind", [T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1], ids=lambda k: k.name
+)
 def test_each_tensor_type_reads_as_the_gguf_package_dequantizes_it(tmp_path, kind):
     """Q4_0, Q4_1 and Q8_0 stay quantized (bits per tensor in config.json) and hold
     exactly the values gguf dequantizes; other types are dequantized (float16, BF16 kept).
@@ -214,8 +233,9 @@ def test_an_unsupported_architecture_is_refused_by_name(tmp_path):
 
 def test_an_unsupported_tensor_type_is_refused_by_name(tmp_path):
     _, weights = hf_model("llama", tied=True)
-    write_gguf(tmp_path / "m.gguf", "llama", weights, T.F32,
-               kinds={"model.layers.0.mlp.up_proj.weight": T.I32})
+    write_gguf(
+        tmp_path / "m.gguf", "llama", weights, T.F32, kinds={"model.layers.0.mlp.up_proj.weight": T.I32}
+    )
     with pytest.raises(GGUFError, match=r"'blk\.0\.ffn_up\.weight' has type I32"):
         convert(tmp_path / "m.gguf", tmp_path / "out")
 
@@ -225,15 +245,41 @@ def test_convert_gguf_command_writes_a_folder_mlx_lm_generates_from(tmp_path):
     the result."""
     _, weights = hf_model("llama", tied=True)
     write_gguf(tmp_path / "m.gguf", "llama", weights, T.Q8_0)
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "convert-gguf", "m.gguf", "model"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "convert-gguf", "m.gguf", "model"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "converted m.gguf (llama, 2 layers" in done.stdout
-    gen = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--model", "model", "--prompt", "the",
-                          "--max-tokens", "4"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    gen = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "generate",
+            "--model",
+            "model",
+            "--prompt",
+            "the",
+            "--max-tokens",
+            "4",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert gen.returncode == 0, gen.stderr
-    bad = subprocess.run([sys.executable, "-m", "orchestrator", "convert-gguf", "missing.gguf", "model2"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "convert-gguf", "missing.gguf", "model2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "missing.gguf: no such file" in bad.stderr
 
 
@@ -321,8 +367,11 @@ def test_the_real_smollm2_tokenizer_follows_the_file(smollm2):
     digits = tok.encode("90817")
     assert [tokens[i] for i in digits] == list("90817")
     messages = [{"role": "user", "content": "What is 47 + 38?"}]
-    expected = jinja2.Environment().from_string(meta["tokenizer.chat_template"]).render(
-        messages=messages, add_generation_prompt=True)
+    expected = (
+        jinja2.Environment()
+        .from_string(meta["tokenizer.chat_template"])
+        .render(messages=messages, add_generation_prompt=True)
+    )
     assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == expected
     for special in ("<|im_start|>", "<|im_end|>"):
         assert [tokens[i] for i in tok.encode(special)] == [special]

@@ -83,8 +83,10 @@ def test_run_keys_are_owner_only_and_peers_get_in_while_strangers_are_refused(tm
         deadline = time.monotonic() + sockets.WRONG_KEY_S + 5
         while watch.down_for() > 0 and not watch.refused and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert watch.refused.startswith(f"every CURVE handshake failed for {sockets.WRONG_KEY_S:.0f} s: the "
-                                        "key directory's server.key is not this run's")
+        assert watch.refused.startswith(
+            f"every CURVE handshake failed for {sockets.WRONG_KEY_S:.0f} s: the "
+            "key directory's server.key is not this run's"
+        )
     finally:
         close_all(router, opened)
 
@@ -100,8 +102,9 @@ def test_add_peer_refuses_a_bad_name_and_an_existing_peer(tmp_path):
 def test_tcp_without_keys_needs_insecure(tmp_path):
     assert key_dir_for("ipc:///tmp/x.sock", None, insecure=False) is None
     assert key_dir_for("tcp://127.0.0.1:5555", None, insecure=True) is None
-    with pytest.raises(KeysError, match="give a CURVE key directory .--key-dir.*or accept plain TCP with "
-                                        "--insecure"):
+    with pytest.raises(
+        KeysError, match="give a CURVE key directory .--key-dir.*or accept plain TCP with --insecure"
+    ):
         key_dir_for("tcp://127.0.0.1:5555", None, insecure=False)
     with pytest.raises(KeysError, match="is not a key directory: it has no server.key"):
         key_dir_for("tcp://127.0.0.1:5555", tmp_path, insecure=False)
@@ -112,12 +115,22 @@ def test_tcp_without_keys_needs_insecure(tmp_path):
 @pytest.mark.slow
 def test_a_worker_refuses_tcp_without_keys_or_insecure_and_add_peer_writes_a_key_dir(tmp_path):
     cmd = [sys.executable, "-m", "orchestrator"]
-    done = subprocess.run([*cmd, "reward-worker", "tiny_task:reward", "--connect", "tcp://127.0.0.1:1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [*cmd, "reward-worker", "tiny_task:reward", "--connect", "tcp://127.0.0.1:1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "is TCP: give a CURVE key directory (--key-dir" in done.stderr
-    done = subprocess.run([*cmd, "keys", "add-peer", "macb", "--run-dir", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [*cmd, "keys", "add-peer", "macb", "--run-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert f"wrote {tmp_path / 'keys' / 'peers' / 'macb'}" in done.stdout
     assert (tmp_path / "keys" / "authorized" / "macb.key").exists()
@@ -206,7 +219,7 @@ def test_a_refused_key_sees_one_failure_and_no_retry(tmp_path, ctx):
     sock.close(linger=0)
     router.close(linger=0)
     assert events.count((zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400)) == 1, events
-    after = events[[e for e, _ in events].index(zmq.EVENT_HANDSHAKE_FAILED_AUTH):]
+    after = events[[e for e, _ in events].index(zmq.EVENT_HANDSHAKE_FAILED_AUTH) :]
     assert not [e for e, _ in after if e in (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECTED)], events
 
 
@@ -223,8 +236,11 @@ def test_one_end_with_curve_and_the_other_without_is_told_at_once(tmp_path, ctx,
         while not watch.refused and time.monotonic() < deadline:
             watch.down_for()
             time.sleep(0.05)
-        expected = ("the other end uses CURVE and we connected in plain TCP" if server_curve else
-                    "the other end is plain TCP and we use CURVE")
+        expected = (
+            "the other end uses CURVE and we connected in plain TCP"
+            if server_curve
+            else "the other end is plain TCP and we use CURVE"
+        )
         assert (watch.refused or "").startswith(expected), watch.refused
     finally:
         watch.close()
@@ -263,10 +279,13 @@ def stranger_keys(tmp_path, keys) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,spec", [
-    ("reward-worker", ["tiny_task:reward"]),
-    ("env-worker", ["digits_env:DigitsEnv", "--search-path", str(EXAMPLES)]),
-])
+@pytest.mark.parametrize(
+    "kind,spec",
+    [
+        ("reward-worker", ["tiny_task:reward"]),
+        ("env-worker", ["digits_env:DigitsEnv", "--search-path", str(EXAMPLES)]),
+    ],
+)
 def test_a_refused_worker_exits_4_within_10_s_saying_why(tmp_path, ctx, kind, spec):
     """libzmq drops a refused connection for good, so a send would wait forever: the
     worker checks before it sends, and says why it stops."""
@@ -274,9 +293,23 @@ def test_a_refused_worker_exits_4_within_10_s_saying_why(tmp_path, ctx, kind, sp
     endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     router = sockets.listen(ctx, endpoint, keys, kind.split("-")[0])
     try:
-        done = subprocess.run([sys.executable, "-m", "orchestrator", kind, *spec, "--connect", endpoint,
-                               "--key-dir", str(stranger_keys(tmp_path, keys))],
-                              cwd=EXAMPLES, capture_output=True, text=True, timeout=10)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator",
+                kind,
+                *spec,
+                "--connect",
+                endpoint,
+                "--key-dir",
+                str(stranger_keys(tmp_path, keys)),
+            ],
+            cwd=EXAMPLES,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     finally:
         router.close(linger=0)
     assert done.returncode == 4, done.stderr
@@ -293,8 +326,13 @@ def test_a_worker_of_a_secure_tcp_run_without_its_keys_refuses_to_connect(tmp_pa
     run.mkdir()
     write_run_config(run, cfg)
     protocol.write_endpoints(run, protocol.make_endpoints(run, "tcp", "127.0.0.1", 5599))
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
-                           "--run-dir", str(run)], cwd=EXAMPLES, capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward", "--run-dir", str(run)],
+        cwd=EXAMPLES,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2, done.stderr
     assert "the run is secure (run.insecure is false)" in done.stderr
     assert "orchestrator keys add-peer NAME --run-dir RUN" in done.stderr
@@ -316,8 +354,13 @@ def test_an_actor_set_insecure_facing_a_curve_learner_exits_4_saying_why(tmp_pat
     protocol.write_endpoints(actor_dir, endpoints)
     t0 = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, "-m", "actor", "run", "--run-dir", str(actor_dir)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [sys.executable, "-m", "actor", "run", "--run-dir", str(actor_dir)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     finally:
         router.close(linger=0)
     assert done.returncode == 4, done.stderr

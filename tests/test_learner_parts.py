@@ -22,20 +22,35 @@ from rewards.scorer import Scored, Scorer
 A, B = b"actor-a", b"actor-b"
 
 
-def rollout(group_id: str, version: int = 0, row: int = 0, lens=(2, 2), cursor=None,
-            start_cursor=None) -> protocol.Message:
+def rollout(
+    group_id: str, version: int = 0, row: int = 0, lens=(2, 2), cursor=None, start_cursor=None
+) -> protocol.Message:
     ids = np.arange(1, sum(lens) + 1, dtype=np.int32)
-    frames = protocol.encode(protocol.ROLLOUT, {
-        "group_id": group_id, "policy_version": version, "prompt": "repeat 1", "columns": {"target": "1"},
-        "texts": ["1" * n for n in lens], "finish_reasons": ["length"] * len(lens), "row": row,
-        **({"cursor": cursor} if cursor else {}),
-        **({"start_cursor": start_cursor} if start_cursor else {})}, {
-        "prompt_ids": np.array([3, 4], np.int32), "completion_ids": ids,
-        "completion_lens": np.array(lens, np.int32), "logprobs": np.full(len(ids), -1.0, np.float32)})
+    frames = protocol.encode(
+        protocol.ROLLOUT,
+        {
+            "group_id": group_id,
+            "policy_version": version,
+            "prompt": "repeat 1",
+            "columns": {"target": "1"},
+            "texts": ["1" * n for n in lens],
+            "finish_reasons": ["length"] * len(lens),
+            "row": row,
+            **({"cursor": cursor} if cursor else {}),
+            **({"start_cursor": start_cursor} if start_cursor else {}),
+        },
+        {
+            "prompt_ids": np.array([3, 4], np.int32),
+            "completion_ids": ids,
+            "completion_lens": np.array(lens, np.int32),
+            "logprobs": np.full(len(ids), -1.0, np.float32),
+        },
+    )
     return protocol.decode(frames)
 
 
 # -- the ledger --------------------------------------------------------------------------
+
 
 def test_the_ledger_accounts_for_every_group_and_the_credit_of_each_actor():
     ledger = Ledger()
@@ -43,9 +58,15 @@ def test_the_ledger_accounts_for_every_group_and_the_credit_of_each_actor():
         ledger.receive()
     ledger.drop("stale", A, [0, 2])
     ledger.train([(A, [0, 4], None), (B, [0, 3], None)])
-    assert ledger.counts(queued=2) == {"groups_received": 5, "groups_trained": 2, "groups_queued": 2,
-                                       "groups_dropped": 1, "dropped_reasons": {"stale": 1},
-                                       "messages_rejected": 0, "groups_received_by_actor": {}}
+    assert ledger.counts(queued=2) == {
+        "groups_received": 5,
+        "groups_trained": 2,
+        "groups_queued": 2,
+        "groups_dropped": 1,
+        "dropped_reasons": {"stale": 1},
+        "messages_rejected": 0,
+        "groups_received_by_actor": {},
+    }
     assert ledger.data_cursor == [0, 4]  # the newest consumed prompt, not the last one seen
     assert ledger.credits_due([A, B]) == [(A, 2), (B, 1)]
     assert ledger.credits_due([A, B]) == []  # told once, until it changes
@@ -78,18 +99,22 @@ def test_routine_drops_are_said_once_a_step_and_others_with_their_group(caplog):
         ledger.say_drops(7)
         ledger.say_drops(8)  # nothing since: nothing said
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["dropped group bad: completion_ids out of range",
-                     "step 7: dropped 6 groups (filtered: equal rewards 5, stale 1)"]
+    assert lines == [
+        "dropped group bad: completion_ids out of range",
+        "step 7: dropped 6 groups (filtered: equal rewards 5, stale 1)",
+    ]
     assert ledger.dropped == {"filtered: equal rewards": 5, "stale": 1, "completion_ids out of range": 1}
 
 
 # -- the intake --------------------------------------------------------------------------
 
+
 @pytest.fixture
 def scorer(tmp_path):
     (tmp_path / "r.py").write_text(
         "def ones(completions, **kw):\n    return [float(c.count('1')) for c in completions]\n"
-        "def fails(completions, **kw):\n    raise ValueError('bad column')\n")
+        "def fails(completions, **kw):\n    raise ValueError('bad column')\n"
+    )
     return lambda fn: Scorer(RewardConfig((f"r:{fn}",), search_path=str(tmp_path)))
 
 
@@ -128,7 +153,9 @@ def test_the_queue_keeps_the_order_of_arrival_whatever_order_rewards_come_back_i
     assert intake.next_batch(policy_version=0, batch_size=2, max_staleness=0) is None
     intake.take(answers[1:], [], [])
     assert [g.group_id for g in intake.next_batch(policy_version=0, batch_size=2, max_staleness=0)] == [
-        "first", "second"]
+        "first",
+        "second",
+    ]
     third = intake.next_batch(policy_version=0, batch_size=1, max_staleness=0)
     assert [g.group_id for g in third] == ["third"]
 
@@ -137,8 +164,11 @@ def test_a_failing_reward_function_is_dropped_and_named_with_its_row(scorer):
     ledger = Ledger()
     intake = Intake(scorer("fails"), lambda r: True, ledger)
     intake.add([group("g", row=17)])
-    with pytest.raises(RewardError, match=r"reward function r:fails raised ValueError: bad column "
-                                          r"\(on data row 17, prompt 'repeat 1'\)"):
+    with pytest.raises(
+        RewardError,
+        match=r"reward function r:fails raised ValueError: bad column "
+        r"\(on data row 17, prompt 'repeat 1'\)",
+    ):
         intake.score()
     assert ledger.dropped == {"reward error": 1} and intake.queued == 0
 
@@ -154,9 +184,15 @@ def socket_pair(tmp_path):
     ledger = Ledger()
     ledger.data_cursor = [0, 3]  # where a new actor's data begins
     weights = {"w": np.ones(3, np.float32)}
-    sock = RolloutSocket(ctx, f"ipc://{tmp_path}/learner.sock", ledger, IDENTITY,
-                         lambda actor, msg: group_from_message(actor, msg, 100, 2), lambda: weights,
-                         actor_count=2)
+    sock = RolloutSocket(
+        ctx,
+        f"ipc://{tmp_path}/learner.sock",
+        ledger,
+        IDENTITY,
+        lambda actor, msg: group_from_message(actor, msg, 100, 2),
+        lambda: weights,
+        actor_count=2,
+    )
     actor = ctx.socket(zmq.DEALER)
     actor.connect(f"ipc://{tmp_path}/learner.sock")
     yield sock, actor, ledger
@@ -177,8 +213,10 @@ def pump(sock: RolloutSocket, actor: zmq.Socket, n: int) -> tuple[list, list[pro
 
 
 def actor_hello(**changes) -> list:
-    return protocol.encode(protocol.HELLO, {"role": "actor", "pid": 1, "model": "m", "tokenizer": "t",
-                                            "lora": {"rank": 8}, **changes})
+    return protocol.encode(
+        protocol.HELLO,
+        {"role": "actor", "pid": 1, "model": "m", "tokenizer": "t", "lora": {"rank": 8}, **changes},
+    )
 
 
 def test_an_actor_that_matches_gets_hello_and_weights_and_one_that_does_not_is_told_why(socket_pair):
@@ -292,9 +330,11 @@ def test_a_dropped_group_still_holds_its_place_in_the_data_and_a_bad_span_is_ref
     actor.send_multipart(actor_hello())
     pump(sock, actor, 3)
     assert ledger.cursor_for(0) == ([0, 3], [])  # the fixture's newest consumed of any slot
-    for msg in (rollout("wrong size", lens=(2, 2, 2), cursor=[0, 4], start_cursor=[0, 3]),
-                rollout("backwards", cursor=[0, 5], start_cursor=[0, 9]),
-                rollout("ok", cursor=[0, 7], start_cursor=[0, 6])):
+    for msg in (
+        rollout("wrong size", lens=(2, 2, 2), cursor=[0, 4], start_cursor=[0, 3]),
+        rollout("backwards", cursor=[0, 5], start_cursor=[0, 9]),
+        rollout("ok", cursor=[0, 7], start_cursor=[0, 6]),
+    ):
         actor.send_multipart(protocol.encode(protocol.ROLLOUT, msg.header, msg.arrays))
     groups = []
     for _ in range(50):
@@ -302,8 +342,10 @@ def test_a_dropped_group_still_holds_its_place_in_the_data_and_a_bad_span_is_ref
         if ledger.received == 3:
             break
     assert [g.group_id for g in groups] == ["ok"]
-    assert ledger.dropped == {"group of 3 completions, config says 2": 1,
-                              "start_cursor [0, 9] is not an [epoch, position] before cursor [0, 5]": 1}
+    assert ledger.dropped == {
+        "group of 3 completions, config says 2": 1,
+        "start_cursor [0, 9] is not an [epoch, position] before cursor [0, 5]": 1,
+    }
     assert ledger.cursor_for(0) == ([0, 4], [[0, 7]])  # [0, 4] -> [0, 6] is a hole: sampled again
 
 
@@ -324,6 +366,7 @@ def test_a_slot_that_consumed_nothing_yet_resumes_at_its_own_start():
 
 # -- the metrics file --------------------------------------------------------------------
 
+
 def test_the_metrics_file_drops_steps_after_the_checkpoint_it_resumes(tmp_path):
     path = tmp_path / "metrics.jsonl"
     first = MetricsFile(path)
@@ -334,19 +377,28 @@ def test_the_metrics_file_drops_steps_after_the_checkpoint_it_resumes(tmp_path):
     resumed.write({"step": 3, "again": True})
     resumed.close()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
-        {"step": 1}, {"step": 2}, {"step": 3, "again": True}]
+        {"step": 1},
+        {"step": 2},
+        {"step": 3, "again": True},
+    ]
 
 
 # -- TRL's metric names --------------------------------------------------------------------
+
 
 def scored_group(group_id: str, lens, finish, by_function: dict, weights: dict):
     g = group_from_message(b"a", rollout(group_id, lens=lens), 100, len(lens))
     g.finish_reasons = finish
     g.rewards_by_function = by_function
     # as the scorer sums them: None left out, NaN where no function scored the completion
-    g.rewards = np.array([sum(weights[k] * (v[i] or 0.0) for k, v in by_function.items())
-                          if any(v[i] is not None for v in by_function.values()) else np.nan
-                          for i in range(len(lens))])
+    g.rewards = np.array(
+        [
+            sum(weights[k] * (v[i] or 0.0) for k, v in by_function.items())
+            if any(v[i] is not None for v in by_function.values())
+            else np.nan
+            for i in range(len(lens))
+        ]
+    )
     return g
 
 
@@ -358,28 +410,41 @@ def test_batch_metrics_carry_trl_s_names_and_meanings():
     from learner.step import Sample
 
     w = {"f": 1.0, "g": 0.5}
-    a = scored_group("a", (2, 3, 4), ["stop", "length", "stop"],
-                     {"f": [1.0, 0.0, 1.0], "g": [0.0, 0.0, 1.0]}, w)
-    b = scored_group("b", (5, 1, 6), ["length", "length", "stop"],
-                     {"f": [1.0, 1.0, None], "g": [1.0, 1.0, None]}, w)
-    samples = [Sample(g.prompt_ids, ids, lp, fr) for g in (a, b)
-               for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)]
+    a = scored_group(
+        "a", (2, 3, 4), ["stop", "length", "stop"], {"f": [1.0, 0.0, 1.0], "g": [0.0, 0.0, 1.0]}, w
+    )
+    b = scored_group(
+        "b", (5, 1, 6), ["length", "length", "stop"], {"f": [1.0, 1.0, None], "g": [1.0, 1.0, None]}, w
+    )
+    samples = [
+        Sample(g.prompt_ids, ids, lp, fr)
+        for g in (a, b)
+        for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)
+    ]
     m = batch_metrics([a, b], samples, np.stack([a.rewards, b.rewards]), np.zeros(6), 3, lambda k: k)
     totals = np.array([1.0, 0.0, 1.5, 1.5, 1.5])  # the five scored completions' weighted sums
     assert m["reward"] == pytest.approx(totals.mean())
     assert m["reward_std"] == pytest.approx(np.std(totals, ddof=1))
     assert (m["reward_min"], m["reward_max"]) == (0.0, 1.5)  # the unscored NaN left out
-    assert m["rewards/f/mean"] == pytest.approx(0.8) and m["rewards/f/std"] == pytest.approx(np.std(
-        [1, 0, 1, 1, 1], ddof=1))
-    assert m["rewards/g/mean"] == pytest.approx(0.6) and m["rewards/g/std"] == pytest.approx(np.std(
-        [0, 0, 1, 1, 1], ddof=1))
+    assert m["rewards/f/mean"] == pytest.approx(0.8) and m["rewards/f/std"] == pytest.approx(
+        np.std([1, 0, 1, 1, 1], ddof=1)
+    )
+    assert m["rewards/g/mean"] == pytest.approx(0.6) and m["rewards/g/std"] == pytest.approx(
+        np.std([0, 0, 1, 1, 1], ddof=1)
+    )
     # group b's scored rewards are 1.5 and 1.5: std 0; group a's are not
     assert m["frac_reward_zero_std"] == pytest.approx(0.5)
     assert (m["completions/mean_length"], m["completions/min_length"], m["completions/max_length"]) == (
-        pytest.approx(21 / 6), 1.0, 6.0)
+        pytest.approx(21 / 6),
+        1.0,
+        6.0,
+    )
     assert m["completions/clipped_ratio"] == pytest.approx(3 / 6)  # no EOS: cut at max_tokens
-    assert (m["completions/mean_terminated_length"], m["completions/min_terminated_length"],
-            m["completions/max_terminated_length"]) == (pytest.approx(4.0), 2.0, 6.0)
+    assert (
+        m["completions/mean_terminated_length"],
+        m["completions/min_terminated_length"],
+        m["completions/max_terminated_length"],
+    ) == (pytest.approx(4.0), 2.0, 6.0)
     assert batch_tokens(samples) == 6 * 2 + 21  # TRL's num_tokens adds prompts and completions
 
 
@@ -387,11 +452,21 @@ def test_the_completions_table_shows_each_group_under_its_prompt():
     from orchestrator.show import NotLogged, completions_table
 
     long = "math_rewards:correctness"  # whole: cut to 10 it read "math_rewar"
-    row = {"step": 3, "policy_version": 2, "group_id": "g1", "prompt": [{"role": "user", "content": "2+2?"}],
-           "finish_reason": "stop", "tokens": 3, "rewards": {"f": 1.0, long: None}, "advantage": 0.5}
-    rows = [{**row, "index": 0, "completion": "4\nok", "reward": 1.0},
-            {**row, "index": 1, "completion": "five", "reward": None, "rewards": {"f": None, long: None}},
-            {**row, "step": 1, "index": 0, "completion": "old", "reward": 0.0}]
+    row = {
+        "step": 3,
+        "policy_version": 2,
+        "group_id": "g1",
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "finish_reason": "stop",
+        "tokens": 3,
+        "rewards": {"f": 1.0, long: None},
+        "advantage": 0.5,
+    }
+    rows = [
+        {**row, "index": 0, "completion": "4\nok", "reward": 1.0},
+        {**row, "index": 1, "completion": "five", "reward": None, "rewards": {"f": None, long: None}},
+        {**row, "step": 1, "index": 0, "completion": "old", "reward": 0.0},
+    ]
     text = completions_table(rows, None, width=100)
     lines = text.splitlines()
     assert lines[0] == "step 3" and '"content": "2+2?"' in lines[2] and "policy version 2" in lines[2]
@@ -418,8 +493,11 @@ def test_a_group_that_no_reward_scored_has_no_std_and_advantage_zero():
     rewards = np.stack([a.rewards, b.rewards])
     advantages = make_algorithm("grpo").advantages(rewards)
     np.testing.assert_array_equal(advantages[2:], [0.0, 0.0])
-    samples = [Sample(g.prompt_ids, ids, lp, fr) for g in (a, b)
-               for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)]
+    samples = [
+        Sample(g.prompt_ids, ids, lp, fr)
+        for g in (a, b)
+        for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)
+    ]
     m = batch_metrics([a, b], samples, rewards, advantages, 1, lambda k: k)
     assert m["frac_reward_zero_std"] == 0.0  # a's std is 0.71, b has none
     assert m["reward"] == pytest.approx(0.5)
@@ -430,8 +508,10 @@ def test_the_plot_s_reward_band_stays_inside_the_range_the_rewards_took():
     without the range (an older run) keeps mean ± std."""
     from orchestrator.show import band
 
-    rows = [{"step": 1, "reward": 0.9, "reward_std": 0.3, "reward_min": 0.0, "reward_max": 1.0},
-            {"step": 2, "reward": 0.1, "reward_std": 0.2, "reward_min": 0.0, "reward_max": 1.0},
-            {"step": 3, "reward": 0.5, "reward_std": 0.25}]
+    rows = [
+        {"step": 1, "reward": 0.9, "reward_std": 0.3, "reward_min": 0.0, "reward_max": 1.0},
+        {"step": 2, "reward": 0.1, "reward_std": 0.2, "reward_min": 0.0, "reward_max": 1.0},
+        {"step": 3, "reward": 0.5, "reward_std": 0.25},
+    ]
     low, high = band(rows, "reward", "reward_std")
     assert low == pytest.approx([0.6, 0.0, 0.25]) and high == pytest.approx([1.0, 0.3, 0.75])

@@ -51,10 +51,11 @@ def hangup_as_a_terminal_leaves_it() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize("sig, preexec", [(signal.SIGTERM, None),
-                                          (signal.SIGHUP, hangup_as_a_terminal_leaves_it),
-                                          (signal.SIGINT, ignore_sigint)],
-                         ids=["SIGTERM", "SIGHUP", "SIGINT-inherited-ignored"])
+@pytest.mark.parametrize(
+    "sig, preexec",
+    [(signal.SIGTERM, None), (signal.SIGHUP, hangup_as_a_terminal_leaves_it), (signal.SIGINT, ignore_sigint)],
+    ids=["SIGTERM", "SIGHUP", "SIGINT-inherited-ignored"],
+)
 def test_a_stop_signal_checkpoints_and_leaves_no_child(tmp_path, sig, preexec):
     proc, run, children = start_endless_run(tmp_path, preexec_fn=preexec)
     t0 = time.monotonic()
@@ -96,8 +97,13 @@ def test_sigkill_of_the_orchestrator_leaves_no_child(tmp_path):
 def test_a_live_run_directory_refuses_a_second_learner_and_a_second_orchestrator(tmp_path):
     proc, run, children = start_endless_run(tmp_path)
     try:
-        second = subprocess.run([sys.executable, "-m", "learner", "--run-dir", str(run)], cwd=ROOT,
-                                capture_output=True, text=True, timeout=60)
+        second = subprocess.run(
+            [sys.executable, "-m", "learner", "--run-dir", str(run)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert second.returncode == lifecycle.EXIT_BUSY, second.stderr
         assert f"is in use by pid {proc.pid}" in second.stderr
         code, out = run_up(tmp_path / "run.toml", timeout=60)
@@ -113,7 +119,8 @@ def test_a_live_run_directory_refuses_a_second_learner_and_a_second_orchestrator
 
 def test_a_failing_reward_function_ends_the_run_at_once_naming_it(tmp_path):
     (tmp_path / "bad_reward.py").write_text(
-        "def reward(prompts, completions, **kw):\n    raise KeyError('no such column: answer')\n")
+        "def reward(prompts, completions, **kw):\n    raise KeyError('no such column: answer')\n"
+    )
     code, out = run_up(write_config(tmp_path, steps=3, reward="bad_reward:reward"))
     assert code == lifecycle.EXIT_USER_ERROR, out
     assert "learner stopped the run (user error, exit code 4)" in out
@@ -189,8 +196,10 @@ def test_only_crashes_are_restarted(tmp_path):
 def test_a_heartbeat_file_is_never_seen_half_written(tmp_path):
     # A process beating as fast as it can; this test reads the file meanwhile, as the
     # supervisor's readers and users' scripts do. A truncate-then-write would show "".
-    beat_fast = ("import time, protocol.heartbeat as h; h.INTERVAL_S = 0; "
-                 f"h.start_heartbeat({str(tmp_path)!r}, 'actor'); time.sleep(3)")
+    beat_fast = (
+        "import time, protocol.heartbeat as h; h.INTERVAL_S = 0; "
+        f"h.start_heartbeat({str(tmp_path)!r}, 'actor'); time.sleep(3)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", beat_fast], cwd=ROOT)
     try:
         path, reads = tmp_path / "heartbeat.actor", 0
@@ -234,8 +243,14 @@ def test_the_heartbeat_outlives_a_moment_without_descriptors(tmp_path):
     """A flood of connections can take every descriptor for a moment; a heartbeat that
     stopped for good would have the orchestrator kill a healthy process. It beats again
     once descriptors are free, and says once that it could not."""
-    done = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS, str(tmp_path)], cwd=ROOT,
-                          env=lifecycle.child_env(), capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", OUT_OF_DESCRIPTORS, str(tmp_path)],
+        cwd=ROOT,
+        env=lifecycle.child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.stdout.strip() == "beating", done.stdout + done.stderr
     assert done.stderr.count("cannot write the heartbeat") == 1, done.stderr
 
@@ -251,8 +266,10 @@ def test_a_second_run_in_a_run_directory_is_refused_unless_asked_to_overwrite(tm
     assert (run / "learner.log").read_text().count("wrote checkpoint step_000002") == 1  # not again at end
     code, out = run_up(cfg)
     assert code == lifecycle.EXIT_CONFIG, out
-    assert (f"error: {run} holds a run (metrics.jsonl, checkpoints up to step 2, adapters): continue it with "
-            f"`orchestrator up --resume {run}`, or start over with --overwrite") in out
+    assert (
+        f"error: {run} holds a run (metrics.jsonl, checkpoints up to step 2, adapters): continue it with "
+        f"`orchestrator up --resume {run}`, or start over with --overwrite"
+    ) in out
     assert {p: p.read_bytes() for p in results} == results
     code, out = run_up(cfg, "--overwrite", "--steps", "1")
     assert code == 0, out
@@ -267,14 +284,26 @@ def test_peers_started_by_hand_exit_when_their_run_has_ended(tmp_path):
     that will never come back. Without the mark (a learner restarting) they wait."""
     cfg = write_config(tmp_path)
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "orchestrator", "prepare", "--config", str(cfg)], cwd=ROOT,
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "orchestrator", "prepare", "--config", str(cfg)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     logs = {name: tmp_path / f"{name}.log" for name in ("actor", "reward-worker")}
-    commands = {"actor": ["-m", "actor", "run"],
-                "reward-worker": ["-m", "orchestrator", "reward-worker", "tiny_task:reward"]}
-    procs = {name: subprocess.Popen([sys.executable, *command, "--run-dir", str(run)], cwd=tmp_path,
-                                    stdout=logs[name].open("w"), stderr=subprocess.STDOUT)
-             for name, command in commands.items()}
+    commands = {
+        "actor": ["-m", "actor", "run"],
+        "reward-worker": ["-m", "orchestrator", "reward-worker", "tiny_task:reward"],
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, *command, "--run-dir", str(run)],
+            cwd=tmp_path,
+            stdout=logs[name].open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for name, command in commands.items()
+    }
     try:
         time.sleep(4 * lifecycle.RUN_OVER_CHECK_S + 2)  # no learner yet, and no mark: they wait
         assert {n: p.poll() for n, p in procs.items()} == {"actor": None, "reward-worker": None}

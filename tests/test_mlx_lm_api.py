@@ -11,8 +11,18 @@ import pytest
 from mlx_lm.models import cache as mlx_cache
 
 KV_ATTRIBUTES = ("keys", "values", "offset", "update_and_fetch")
-BATCH_ATTRIBUTES = ("keys", "values", "offset", "_idx", "left_padding", "update_and_fetch", "extract",
-                    "extend", "filter", "merge")
+BATCH_ATTRIBUTES = (
+    "keys",
+    "values",
+    "offset",
+    "_idx",
+    "left_padding",
+    "update_and_fetch",
+    "extract",
+    "extend",
+    "filter",
+    "merge",
+)
 
 
 def grown(cache, rows: int):
@@ -21,10 +31,13 @@ def grown(cache, rows: int):
     return cache
 
 
-@pytest.mark.parametrize("name,make,attributes", [
-    ("KVCache", lambda: grown(mlx_cache.KVCache(), 1), KV_ATTRIBUTES),
-    ("BatchKVCache", lambda: grown(mlx_cache.BatchKVCache([0, 1]), 2), BATCH_ATTRIBUTES),
-])
+@pytest.mark.parametrize(
+    "name,make,attributes",
+    [
+        ("KVCache", lambda: grown(mlx_cache.KVCache(), 1), KV_ATTRIBUTES),
+        ("BatchKVCache", lambda: grown(mlx_cache.BatchKVCache([0, 1]), 2), BATCH_ATTRIBUTES),
+    ],
+)
 def test_the_cache_classes_have_what_the_engine_and_learner_use(name, make, attributes):
     cache = make()
     missing = [a for a in attributes if not hasattr(cache, a)]

@@ -32,8 +32,10 @@ def fresh():
 def perturb(model, seed=0):
     """Give lora_b non-zero values so the adapters change the model's output."""
     rng = np.random.default_rng(seed)
-    weights = {k: v + (rng.normal(0, 0.2, v.shape).astype(np.float32) if k.endswith("lora_b") else 0)
-               for k, v in adapter_weights_numpy(model).items()}
+    weights = {
+        k: v + (rng.normal(0, 0.2, v.shape).astype(np.float32) if k.endswith("lora_b") else 0)
+        for k, v in adapter_weights_numpy(model).items()
+    }
     set_adapter_weights(model, weights)
 
 
@@ -86,8 +88,11 @@ def test_saved_adapters_load_in_mlx_lm_and_generate(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapters.safetensors"]
     assert json.loads((out / "adapter_config.json").read_text())["model"] == str(TINY_MODEL)
     loaded, tok2 = load(str(TINY_MODEL), adapter_path=str(out))
-    np.testing.assert_allclose(np.array(sequence_logprobs(loaded, TOKENS, 1.0)),
-                               np.array(sequence_logprobs(model, TOKENS, 1.0)), atol=1e-6)
+    np.testing.assert_allclose(
+        np.array(sequence_logprobs(loaded, TOKENS, 1.0)),
+        np.array(sequence_logprobs(model, TOKENS, 1.0)),
+        atol=1e-6,
+    )
     text = generate(loaded, tok2, "repeat 4", max_tokens=5)
     assert isinstance(text, str) and len(text) > 0
     # Saving again replaces the directory whole, leaving no temporary siblings behind.
@@ -108,8 +113,9 @@ def test_an_optimizer_step_moves_only_the_adapters():
     model, _, _ = fresh()
     base_before = {k: np.array(v) for k, v in tree_flatten(model.parameters()) if "lora" not in k}
     lora_before = adapter_weights_numpy(model)
-    samples = [Sample(np.array([5, 6]), np.array([10 + i, 11]), np.array([-4.0, -4.0]), "length")
-               for i in range(4)]
+    samples = [
+        Sample(np.array([5, 6]), np.array([10 + i, 11]), np.array([-4.0, -4.0]), "length") for i in range(4)
+    ]
     batch = make_batch(samples, 0)
     adv = GRPO().advantages(np.array([[1.0, 0.0, 0.0, 1.0]]))
     trainer = trainer_for(model)
@@ -157,13 +163,15 @@ def test_qlora_trains_on_a_model_saved_quantized(tmp_path):
     path = quantized_copy(tmp_path / "q4")
     model, tok, _ = load_policy(str(path), LORA)
     full, _, _ = fresh()
-    assert {k: v.shape for k, v in adapter_weights_numpy(model).items()} == \
-        {k: v.shape for k, v in adapter_weights_numpy(full).items()}
+    assert {k: v.shape for k, v in adapter_weights_numpy(model).items()} == {
+        k: v.shape for k, v in adapter_weights_numpy(full).items()
+    }
     assert isinstance(model.layers[0].self_attn.q_proj.linear, nn.QuantizedLinear)
     start = adapter_weights_numpy(model)
     rng = np.random.default_rng(0)
-    samples = [Sample(np.array([10, 11, 12]), rng.integers(5, 50, 6), np.full(6, -3.0), "length")
-               for _ in range(4)]
+    samples = [
+        Sample(np.array([10, 11, 12]), rng.integers(5, 50, 6), np.full(6, -3.0), "length") for _ in range(4)
+    ]
     batch = make_batch(samples, 0)
     model.train()
     trainer = trainer_for(model, beta=0.04)

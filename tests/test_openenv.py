@@ -57,7 +57,9 @@ def openenv_server(tmp_path):
 def test_a_run_trains_against_a_real_openenv_server(tmp_path, openenv_server):
     """Every episode is an OpenEnv session: the server's reset text is the first turn, it
     echoes each model turn back, and its rewards are the episode's."""
-    cfg = write_config(tmp_path, f"""
+    cfg = write_config(
+        tmp_path,
+        f"""
 [env]
 environment = "openenv"
 openenv_url = "{openenv_server}"
@@ -67,7 +69,10 @@ max_episode_tokens = 96
 [log]
 completions_every = 1
 completions_groups = 2
-""", steps=2, reward="env")
+""",
+        steps=2,
+        reward="env",
+    )
     code, out = run_up(cfg)
     assert code == 0, out
     run = tmp_path / "run"

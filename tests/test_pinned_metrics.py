@@ -34,8 +34,13 @@ def pinned(metrics: dict) -> dict:
 
 def run_tiny(run_dir: Path) -> list[dict]:
     command = ["up", "--config", str(EXAMPLES / "tiny.toml"), "--run-dir", str(run_dir), *ARGS]
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", *command], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return [pinned(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

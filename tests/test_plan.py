@@ -28,15 +28,28 @@ from tests.helpers import EXAMPLES, ROOT, TINY_MODEL, read_metrics, trainer_for
 
 
 def shape(**kw) -> Shape:
-    base = dict(group_size=8, batch_size=1, prompt_tokens=16, max_tokens=48, micro_batch_size=0,
-                grad_checkpoint=False, lora_rank=8, lora_layers=-1, lora_keys=())
+    base = dict(
+        group_size=8,
+        batch_size=1,
+        prompt_tokens=16,
+        max_tokens=48,
+        micro_batch_size=0,
+        grad_checkpoint=False,
+        lora_rank=8,
+        lora_layers=-1,
+        lora_keys=(),
+    )
     return Shape(**{**base, **kw})
 
 
 def plan_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator", "plan", "--config",
-                           str(EXAMPLES / "tiny.toml"), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "plan", "--config", str(EXAMPLES / "tiny.toml"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.slow
@@ -56,10 +69,24 @@ def test_plan_refuses_a_config_that_cannot_fit_and_names_the_knob():
 
 @pytest.mark.slow
 def test_up_refuses_before_loading_any_model(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "up", "--config",
-                           str(EXAMPLES / "tiny.toml"), "--run-dir", str(tmp_path / "run"),
-                           "--available-memory-gb", "0.002"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "up",
+            "--config",
+            str(EXAMPLES / "tiny.toml"),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--available-memory-gb",
+            "0.002",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 3 and "does not fit" in proc.stderr
     assert not (tmp_path / "run").exists()
 
@@ -91,9 +118,19 @@ def wide_vocab_model(tmp_path_factory) -> str:
     return str(save_model(tmp_path_factory.mktemp("wide-vocab"), model, config))
 
 
-def measured_learner_peak(model_path: str, rows: int, prompt: int, completion: int, checkpoint: bool,
-                          temperature: float = 1.0, fused: bool = True, chunk: int = 0,
-                          lora: LoraConfig = LoraConfig(), groups: int = 1, dequantize: bool = False) -> int:
+def measured_learner_peak(
+    model_path: str,
+    rows: int,
+    prompt: int,
+    completion: int,
+    checkpoint: bool,
+    temperature: float = 1.0,
+    fused: bool = True,
+    chunk: int = 0,
+    lora: LoraConfig = LoraConfig(),
+    groups: int = 1,
+    dequantize: bool = False,
+) -> int:
     mx.random.seed(0)
     model, _, _ = load_policy(model_path, lora, dequantize=dequantize)
     model.train()
@@ -107,14 +144,27 @@ def measured_learner_peak(model_path: str, rows: int, prompt: int, completion: i
     try:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(5, 50, prompt) for _ in range(groups)]  # each shared by its group
-        samples = [Sample(prompts[i * groups // rows], rng.integers(5, 50, completion),
-                          np.full(completion, -4.0), "length") for i in range(rows)]
+        samples = [
+            Sample(
+                prompts[i * groups // rows],
+                rng.integers(5, 50, completion),
+                np.full(completion, -4.0),
+                "length",
+            )
+            for i in range(rows)
+        ]
         batch = make_batch(samples, 0)
         mx.eval(batch.tokens, batch.mask, batch.behavior)
         mx.clear_cache()
         mx.reset_peak_memory()
-        trainer = trainer_for(model, temperature=temperature, fused=fused, logits=logits,
-                              optimizer=optim.Adam(learning_rate=1e-4), grad_checkpoint=checkpoint)
+        trainer = trainer_for(
+            model,
+            temperature=temperature,
+            fused=fused,
+            logits=logits,
+            optimizer=optim.Adam(learning_rate=1e-4),
+            grad_checkpoint=checkpoint,
+        )
         trainer.step(trainer.prepare(batch), rng.normal(size=rows))
         return mx.get_peak_memory()
     finally:
@@ -127,15 +177,27 @@ def chunk_mb(positions: int, vocab: int) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows,prompt,completion,checkpoint,chunk", [
-    (16, 16, 48, False, 0), (64, 16, 112, False, 0), (32, 32, 224, False, 128), (8, 64, 448, False, 128),
-    (32, 32, 224, True, 0), (32, 32, 224, True, 128),
-])
+@pytest.mark.parametrize(
+    "rows,prompt,completion,checkpoint,chunk",
+    [
+        (16, 16, 48, False, 0),
+        (64, 16, 112, False, 0),
+        (32, 32, 224, False, 128),
+        (8, 64, 448, False, 128),
+        (32, 32, 224, True, 0),
+        (32, 32, 224, True, 128),
+    ],
+)
 def test_learner_estimate_is_within_15_percent_of_measured_peaks(rows, prompt, completion, checkpoint, chunk):
     measured = measured_learner_peak(str(TINY_MODEL), rows, prompt, completion, checkpoint, chunk=chunk)
     m = read_shape(str(TINY_MODEL))
-    s = shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion, grad_checkpoint=checkpoint,
-              logit_chunk_mb=chunk_mb(chunk, m.vocab))
+    s = shape(
+        group_size=rows,
+        prompt_tokens=prompt,
+        max_tokens=completion,
+        grad_checkpoint=checkpoint,
+        logit_chunk_mb=chunk_mb(chunk, m.vocab),
+    )
     est = sum(learner_terms(m, s).values())
     assert abs(est / measured - 1) <= 0.15, (est / MB, measured / MB)
 
@@ -144,8 +206,9 @@ def test_learner_estimate_is_within_15_percent_of_measured_peaks(rows, prompt, c
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("rows,completion", [(4, 48), (8, 112)])
-def test_the_whole_logits_term_holds_where_logits_dominate(wide_vocab_model, rows, completion, temperature,
-                                                           fused):
+def test_the_whole_logits_term_holds_where_logits_dominate(
+    wide_vocab_model, rows, completion, temperature, fused
+):
     """At a 16k vocabulary the logits term is most of the estimate; the total must still be
     within 15% of the measured peak, with and without a temperature to divide by. (The old
     check compared the term's coefficient with the seed's Qwen3-0.6B figure that the
@@ -169,10 +232,24 @@ def test_each_process_stays_under_its_share_when_the_budget_is_as_small_as_the_p
 
     plan = plan_for(load_config(EXAMPLES / "tiny.toml"), 1.0)[0].plan
     budget_gb = plan.total * SAFETY * 1.001 / (1 << 30)
-    command = ["up", "--config", str(EXAMPLES / "tiny.toml"), "--run-dir", str(tmp_path / "run"),
-               "--steps", "6", "--available-memory-gb", f"{budget_gb:.9f}"]
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", *command], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    command = [
+        "up",
+        "--config",
+        str(EXAMPLES / "tiny.toml"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--steps",
+        "6",
+        "--available-memory-gb",
+        f"{budget_gb:.9f}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     shares = json.loads((tmp_path / "run" / "plan.json").read_text())["shares_mb"]
     for m in read_metrics(tmp_path / "run"):
@@ -268,14 +345,34 @@ def test_at_a_151936_vocabulary_the_learner_s_peak_follows_the_logit_chunk(qwen_
     m = read_shape(qwen_vocab_model)
     # One copy of the logits a step forms: the completions' and the shared prompt's last position.
     whole_copy = (rows * completion + 1) * m.vocab * 4
-    weights = sum(learner_terms(m, shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion,
-                                         logit_chunk_mb=chunk_mb(1, m.vocab))).values())  # all but logits
+    weights = sum(
+        learner_terms(
+            m,
+            shape(
+                group_size=rows,
+                prompt_tokens=prompt,
+                max_tokens=completion,
+                logit_chunk_mb=chunk_mb(1, m.vocab),
+            ),
+        ).values()
+    )  # all but logits
     peaks = {}
     for chunk in (16, 64):
-        peaks[chunk] = measured_learner_peak(qwen_vocab_model, rows, prompt, completion, False, 0.7, fused,
-                                             chunk)
-        planned = sum(learner_terms(m, shape(group_size=rows, prompt_tokens=prompt, max_tokens=completion,
-                                             logit_chunk_mb=chunk_mb(chunk, m.vocab), fused=fused)).values())
+        peaks[chunk] = measured_learner_peak(
+            qwen_vocab_model, rows, prompt, completion, False, 0.7, fused, chunk
+        )
+        planned = sum(
+            learner_terms(
+                m,
+                shape(
+                    group_size=rows,
+                    prompt_tokens=prompt,
+                    max_tokens=completion,
+                    logit_chunk_mb=chunk_mb(chunk, m.vocab),
+                    fused=fused,
+                ),
+            ).values()
+        )
         assert abs(planned / peaks[chunk] - 1) <= 0.15, (chunk, planned / MB, peaks[chunk] / MB)
         assert peaks[chunk] - weights < 2 * whole_copy
     whole = measured_learner_peak(qwen_vocab_model, rows, prompt, completion, False, 0.7, fused)
@@ -383,12 +480,18 @@ def test_fit_picks_micro_batches_then_checkpointing_then_fewer_decode_rows():
     m = read_shape(str(TINY_MODEL))
     s = shape(batch_size=8, max_tokens=8, prompt_tokens=8, decode_rows=64)
     choices = knob_choices(s)
-    assert [c[1] for c in choices[:3]] == [{}, {"train": {"micro_batch_size": 32}},
-                                           {"train": {"micro_batch_size": 16}}]
+    assert [c[1] for c in choices[:3]] == [
+        {},
+        {"train": {"micro_batch_size": 32}},
+        {"train": {"micro_batch_size": 16}},
+    ]
     kinds = [tuple(sorted({k for keys in ch.values() for k in keys})) for _, ch in choices]
     first = {kind: kinds.index(kind) for kind in kinds}
-    assert first[("micro_batch_size",)] < first[("grad_checkpoint", "micro_batch_size")] \
+    assert (
+        first[("micro_batch_size",)]
+        < first[("grad_checkpoint", "micro_batch_size")]
         < first[("grad_checkpoint", "max_rows", "micro_batch_size")]
+    )
     totals = [make_plan(m, c, 1e12, "").total * SAFETY for c, _ in choices]
     for i, (_, changes) in enumerate(choices):
         if any(t <= totals[i] for t in totals[:i]):
@@ -418,10 +521,26 @@ def test_up_runs_a_config_that_fits_only_with_micro_batches_and_says_so(tmp_path
     assert low < high
     assert shape_from_config(cfg, s.prompt_tokens) == s
     budget_gb = (low + high) / 2 / (1 << 30)
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "up", "--config",
-                           str(EXAMPLES / "tiny.toml"), "--run-dir", str(tmp_path / "run"), "--steps", "2",
-                           "--available-memory-gb", f"{budget_gb:.9f}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "up",
+            "--config",
+            str(EXAMPLES / "tiny.toml"),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "2",
+            "--available-memory-gb",
+            f"{budget_gb:.9f}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "it fits with train.micro_batch_size = " in proc.stdout, proc.stdout
     picked = json.loads((tmp_path / "run" / "config.json").read_text())["train"]["micro_batch_size"]
@@ -442,7 +561,15 @@ def test_the_plan_counts_the_real_example_s_learner_peak_within_15_percent(smoll
     fitted, _ = plan_for(cfg, 64)
     s = fitted.shape
     assert s.dequantize and s.lora_layers == 16 and s.logit_chunk_mb == 0
-    measured = measured_learner_peak(str(smollm2), s.batch_size * s.group_size, s.prompt_tokens, s.max_tokens,
-                                     False, lora=cfg.lora, groups=s.batch_size, dequantize=True)
+    measured = measured_learner_peak(
+        str(smollm2),
+        s.batch_size * s.group_size,
+        s.prompt_tokens,
+        s.max_tokens,
+        False,
+        lora=cfg.lora,
+        groups=s.batch_size,
+        dequantize=True,
+    )
     planned = sum(fitted.plan.learner.values())
     assert abs(planned / measured - 1) <= 0.15, (planned / MB, measured / MB)

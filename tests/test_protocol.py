@@ -60,8 +60,12 @@ def rollout_parts(group: int = 2) -> tuple[dict, dict[str, np.ndarray]]:
     return header, arrays
 
 
-def rollout_frames(header_changes: dict | None = None, array_changes: dict | None = None,
-                   drop_fields: tuple = (), drop_arrays: tuple = ()) -> list[bytes]:
+def rollout_frames(
+    header_changes: dict | None = None,
+    array_changes: dict | None = None,
+    drop_fields: tuple = (),
+    drop_arrays: tuple = (),
+) -> list[bytes]:
     header, arrays = rollout_parts()
     header.update(header_changes or {})
     arrays.update(array_changes or {})
@@ -110,10 +114,14 @@ def test_rollout_helper_is_valid():
 
 ROUND_TRIPS = {
     HELLO: (
-        {"role": "actor", "model": "/models/tiny", "tokenizer": "/models/tiny",
-         "lora": {"rank": 8, "scale": 20.0, "keys": ["q_proj"]}, "pid": 4242},
-        {"vocab_mask": np.array([1, 0, 1, 1], dtype=np.uint8),
-         "one": np.array([7], dtype=np.int64)},
+        {
+            "role": "actor",
+            "model": "/models/tiny",
+            "tokenizer": "/models/tiny",
+            "lora": {"rank": 8, "scale": 20.0, "keys": ["q_proj"]},
+            "pid": 4242,
+        },
+        {"vocab_mask": np.array([1, 0, 1, 1], dtype=np.uint8), "one": np.array([7], dtype=np.int64)},
     ),
     ROLLOUT: rollout_parts(group=3),
     WEIGHTS: (
@@ -183,9 +191,16 @@ def test_empty_arrays_keep_their_shape():
         assert_same_array(msg.arrays[name], want)
 
 
-@pytest.mark.parametrize("dtype,value", [
-    ("float32", 3.25), ("int32", -9), ("int64", 2**40), ("float16", -1.5), ("uint8", 255),
-])
+@pytest.mark.parametrize(
+    "dtype,value",
+    [
+        ("float32", 3.25),
+        ("int32", -9),
+        ("int64", 2**40),
+        ("float16", -1.5),
+        ("uint8", 255),
+    ],
+)
 def test_decode_zero_d_array(dtype, value):
     frame = np.array(value, dtype=dtype).tobytes()
     msg = decode(stop_with_array({"name": "s", "dtype": dtype, "shape": []}, frame))
@@ -245,9 +260,15 @@ def test_header_not_msgpack(junk):
         decode([junk])
 
 
-@pytest.mark.parametrize("value,name", [
-    ([1, 2, 3], "list"), ("hello", "str"), (7, "int"), (None, "NoneType"),
-])
+@pytest.mark.parametrize(
+    "value,name",
+    [
+        ([1, 2, 3], "list"),
+        ("hello", "str"),
+        (7, "int"),
+        (None, "NoneType"),
+    ],
+)
 def test_header_not_a_map(value, name):
     with pytest.raises(ProtocolError, match=f"header must be a map, got {name}"):
         decode([pack(value)])
@@ -281,19 +302,24 @@ def test_unknown_kind_is_named():
         decode(forge({"kind": "bogus"}))
 
 
-@pytest.mark.parametrize("kind,header,missing", [
-    (STOP, {}, "reason"),
-    (WEIGHTS, {}, "version"),
-    (HEARTBEAT, {"role": "actor"}, "time"),
-    (HELLO, {"role": "actor", "model": "m", "tokenizer": "t", "lora": {}}, "pid"),
-])
+@pytest.mark.parametrize(
+    "kind,header,missing",
+    [
+        (STOP, {}, "reason"),
+        (WEIGHTS, {}, "version"),
+        (HEARTBEAT, {"role": "actor"}, "time"),
+        (HELLO, {"role": "actor", "model": "m", "tokenizer": "t", "lora": {}}, "pid"),
+    ],
+)
 def test_missing_required_field(kind, header, missing):
     with pytest.raises(ProtocolError, match=f"{kind}: missing field '{missing}'"):
         decode(encode(kind, header))
 
 
-@pytest.mark.parametrize("field,value,said", [("final", "yes", "'final' must be true or false"),
-                                               ("code", 4, "'code' must be a string")])
+@pytest.mark.parametrize(
+    "field,value,said",
+    [("final", "yes", "'final' must be true or false"), ("code", 4, "'code' must be a string")],
+)
 def test_a_stop_s_optional_fields_are_checked(field, value, said):
     with pytest.raises(ProtocolError, match=f"stop: field {said}"):
         decode(encode(STOP, {"reason": "r", field: value}))
@@ -301,21 +327,32 @@ def test_a_stop_s_optional_fields_are_checked(field, value, said):
     assert stop["code"] == "incompatible"
 
 
-@pytest.mark.parametrize("field", [
-    "group_id", "policy_version", "prompt", "columns", "texts", "finish_reasons",
-])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "group_id",
+        "policy_version",
+        "prompt",
+        "columns",
+        "texts",
+        "finish_reasons",
+    ],
+)
 def test_rollout_missing_required_field(field):
     with pytest.raises(ProtocolError, match=f"rollout: missing field '{field}'"):
         decode(rollout_frames(drop_fields=(field,)))
 
 
-@pytest.mark.parametrize("kind,header,message", [
-    (WEIGHTS, {"version": "3"}, "field 'version' must be an integer, got str"),
-    (WEIGHTS, {"version": 1.0}, "field 'version' must be an integer, got float"),
-    (STOP, {"reason": 5}, "field 'reason' must be a string, got int"),
-    (HEARTBEAT, {"role": "actor", "time": "now"}, "field 'time' must be a number, got str"),
-    (ROLLOUT, {**rollout_parts()[0], "texts": "abc"}, "field 'texts' must be a list, got str"),
-])
+@pytest.mark.parametrize(
+    "kind,header,message",
+    [
+        (WEIGHTS, {"version": "3"}, "field 'version' must be an integer, got str"),
+        (WEIGHTS, {"version": 1.0}, "field 'version' must be an integer, got float"),
+        (STOP, {"reason": 5}, "field 'reason' must be a string, got int"),
+        (HEARTBEAT, {"role": "actor", "time": "now"}, "field 'time' must be a number, got str"),
+        (ROLLOUT, {**rollout_parts()[0], "texts": "abc"}, "field 'texts' must be a list, got str"),
+    ],
+)
 def test_wrong_field_type(kind, header, message):
     arrays = rollout_parts()[1] if kind == ROLLOUT else None
     with pytest.raises(ProtocolError, match=message):
@@ -369,8 +406,9 @@ def test_hello_model_fields_are_the_rollout_socket_s_business():
     bare = decode(encode(HELLO, {"role": "observer", "pid": 3, "model": "m", "lora": []}))  # lora: not a map
     rollouts = RolloutSocket.__new__(RolloutSocket)  # only its hello check, no socket
     rollouts.identity = {"model": "m", "tokenizer": "t", "lora": {}}
-    assert rollouts.incompatibility(bare) == ("an observer's hello needs 'tokenizer', 'lora' "
-                                              "(PROTOCOL.md, hello)")
+    assert rollouts.incompatibility(bare) == (
+        "an observer's hello needs 'tokenizer', 'lora' (PROTOCOL.md, hello)"
+    )
 
 
 def test_score_reply_with_an_error_needs_no_usable_rewards():
@@ -411,23 +449,32 @@ def test_bad_shape(shape):
         decode(frames)
 
 
-@pytest.mark.parametrize("spec", [
-    {"dtype": "uint8", "shape": [1]}, {"name": 3, "dtype": "uint8", "shape": [1]},
-    "w", ["w", "uint8", [1]], None,
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"dtype": "uint8", "shape": [1]},
+        {"name": 3, "dtype": "uint8", "shape": [1]},
+        "w",
+        ["w", "uint8", [1]],
+        None,
+    ],
+)
 def test_array_spec_without_string_name(spec):
     with pytest.raises(ProtocolError, match="every array needs a string 'name'"):
         decode(stop_with_array(spec, b"\x00"))
 
 
-@pytest.mark.parametrize("dtype,shape,nbytes,expected", [
-    ("float32", [3], 8, 12),
-    ("float32", [3], 13, 12),
-    ("int64", [2, 2], 31, 32),
-    ("float16", [], 0, 2),
-    ("uint8", [0], 1, 0),
-    ("int32", [2, 0], 8, 0),
-])
+@pytest.mark.parametrize(
+    "dtype,shape,nbytes,expected",
+    [
+        ("float32", [3], 8, 12),
+        ("float32", [3], 13, 12),
+        ("int64", [2, 2], 31, 32),
+        ("float16", [], 0, 2),
+        ("uint8", [0], 1, 0),
+        ("int32", [2, 0], 8, 0),
+    ],
+)
 def test_frame_length_does_not_match(dtype, shape, nbytes, expected):
     frames = stop_with_array({"name": "w", "dtype": dtype, "shape": shape}, b"\x01" * nbytes)
     message = rf"array 'w' {dtype}\[.*\] needs {expected} bytes, frame has {nbytes}"
@@ -482,14 +529,17 @@ def test_rollout_missing_array(name):
         decode(rollout_frames(drop_arrays=(name,)))
 
 
-@pytest.mark.parametrize("name,value,want", [
-    ("prompt_ids", np.array([5, 6, 7], dtype=np.int64), "int32"),
-    ("completion_ids", np.arange(10, 15, dtype=np.uint8), "int32"),
-    ("completion_lens", np.array([3, 2], dtype=np.int64), "int32"),
-    ("logprobs", np.full(5, -0.5, dtype=np.float16), "float32"),
-    ("prompt_ids", np.array([[5, 6, 7]], dtype=np.int32), "int32"),
-    ("logprobs", np.full((5, 1), -0.5, dtype=np.float32), "float32"),
-])
+@pytest.mark.parametrize(
+    "name,value,want",
+    [
+        ("prompt_ids", np.array([5, 6, 7], dtype=np.int64), "int32"),
+        ("completion_ids", np.arange(10, 15, dtype=np.uint8), "int32"),
+        ("completion_lens", np.array([3, 2], dtype=np.int64), "int32"),
+        ("logprobs", np.full(5, -0.5, dtype=np.float16), "float32"),
+        ("prompt_ids", np.array([[5, 6, 7]], dtype=np.int32), "int32"),
+        ("logprobs", np.full((5, 1), -0.5, dtype=np.float32), "float32"),
+    ],
+)
 def test_rollout_array_with_wrong_dtype_or_rank(name, value, want):
     with pytest.raises(ProtocolError, match=f"rollout: array '{name}' must be {want} of rank 1"):
         decode(rollout_frames(array_changes={name: value}))
@@ -534,12 +584,15 @@ def test_rollout_unknown_finish_reason(reason):
         decode(rollout_frames({"finish_reasons": ["stop", reason]}))
 
 
-@pytest.mark.parametrize("texts,reasons,message", [
-    (["a"], ["stop", "stop"], "2 completions but 1 texts and 2 finish reasons"),
-    (["a", "b", "c"], ["stop", "stop"], "2 completions but 3 texts and 2 finish reasons"),
-    (["a", "b"], ["stop"], "2 completions but 2 texts and 1 finish reasons"),
-    ([], [], "2 completions but 0 texts and 0 finish reasons"),
-])
+@pytest.mark.parametrize(
+    "texts,reasons,message",
+    [
+        (["a"], ["stop", "stop"], "2 completions but 1 texts and 2 finish reasons"),
+        (["a", "b", "c"], ["stop", "stop"], "2 completions but 3 texts and 2 finish reasons"),
+        (["a", "b"], ["stop"], "2 completions but 2 texts and 1 finish reasons"),
+        ([], [], "2 completions but 0 texts and 0 finish reasons"),
+    ],
+)
 def test_rollout_texts_count_mismatch(texts, reasons, message):
     with pytest.raises(ProtocolError, match=message):
         decode(rollout_frames({"texts": texts, "finish_reasons": reasons}))
@@ -558,8 +611,11 @@ def test_rollout_empty_prompt_ids():
 def test_rollout_empty_group():
     frames = rollout_frames(
         {"texts": [], "finish_reasons": []},
-        {"completion_ids": np.zeros(0, np.int32), "completion_lens": np.zeros(0, np.int32),
-         "logprobs": np.zeros(0, np.float32)},
+        {
+            "completion_ids": np.zeros(0, np.int32),
+            "completion_lens": np.zeros(0, np.int32),
+            "logprobs": np.zeros(0, np.float32),
+        },
     )
     with pytest.raises(ProtocolError, match="a group needs at least one completion"):
         decode(frames)
@@ -614,9 +670,9 @@ def test_mutated_messages_only_raise_protocol_error():
             if op == 0 and f:
                 f[rng.randrange(len(f))] = rng.randrange(256)
             elif op == 1 and f:
-                del f[rng.randrange(len(f)):]
+                del f[rng.randrange(len(f)) :]
             elif op == 2:
-                f[rng.randrange(len(f) + 1):0] = rng.randbytes(rng.randrange(1, 5))
+                f[rng.randrange(len(f) + 1) : 0] = rng.randbytes(rng.randrange(1, 5))
             elif op == 3:
                 frames.insert(rng.randrange(len(frames) + 1), bytearray(rng.randbytes(rng.randrange(8))))
             elif op == 4 and len(frames) > 1:
@@ -641,9 +697,11 @@ ODD_INPUTS = {
     "dtype is a list": stop_with_array({"name": "w", "dtype": ["uint8"], "shape": [1]}, b"\x00"),
     "65 dimensions": stop_with_array({"name": "w", "dtype": "uint8", "shape": [1] * 65}, b"\x00"),
     "empty array with a huge dimension": stop_with_array(
-        {"name": "w", "dtype": "uint8", "shape": [0, 2**63]}, b""),
+        {"name": "w", "dtype": "uint8", "shape": [0, 2**63]}, b""
+    ),
     "empty array too big in total": stop_with_array(
-        {"name": "w", "dtype": "uint8", "shape": [0, 2**40, 2**40]}, b""),
+        {"name": "w", "dtype": "uint8", "shape": [0, 2**40, 2**40]}, b""
+    ),
     "finish reason is a list": rollout_frames({"finish_reasons": ["stop", ["stop"]]}),
 }
 
@@ -732,9 +790,15 @@ def test_a_deep_run_dir_binds_the_same_addresses_when_resumed(tmp_path, monkeypa
 
 def test_make_endpoints_tcp(tmp_path):
     assert make_endpoints(tmp_path, transport="tcp") == {
-        "learner": "tcp://127.0.0.1:5555", "reward": "tcp://127.0.0.1:5556", "env": "tcp://127.0.0.1:5557"}
+        "learner": "tcp://127.0.0.1:5555",
+        "reward": "tcp://127.0.0.1:5556",
+        "env": "tcp://127.0.0.1:5557",
+    }
     assert make_endpoints(tmp_path, "tcp", host="0.0.0.0", base_port=7000) == {
-        "learner": "tcp://0.0.0.0:7000", "reward": "tcp://0.0.0.0:7001", "env": "tcp://0.0.0.0:7002"}
+        "learner": "tcp://0.0.0.0:7000",
+        "reward": "tcp://0.0.0.0:7001",
+        "env": "tcp://0.0.0.0:7002",
+    }
     assert not (tmp_path / "sockets").exists()
 
 
@@ -767,25 +831,32 @@ def test_an_episode_rollout_round_trips_with_its_loss_mask():
     header, arrays = rollout_parts()
     n = len(arrays["completion_ids"])
     mask = np.array([0, 1, 1, 0, 1][:n], dtype=np.uint8)
-    header.update(finish_reasons=["env_done", "max_turns"], env_rewards=[0.5, None], env_retries=2,
-                  turns=[[{"role": "assistant", "content": "a"}], [{"role": "user", "content": "b"}]])
+    header.update(
+        finish_reasons=["env_done", "max_turns"],
+        env_rewards=[0.5, None],
+        env_retries=2,
+        turns=[[{"role": "assistant", "content": "a"}], [{"role": "user", "content": "b"}]],
+    )
     msg = decode(encode(ROLLOUT, header, {**arrays, "loss_mask": mask}))
     assert_same_array(msg.arrays["loss_mask"], mask)
     assert msg["env_rewards"] == [0.5, None] and msg["finish_reasons"] == ["env_done", "max_turns"]
 
 
-@pytest.mark.parametrize("changes, arrays, message", [
-    ({}, {"loss_mask": np.ones(4, dtype=np.uint8)}, "loss_mask must be uint8 0/1, one per completion id"),
-    ({}, {"loss_mask": np.full(5, 2, dtype=np.uint8)}, "loss_mask must be uint8 0/1"),
-    ({}, {"loss_mask": np.ones(5, dtype=np.int32)}, "loss_mask must be uint8 0/1"),
-    ({"env_rewards": [1.0]}, {}, "env_rewards must be 2 finite numbers or nil"),
-    ({"env_rewards": [1.0, float("nan")]}, {}, "env_rewards must be 2 finite numbers or nil"),
-    ({"turns": [[{"role": "user"}], []]}, {}, "turns must be 2 lists of"),
-    ({"error": 3}, {}, "field 'error' must be a string"),
-    ({}, {"policy_versions": np.ones(4, dtype=np.int32)}, "policy_versions must be int32 >= 0, one per"),
-    ({}, {"policy_versions": np.ones(5, dtype=np.int64)}, "policy_versions must be int32 >= 0"),
-    ({}, {"policy_versions": np.full(5, -1, dtype=np.int32)}, "policy_versions must be int32 >= 0"),
-])
+@pytest.mark.parametrize(
+    "changes, arrays, message",
+    [
+        ({}, {"loss_mask": np.ones(4, dtype=np.uint8)}, "loss_mask must be uint8 0/1, one per completion id"),
+        ({}, {"loss_mask": np.full(5, 2, dtype=np.uint8)}, "loss_mask must be uint8 0/1"),
+        ({}, {"loss_mask": np.ones(5, dtype=np.int32)}, "loss_mask must be uint8 0/1"),
+        ({"env_rewards": [1.0]}, {}, "env_rewards must be 2 finite numbers or nil"),
+        ({"env_rewards": [1.0, float("nan")]}, {}, "env_rewards must be 2 finite numbers or nil"),
+        ({"turns": [[{"role": "user"}], []]}, {}, "turns must be 2 lists of"),
+        ({"error": 3}, {}, "field 'error' must be a string"),
+        ({}, {"policy_versions": np.ones(4, dtype=np.int32)}, "policy_versions must be int32 >= 0, one per"),
+        ({}, {"policy_versions": np.ones(5, dtype=np.int64)}, "policy_versions must be int32 >= 0"),
+        ({}, {"policy_versions": np.full(5, -1, dtype=np.int32)}, "policy_versions must be int32 >= 0"),
+    ],
+)
 def test_bad_optional_rollout_fields_are_named(changes, arrays, message):
     with pytest.raises(ProtocolError, match=re.escape(message)):
         decode(rollout_frames(changes, arrays))
@@ -794,13 +865,19 @@ def test_bad_optional_rollout_fields_are_named(changes, arrays, message):
 def test_observation_fields_are_checked():
     ok = {"kind": "observation", "request_id": "r", "observation": "", "done": False}
     assert decode(forge(ok, reward=None, role="tool", info={"k": [1]})).kind == "observation"
-    for field, value, what in [("done", 1, "true or false"), ("reward", float("inf"), "a finite number"),
-                               ("role", "", "a non-empty string"), ("info", [], "a map"),
-                               ("error", 1, "a string")]:
+    for field, value, what in [
+        ("done", 1, "true or false"),
+        ("reward", float("inf"), "a finite number"),
+        ("role", "", "a non-empty string"),
+        ("info", [], "a map"),
+        ("error", 1, "a string"),
+    ]:
         with pytest.raises(ProtocolError, match=re.escape(what)):
             decode(forge({**ok, field: value}))
-    for kind, fields in [("reset", {"request_id": "r", "episode_id": "e", "prompt": "p"}),
-                         ("step", {"request_id": "r", "episode_id": "e", "action": "a"}),
-                         ("end", {})]:
+    for kind, fields in [
+        ("reset", {"request_id": "r", "episode_id": "e", "prompt": "p"}),
+        ("step", {"request_id": "r", "episode_id": "e", "action": "a"}),
+        ("end", {}),
+    ]:
         with pytest.raises(ProtocolError, match="missing field"):
             decode(forge({"kind": kind, **fields}))

@@ -62,8 +62,9 @@ def test_a_run_is_started_followed_stopped_and_resumed_from_python(tmp_path, my_
     resume continues and yields only the steps it trains."""
     cfg = write_config(tmp_path, steps=1000)
     log = open(tmp_path / "up.log", "w")
-    with orchestrator.start(cfg, {"reward.functions": [my_rewards.half], "train.checkpoint_every": 0},
-                            output=log) as run:
+    with orchestrator.start(
+        cfg, {"reward.functions": [my_rewards.half], "train.checkpoint_every": 0}, output=log
+    ) as run:
         seen = []
         for line in run.metrics():
             seen.append(line)

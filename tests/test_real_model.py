@@ -20,10 +20,21 @@ pytestmark = pytest.mark.slow  # real processes end to end
 def quantized_tiny(tmp_path_factory) -> Path:
     """The tiny model quantized to 4 bits (groups of 32) by mlx-lm's converter."""
     out = tmp_path_factory.mktemp("quantized") / "tiny-4bit"
-    command = ["convert", "--hf-path", str(TINY_MODEL), "--mlx-path", str(out), "-q", "--q-bits", "4",
-               "--q-group-size", "32"]
-    done = subprocess.run([sys.executable, "-m", "mlx_lm", *command], capture_output=True, text=True,
-                          timeout=120)
+    command = [
+        "convert",
+        "--hf-path",
+        str(TINY_MODEL),
+        "--mlx-path",
+        str(out),
+        "-q",
+        "--q-bits",
+        "4",
+        "--q-group-size",
+        "32",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", *command], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
     return out
@@ -69,8 +80,13 @@ def test_without_room_to_dequantize_it_stays_quantized_and_the_run_warns(tmp_pat
     assert s.dequantize and m.bits == 4 and m.dense_bytes > m.weight_bytes
 
     def least(dense: bool) -> float:
-        return min(make_plan(m, c, 1, "").total for c, _ in knob_choices(s.__class__(**{
-            **s.__dict__, "dequantize": dense}))) * SAFETY
+        return (
+            min(
+                make_plan(m, c, 1, "").total
+                for c, _ in knob_choices(s.__class__(**{**s.__dict__, "dequantize": dense}))
+            )
+            * SAFETY
+        )
 
     quantized, dense = least(False), least(True)
     assert quantized < dense
@@ -88,12 +104,22 @@ def test_the_real_model_trains_a_few_steps(tmp_path, smollm2):
     this CPU), in chat format: step 0's ratio is 1, every metric is finite, and mlx-lm
     loads the adapters it leaves."""
     cfg = tmp_path / "run.toml"
-    (tmp_path / "prompts.jsonl").write_text("".join(
-        json.dumps({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number."}],
-                    "answer": str(a + b)}) + "\n" for a, b in [(3, 4), (12, 5), (20, 22), (7, 8)]))
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number."}],
+                    "answer": str(a + b),
+                }
+            )
+            + "\n"
+            for a, b in [(3, 4), (12, 5), (20, 22), (7, 8)]
+        )
+    )
     (tmp_path / "check.py").write_text(
         "def correct(prompts, completions, answer, **kw):\n"
-        "    return [float(a in c[0]['content']) for c, a in zip(completions, answer)]\n")
+        "    return [float(a in c[0]['content']) for c, a in zip(completions, answer)]\n"
+    )
     cfg.write_text(f"""
 [model]
 path = "{smollm2}"
@@ -110,7 +136,7 @@ checkpoint_every = 0
 [reward]
 functions = ["check:correct"]
 [run]
-dir = "{tmp_path / 'run'}"
+dir = "{tmp_path / "run"}"
 """)
     code, out = run_up(cfg, timeout=900)
     assert code == 0, out
@@ -120,8 +146,18 @@ dir = "{tmp_path / 'run'}"
     assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-3
     for m in metrics:
         assert all(np.isfinite(v) for v in m.values() if isinstance(v, float)), m
-    command = ["generate", "--model", str(smollm2), "--adapter-path", str(tmp_path / "run" / "adapters"),
-               "--prompt", "What is 3 + 4?", "--max-tokens", "8"]
-    done = subprocess.run([sys.executable, "-m", "mlx_lm", *command], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    command = [
+        "generate",
+        "--model",
+        str(smollm2),
+        "--adapter-path",
+        str(tmp_path / "run" / "adapters"),
+        "--prompt",
+        "What is 3 + 4?",
+        "--max-tokens",
+        "8",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", *command], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr

@@ -26,7 +26,7 @@ def reported_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     if not INSTALLED:
         pytest.skip("no logging backend installed (extras tensorboard, trackio, wandb)")
     tmp = tmp_path_factory.mktemp("reported")
-    cfg = held_out_config(tmp, f"[log]\nreport_to = {json.dumps(INSTALLED)}\nproject = \"tests\"", steps=3)
+    cfg = held_out_config(tmp, f'[log]\nreport_to = {json.dumps(INSTALLED)}\nproject = "tests"', steps=3)
     code, out = run_up(cfg)
     assert code == 0, out
     return tmp / "run", read_metrics(tmp / "run")
@@ -50,8 +50,8 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     for path in log_dir.glob("events.out.tfevents.*"):
         data, at = path.read_bytes(), 0
         while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
-            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
             at += 12 + length + 4
             for v in event.summary.value:
                 found.setdefault(v.tag, []).append((event.step, v.simple_value))
@@ -78,8 +78,9 @@ def test_trackio_stores_every_line_in_the_run_directory(reported_run):
     db = run / "trackio" / "tests.db"
     assert db.exists(), list((run / "trackio").iterdir())
     with sqlite3.connect(db) as con:
-        rows = con.execute("SELECT step, metrics FROM metrics WHERE run_name = ? ORDER BY id",
-                           (run.name,)).fetchall()
+        rows = con.execute(
+            "SELECT step, metrics FROM metrics WHERE run_name = ? ORDER BY id", (run.name,)
+        ).fetchall()
     logged = [(step, json.loads(values)) for step, values in rows]
     assert [step for step, _ in logged] == [m["step"] for m in metrics]
     for (_, values), m in zip(logged, metrics):
@@ -101,16 +102,19 @@ def test_wandb_writes_an_offline_run(reported_run):
 
 def test_a_missing_backend_is_named_before_the_run_starts(tmp_path, monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
     assert missing_backends(("tensorboard", "wandb")) == [
-        "log.report_to 'wandb' needs wandb: pip install 'mlx-rl-ipc[wandb]'"]
+        "log.report_to 'wandb' needs wandb: pip install 'mlx-rl-ipc[wandb]'"
+    ]
     # The orchestrator refuses the same way (exit 2) when the library is really absent:
     # a sitecustomize that hides it stands in for an environment without the extra.
     (tmp_path / "hide").mkdir()
     (tmp_path / "hide" / "sitecustomize.py").write_text(
         "import importlib.util as u\n_f = u.find_spec\n"
-        "u.find_spec = lambda n, *a: None if n == 'tensorboardX' else _f(n, *a)\n")
+        "u.find_spec = lambda n, *a: None if n == 'tensorboardX' else _f(n, *a)\n"
+    )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "hide"))
     proc = orchestrator("up", "--config", str(write_config(tmp_path, '[log]\nreport_to = ["tensorboard"]')))
     out, _ = proc.communicate(timeout=120)

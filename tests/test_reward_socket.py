@@ -17,8 +17,14 @@ from protocol.workers import WorkerPool
 @pytest.fixture
 def socket_pair(tmp_path):
     ctx = zmq.Context()
-    pool = WorkerPool(ctx, f"ipc://{tmp_path}/reward.sock", "reward_worker", protocol.SCORE_REPLY,
-                            timeout_s=60, max_attempts=5)
+    pool = WorkerPool(
+        ctx,
+        f"ipc://{tmp_path}/reward.sock",
+        "reward_worker",
+        protocol.SCORE_REPLY,
+        timeout_s=60,
+        max_attempts=5,
+    )
     workers = []
 
     def worker() -> zmq.Socket:
@@ -38,8 +44,7 @@ def send(sock: zmq.Socket, kind: str, **header) -> None:
     sock.send_multipart(protocol.encode(kind, header))
 
 
-def receive(sock: zmq.Socket, pool: WorkerPool, kind: str,
-            timeout: float = 5.0) -> protocol.Message:
+def receive(sock: zmq.Socket, pool: WorkerPool, kind: str, timeout: float = 5.0) -> protocol.Message:
     """Pump the pool until `sock` receives a message of `kind` (others are skipped)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -58,8 +63,9 @@ def attach(sock: zmq.Socket, pool: WorkerPool) -> protocol.Message:
 
 
 def request(pool: WorkerPool, rid: str) -> None:
-    pool.submit(rid, {"prompts": ["p"], "completions": ["c"], "completion_ids": [[1]],
-                            "columns": {}}, protocol.SCORE)
+    pool.submit(
+        rid, {"prompts": ["p"], "completions": ["c"], "completion_ids": [[1]], "columns": {}}, protocol.SCORE
+    )
 
 
 def test_the_answer_to_a_hello_says_attached_and_a_stranger_is_told_it_is_not(socket_pair):
@@ -157,14 +163,22 @@ def test_a_request_over_the_protocol_s_limit_fails_instead_of_being_sent(socket_
     pool, worker = socket_pair
     w = worker()
     attach(w, pool)
-    huge = {"prompts": ["x"], "completions": ["y"], "completion_ids": [[1]],
-            "columns": {"blob": ["z" * (MAX_HEADER_BYTES + 1)]}}
+    huge = {
+        "prompts": ["x"],
+        "completions": ["y"],
+        "completion_ids": [[1]],
+        "columns": {"blob": ["z" * (MAX_HEADER_BYTES + 1)]},
+    }
     pool.submit("huge", huge)
     _, failed = pool.poll(10)
     size = len(protocol.encode(protocol.SCORE, {"request_id": "huge", **huge})[0])
     assert size > MAX_HEADER_BYTES
-    assert failed == [("huge", f"reward worker: the request's {size} bytes exceed the protocol's limit of "
-                               f"{MAX_HEADER_BYTES}")]
+    assert failed == [
+        (
+            "huge",
+            f"reward worker: the request's {size} bytes exceed the protocol's limit of {MAX_HEADER_BYTES}",
+        )
+    ]
     request(pool, "r1")
     assert receive(w, pool, protocol.SCORE)["request_id"] == "r1"
 

@@ -32,14 +32,6 @@ pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast
 CONFORMANCE_WORKER = Path(__file__).parent / "workers" / "conformance_worker.py"
 
 
-
-
-
-
-
-
-
-
 def test_a_worker_from_protocol_md_alone_trains_a_run(tmp_path):
     cfg = write_config(tmp_path, WORKER_CONFIG, steps=4, reward="worker")
     proc = orchestrator("up", "--config", str(cfg))
@@ -111,14 +103,20 @@ def train_through_a_learner_kill(tmp_path: Path, worker_args: list[str], steps: 
     """A run scored by one external worker (`python WORKER_ARGS`, started from tmp_path),
     whose learner is SIGKILLed after step 3. Returns the run directory and the worker's
     output once the run and the worker have ended; asserts both ended well."""
-    cfg = write_config(tmp_path, "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100", steps=steps,
-                       reward="worker")
+    cfg = write_config(
+        tmp_path, "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100", steps=steps, reward="worker"
+    )
     proc = orchestrator("up", "--config", str(cfg))
     run = tmp_path / "run"
     wait_for(run / "endpoints.json")
-    worker = subprocess.Popen([sys.executable, *worker_args, "--run-dir", str(run)], cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    worker = subprocess.Popen(
+        [sys.executable, *worker_args, "--run-dir", str(run)],
+        cwd=tmp_path,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         wait_for_step(run, 3, proc)
         os.kill(pid_of(run, "learner"), signal.SIGKILL)
@@ -171,10 +169,24 @@ def test_a_worker_exits_when_its_learner_is_gone_for_good(tmp_path):
     router = ctx.socket(zmq.ROUTER)
     router.bind(endpoint)
     (tmp_path / "r.py").write_text("def reward(completions, **kw):\n    return [0.0] * len(completions)\n")
-    worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "r:reward", "--connect",
-                               endpoint, "--learner-timeout", "2"], cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator",
+            "reward-worker",
+            "r:reward",
+            "--connect",
+            endpoint,
+            "--learner-timeout",
+            "2",
+        ],
+        cwd=tmp_path,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         assert router.poll(30_000), "the worker never said hello"
         assert protocol.decode(router.recv_multipart()[1:]).kind == protocol.HELLO
@@ -215,10 +227,14 @@ def test_python_reward_worker_command(tmp_path):
     proc = orchestrator("up", "--config", str(cfg))
     run = tmp_path / "run"
     wait_for(run / "endpoints.json")
-    worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
-                               "--run-dir", str(run)], cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward", "--run-dir", str(run)],
+        cwd=tmp_path,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     finish(proc, [])
     out, _ = worker.communicate(timeout=30)
     assert worker.returncode == 0, out

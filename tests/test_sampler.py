@@ -54,8 +54,9 @@ def test_truncation_keeps_kept_logprobs_unchanged():
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
-@pytest.mark.parametrize("mode", [{}, {"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.1},
-                                  {"top_k": 20, "top_p": 0.9, "min_p": 0.02}])
+@pytest.mark.parametrize(
+    "mode", [{}, {"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.1}, {"top_k": 20, "top_p": 0.9, "min_p": 0.02}]
+)
 def test_sampler_and_learner_logprobs_agree_on_the_same_logits(temperature, mode):
     """The two sides' one definition: whatever the truncation, the logprob the sampler
     reports for the token it drew is the learner's `token_logprobs` of that token."""
@@ -83,7 +84,7 @@ def test_behavior_logprobs_equal_a_full_forward(tiny, temperature, top_p):
     for c in completions:
         assert len(c.token_ids) == len(c.logprobs) >= 1
         full = sequence_logprobs(model, mx.array([prompt + c.token_ids]), temperature)
-        recomputed = np.array(full[0, len(prompt) - 1:])
+        recomputed = np.array(full[0, len(prompt) - 1 :])
         ratio = np.exp(recomputed - np.array(c.logprobs))
         np.testing.assert_allclose(ratio, 1.0, atol=1e-4)
 
@@ -124,8 +125,10 @@ def policy(tiny):
     _, tok = tiny
     model, _, _ = load_policy(str(TINY_MODEL), LoraConfig())
     rng = np.random.default_rng(0)
-    set_adapter_weights(model, {k: rng.normal(0, 0.05, v.shape).astype(np.float32)
-                                for k, v in adapter_weights_numpy(model).items()})
+    set_adapter_weights(
+        model,
+        {k: rng.normal(0, 0.05, v.shape).astype(np.float32) for k, v in adapter_weights_numpy(model).items()},
+    )
     return model, tok
 
 
@@ -147,8 +150,9 @@ def assert_matches_reference(model, prompts, g, params, eos, seed):
 def test_batched_sampling_equals_the_reference_sampler(policy, temperature, top_p):
     model, tok = policy
     params = SamplingConfig(temperature=temperature, top_p=top_p, max_tokens=12)
-    groups = assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, params,
-                                      set(tok.eos_token_ids), seed=7)
+    groups = assert_matches_reference(
+        model, [tok.encode(t) for t in TEXTS], 3, params, set(tok.eos_token_ids), seed=7
+    )
     assert len({tuple(c.token_ids) for group in groups for c in group}) > 1
 
 
@@ -160,13 +164,15 @@ def test_rows_do_not_depend_on_the_rest_of_the_batch(policy):
     # The same noise ids alone, or among fewer or other prompts, give the same tokens.
     assert_same(sample_groups(model, [prompts[0]], 4, params, eos, seed=3)[0], batch[0])
     assert_same(sample_groups(model, prompts[2:3], 4, params, eos, seed=3, noise_offset=8)[0], batch[2])
-    others = sample_groups(model, [prompts[1], tok.encode("repeat 9"), prompts[3]], 4, params, eos,
-                           seed=3, noise_offset=4)
+    others = sample_groups(
+        model, [prompts[1], tok.encode("repeat 9"), prompts[3]], 4, params, eos, seed=3, noise_offset=4
+    )
     assert_same(others[0], batch[1])
     assert_same(sample_groups(model, prompts, 4, params, eos, seed=3)[3], batch[3])
     tokens = [c.token_ids for group in batch for c in group]
-    assert tokens != [c.token_ids for group in sample_groups(model, prompts, 4, params, eos, seed=4)
-                      for c in group]
+    assert tokens != [
+        c.token_ids for group in sample_groups(model, prompts, 4, params, eos, seed=4) for c in group
+    ]
 
 
 def test_each_row_stops_at_its_first_eos(policy):
@@ -193,8 +199,9 @@ def test_caches_that_cannot_batch_decode_per_prompt(policy, monkeypatch):
     model, tok = policy
     monkeypatch.setattr(model, "make_cache", lambda: [ConcatenateKVCache() for _ in model.layers])
     eos = {*tok.eos_token_ids, tok.encode("f")[0]}
-    assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, SamplingConfig(max_tokens=8),
-                             eos, seed=1)
+    assert_matches_reference(
+        model, [tok.encode(t) for t in TEXTS], 3, SamplingConfig(max_tokens=8), eos, seed=1
+    )
 
 
 def test_caches_that_merge_but_are_not_plain_kv_caches_sample_the_same(policy, monkeypatch):
@@ -207,8 +214,9 @@ def test_caches_that_merge_but_are_not_plain_kv_caches_sample_the_same(policy, m
     model, tok = policy
     monkeypatch.setattr(model, "make_cache", lambda: [OtherKVCache() for _ in model.layers])
     eos = {*tok.eos_token_ids, tok.encode("f")[0]}
-    assert_matches_reference(model, [tok.encode(t) for t in TEXTS], 3, SamplingConfig(max_tokens=8),
-                             eos, seed=2)
+    assert_matches_reference(
+        model, [tok.encode(t) for t in TEXTS], 3, SamplingConfig(max_tokens=8), eos, seed=2
+    )
 
 
 @pytest.mark.parametrize("params", [SamplingConfig(), SamplingConfig(temperature=0.7, top_p=0.8)])
@@ -255,13 +263,22 @@ def random_logits(rows: int, vocab: int, spread: float, ties: bool, seed: int) -
     return mx.array(x.astype(np.float32))
 
 
-@pytest.mark.parametrize("params", [
-    SamplingConfig(temperature=0.7, top_p=0.95), SamplingConfig(top_p=1.0), SamplingConfig(top_k=50),
-    SamplingConfig(min_p=0.05), SamplingConfig(temperature=1.3, top_k=40, top_p=0.9, min_p=0.01),
-    SamplingConfig(top_p=0.3), SamplingConfig(top_k=2000, top_p=0.99),
-], ids=["top_p", "p=1", "top_k", "min_p", "all", "small_p", "large_k"])
-@pytest.mark.parametrize("spread,ties", [(6.0, False), (6.0, True), (0.5, False)],
-                         ids=["peaked", "peaked-ties", "flat"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingConfig(temperature=0.7, top_p=0.95),
+        SamplingConfig(top_p=1.0),
+        SamplingConfig(top_k=50),
+        SamplingConfig(min_p=0.05),
+        SamplingConfig(temperature=1.3, top_k=40, top_p=0.9, min_p=0.01),
+        SamplingConfig(top_p=0.3),
+        SamplingConfig(top_k=2000, top_p=0.99),
+    ],
+    ids=["top_p", "p=1", "top_k", "min_p", "all", "small_p", "large_k"],
+)
+@pytest.mark.parametrize(
+    "spread,ties", [(6.0, False), (6.0, True), (0.5, False)], ids=["peaked", "peaked-ties", "flat"]
+)
 def test_candidate_sampling_equals_the_full_sort_definition(params, spread, ties, monkeypatch):
     """At a vocabulary larger than the candidates, the sampler draws the very token (and
     logprob) that the definition (whole-vocabulary sort, noise for every token) draws, on

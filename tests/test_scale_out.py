@@ -67,8 +67,12 @@ def test_an_actor_from_another_machine_joins_over_curve_tcp(tmp_path):
     from tests.helpers import ROOT
 
     port = free_ports(1)[0]
-    cfg = write_config(tmp_path, f"[actor]\ncount = 2\nremote = 1\n[run]\ntransport = \"tcp\"\nport = {port}",
-                       steps=4, reward="worker")
+    cfg = write_config(
+        tmp_path,
+        f'[actor]\ncount = 2\nremote = 1\n[run]\ntransport = "tcp"\nport = {port}',
+        steps=4,
+        reward="worker",
+    )
     run, other = tmp_path / "run", tmp_path / "other-mac"
     other.mkdir()
     write_run_config(other, load_config(cfg))
@@ -77,22 +81,55 @@ def test_an_actor_from_another_machine_joins_over_curve_tcp(tmp_path):
         while not (run / "keys" / "server.key").exists():
             assert up.poll() is None, up.communicate()[0]
             time.sleep(0.05)
-        added = subprocess.run([sys.executable, "-m", "orchestrator", "keys", "add-peer", "macb", "--run-dir",
-                                str(run)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        added = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "keys", "add-peer", "macb", "--run-dir", str(run)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert added.returncode == 0, added.stderr
         peer_keys = run / "keys" / "peers" / "macb"
-        remote = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(other), "--connect",
-                                   f"tcp://127.0.0.1:{port}", "--key-dir", str(peer_keys), "--slot", "1"],
-                                  cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        remote = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "actor",
+                "run",
+                "--run-dir",
+                str(other),
+                "--connect",
+                f"tcp://127.0.0.1:{port}",
+                "--key-dir",
+                str(peer_keys),
+                "--slot",
+                "1",
+            ],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         worker = None
         try:
             deadline = time.monotonic() + 120
             while "attached as slot 1" not in (run / "learner.log").read_text():
                 assert time.monotonic() < deadline and up.poll() is None and remote.poll() is None
                 time.sleep(0.1)
-            worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker",
-                                       "tiny_task:reward", "--run-dir", str(run)], cwd=tmp_path,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            worker = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "orchestrator",
+                    "reward-worker",
+                    "tiny_task:reward",
+                    "--run-dir",
+                    str(run),
+                ],
+                cwd=tmp_path,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
             out, _ = up.communicate(timeout=300)
             remote_out, _ = remote.communicate(timeout=60)
         finally:
@@ -133,17 +170,42 @@ def test_two_learner_ranks_under_mlx_launch_train_the_adapter_one_rank_trains(tm
         extra = "[train]\ncheckpoint_every = 1\nkeep_checkpoints = 5\n[lora]\ndropout = 0.0"
         cfg = write_config(tmp_path / name, extra, steps=3)
         run = tmp_path / name / "run"
-        prepared = subprocess.run([sys.executable, "-m", "orchestrator", "prepare", "--config", str(cfg)],
-                                  cwd=ROOT, capture_output=True, text=True, timeout=120)
+        prepared = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "prepare", "--config", str(cfg)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert prepared.returncode == 0 and f"wrote {run}" in prepared.stdout, prepared.stderr
-        procs = [subprocess.Popen([*learner, "-m", "learner", "--run-dir", str(run)], cwd=ROOT, text=True,
-                                  stdout=open(run / "learner.log", "w"), stderr=subprocess.STDOUT),
-                 subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(run)], cwd=ROOT,
-                                  stdout=open(run / "actor.log", "w"), stderr=subprocess.STDOUT)]
+        procs = [
+            subprocess.Popen(
+                [*learner, "-m", "learner", "--run-dir", str(run)],
+                cwd=ROOT,
+                text=True,
+                stdout=open(run / "learner.log", "w"),
+                stderr=subprocess.STDOUT,
+            ),
+            subprocess.Popen(
+                [sys.executable, "-m", "actor", "run", "--run-dir", str(run)],
+                cwd=ROOT,
+                stdout=open(run / "actor.log", "w"),
+                stderr=subprocess.STDOUT,
+            ),
+        ]
         return run, procs
 
-    launch = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
-              "--starting-port", str(free_ports(1)[0]), "--", sys.executable]
+    launch = [
+        str(Path(sys.executable).parent / "mlx.launch"),
+        "--backend",
+        "ring",
+        "-n",
+        "2",
+        "--starting-port",
+        str(free_ports(1)[0]),
+        "--",
+        sys.executable,
+    ]
     runs = [start("alone", [sys.executable]), start("ranks", launch)]
     try:
         for _, procs in runs:
@@ -169,8 +231,15 @@ def test_two_learner_ranks_under_mlx_launch_train_the_adapter_one_rank_trains(tm
     # gradient shows (seen: 4e-6). A wrong gradient is off by about a step (3e-3).
     for k in a:
         np.testing.assert_allclose(np.array(b[k]), np.array(a[k]), rtol=1e-3, atol=3e-5, err_msg=k)
-    changed = max(float(mx.abs(a[k] - mx.load(str(alone / "checkpoints" / "step_000001" / "adapters" /
-                                                      "adapters.safetensors"))[k]).max()) for k in a)
+    changed = max(
+        float(
+            mx.abs(
+                a[k]
+                - mx.load(str(alone / "checkpoints" / "step_000001" / "adapters" / "adapters.safetensors"))[k]
+            ).max()
+        )
+        for k in a
+    )
     assert changed > 1e-4  # the adapters moved in steps 2 and 3: the comparison means something
     for x, y in zip(read_metrics(alone), read_metrics(ranked)):
         for key in ("loss", "grad_norm", "reward", "kl", "entropy", "clip_ratio/region_mean"):
@@ -184,8 +253,11 @@ def test_up_runs_two_learner_ranks_and_restarts_them_together(tmp_path):
     again from the newest checkpoint, and the run ends with every step once and nothing
     lost."""
     steps = 12  # the kill at step 2 lands mid-run however fast the steps are
-    cfg = write_config(tmp_path, "[learner]\nranks = 2\n[train]\ncheckpoint_every = 2\n"
-                                 "[run]\nhang_timeout_s = 60.0", steps=steps)
+    cfg = write_config(
+        tmp_path,
+        "[learner]\nranks = 2\n[train]\ncheckpoint_every = 2\n[run]\nhang_timeout_s = 60.0",
+        steps=steps,
+    )
     proc = orchestrator("up", "--config", str(cfg))
     run = tmp_path / "run"
     wait_for_step(run, 2, proc)
@@ -218,9 +290,23 @@ def start_remote_run(tmp_path: Path, extra: str, steps: int, connect: str | None
     while not (run / "endpoints.json").exists():
         assert up.poll() is None, up.communicate()[0]
         time.sleep(0.05)
-    remote = subprocess.Popen([sys.executable, "-m", "actor", "run", "--run-dir", str(run), "--slot", "1",
-                               *(["--connect", connect] if connect else [])], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    remote = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "actor",
+            "run",
+            "--run-dir",
+            str(run),
+            "--slot",
+            "1",
+            *(["--connect", connect] if connect else []),
+        ],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline, log = time.monotonic() + 120, run / "learner.log"
     try:  # the learner's log appears a moment after endpoints.json
         while not log.exists() or "attached as slot 1" not in log.read_text():
@@ -231,9 +317,12 @@ def start_remote_run(tmp_path: Path, extra: str, steps: int, connect: str | None
             proc.kill()
             proc.wait()
         raise
-    worker = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
-                               "--run-dir", str(run)], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.STDOUT)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward", "--run-dir", str(run)],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     return up, remote, worker, run
 
 
@@ -343,7 +432,10 @@ def test_a_remote_actor_whose_connection_drops_and_comes_back_is_recognised(tmp_
     assert up.returncode == 0, out
     assert remote.returncode == 0, remote_out
     # Its own watch or the learner's greeting (`attached: false`), whichever came first:
-    assert re.search(r"the learner does not know us \((the connection dropped and came back|it took us for "
-                     r"gone)\); saying hello again", remote_out), remote_out
+    assert re.search(
+        r"the learner does not know us \((the connection dropped and came back|it took us for "
+        r"gone)\); saying hello again",
+        remote_out,
+    ), remote_out
     assert_steps_once_and_nothing_lost(read_metrics(run), steps)
     assert (run / "learner.log").read_text().count("attached as slot 1") >= 2

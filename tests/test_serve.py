@@ -23,17 +23,13 @@ pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast
 openai = pytest.importorskip("openai")
 
 
-
-
-
-
 def reference_logprobs(adapter: Path, prompt_ids: list[int], ids: list[int]) -> np.ndarray:
     """Each sampled token's logprob from mlx-lm's own loading of the same adapter."""
     from mlx_lm import load
 
     model, _ = load(str(TINY_MODEL), adapter_path=str(adapter))
     full = mx.array([prompt_ids + ids])
-    logits = model(full)[0, len(prompt_ids) - 1:-1].astype(mx.float32)
+    logits = model(full)[0, len(prompt_ids) - 1 : -1].astype(mx.float32)
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return np.array(lp[mx.arange(len(ids)), mx.array(ids)])
 
@@ -51,22 +47,30 @@ def served(default_run):
 def test_models_and_a_text_completion_with_token_ids_and_logprobs(served):
     client, adapter = served
     assert [m.id for m in client.models.list().data] == ["tiny-model"]
-    out = client.completions.create(model="tiny-model", prompt="repeat 3", max_tokens=8, temperature=0,
-                                    logprobs=1)
+    out = client.completions.create(
+        model="tiny-model", prompt="repeat 3", max_tokens=8, temperature=0, logprobs=1
+    )
     choice = out.choices[0]
     assert choice.text == "33333333" and choice.finish_reason == "length"  # what the trained adapter says
     assert out.policy_version is None  # a fixed adapter has no version
     assert len(choice.token_ids) == len(choice.token_logprobs) == out.usage.completion_tokens == 8
     assert choice.logprobs.token_logprobs == choice.token_logprobs
     assert "".join(choice.logprobs.tokens) == choice.text
-    np.testing.assert_allclose(choice.token_logprobs,
-                               reference_logprobs(adapter, out.prompt_token_ids, choice.token_ids), atol=1e-4)
+    np.testing.assert_allclose(
+        choice.token_logprobs, reference_logprobs(adapter, out.prompt_token_ids, choice.token_ids), atol=1e-4
+    )
 
 
 def test_chat_completions_sample_n_choices_reproducibly_by_seed(served):
     client, adapter = served
-    ask = dict(model="tiny-model", messages=[{"role": "user", "content": "repeat 5"}], max_tokens=6, n=3,
-               seed=7, logprobs=True)
+    ask = dict(
+        model="tiny-model",
+        messages=[{"role": "user", "content": "repeat 5"}],
+        max_tokens=6,
+        n=3,
+        seed=7,
+        logprobs=True,
+    )
     a, b = client.chat.completions.create(**ask), client.chat.completions.create(**ask)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     assert len(a.choices) == 3 and all(c.message.role == "assistant" for c in a.choices)
@@ -80,8 +84,9 @@ def test_chat_completions_sample_n_choices_reproducibly_by_seed(served):
 
 def test_stop_strings_and_bad_requests(served):
     client, _ = served
-    out = client.completions.create(model="tiny-model", prompt="repeat 3", max_tokens=8, temperature=0,
-                                    stop=["333"])
+    out = client.completions.create(
+        model="tiny-model", prompt="repeat 3", max_tokens=8, temperature=0, stop=["333"]
+    )
     assert out.choices[0].text == "" and out.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError, match="temperature must be between 0.0 and 2.0"):
         client.completions.create(model="tiny-model", prompt="x", temperature=5)
@@ -135,20 +140,63 @@ def http(port: int, raw: bytes, timeout: float = 30) -> tuple[int, bytes]:
 
 
 def post(path: str, body: bytes, headers: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{headers}\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{headers}\r\n"
+    ).encode() + body
 
 
-WRONG_VALUES = [None, True, -1, 0, 1.5, 10**30, -(10**30), 1e308, "x", "", [], {}, [1, "a"], {"a": []},
-                [[1]], 2**63, -(2**63), "\ud800"]
-FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-          "min_p", "n", "seed", "stop", "logprobs", "tools", "stream"]
-BAD_MESSAGES = [[{"role": 1, "content": "x"}], [{"content": "x"}], ["x"], [{"role": "user", "content": None}],
-                [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{x"}}]}],
-                [{"role": "user", "content": {"a": 1}}]]
-NOT_HTTP = [b"GET /nowhere HTTP/1.1\r\n\r\n", b"DELETE /v1/completions HTTP/1.1\r\n\r\n", b"POST\r\n\r\n",
-            b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n{}",
-            b"GET /v1/models HTTP/1.1\r\n" + b"X: y\r\n" * 200 + b"\r\n"]
+WRONG_VALUES = [
+    None,
+    True,
+    -1,
+    0,
+    1.5,
+    10**30,
+    -(10**30),
+    1e308,
+    "x",
+    "",
+    [],
+    {},
+    [1, "a"],
+    {"a": []},
+    [[1]],
+    2**63,
+    -(2**63),
+    "\ud800",
+]
+FIELDS = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "n",
+    "seed",
+    "stop",
+    "logprobs",
+    "tools",
+    "stream",
+]
+BAD_MESSAGES = [
+    [{"role": 1, "content": "x"}],
+    [{"content": "x"}],
+    ["x"],
+    [{"role": "user", "content": None}],
+    [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{x"}}]}],
+    [{"role": "user", "content": {"a": 1}}],
+]
+NOT_HTTP = [
+    b"GET /nowhere HTTP/1.1\r\n\r\n",
+    b"DELETE /v1/completions HTTP/1.1\r\n\r\n",
+    b"POST\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n{}",
+    b"GET /v1/models HTTP/1.1\r\n" + b"X: y\r\n" * 200 + b"\r\n",
+]
 
 
 def malformed_requests(rng: random.Random, n: int):
@@ -159,17 +207,21 @@ def malformed_requests(rng: random.Random, n: int):
     for i in range(n):
         kind, path = i % 10, rng.choice(paths)
         if kind == 0:  # not JSON, or cut short
-            broken = [good[:rng.randrange(len(good))], rng.randbytes(rng.randrange(1, 64))]
-            yield kind, post(path, rng.choice([*broken,
-                                               b"[" * 5000, b"{" * 100000, b"NaN", b'{"prompt": NaN}']))
+            broken = [good[: rng.randrange(len(good))], rng.randbytes(rng.randrange(1, 64))]
+            yield (
+                kind,
+                post(path, rng.choice([*broken, b"[" * 5000, b"{" * 100000, b"NaN", b'{"prompt": NaN}'])),
+            )
         elif kind == 1:  # fields of a wrong type, or out of range
             body = {"prompt": "repeat 1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             for field in rng.sample(FIELDS, rng.randrange(1, 4)):
                 body[field] = rng.choice(WRONG_VALUES)
             yield kind, post(path, json.dumps(body).encode())
         elif kind == 2:  # token ids outside the vocabulary (57), or not ids at all
-            ids = [rng.choice([-1, -(2**40), 57, 58, 999999, 2**31, 2**63 - 1, 3, True])
-                   for _ in range(rng.randrange(1, 6))]
+            ids = [
+                rng.choice([-1, -(2**40), 57, 58, 999999, 2**31, 2**63 - 1, 3, True])
+                for _ in range(rng.randrange(1, 6))
+            ]
             yield kind, post("/v1/completions", json.dumps({"prompt": ids, "max_tokens": 2}).encode())
         elif kind == 3:  # huge max_tokens, n or top_k
             body = {"prompt": "repeat 2", "messages": [{"role": "user", "content": "a"}], "stop": ["x"]}
@@ -179,11 +231,17 @@ def malformed_requests(rng: random.Random, n: int):
             yield kind, post(path, b'{"prompt": "' + rng.randbytes(32).replace(b'"', b"x") + b'"}')
         elif kind == 5:  # a Content-Length over the limit, or negative; the body never comes whole
             length = rng.choice([17 << 20, 2**62, -5])
-            yield kind, post(path, b'{"prompt": "' + b"a" * 1000).replace(b"Content-Length: 1012",
-                                                                    f"Content-Length: {length}".encode())
+            yield (
+                kind,
+                post(path, b'{"prompt": "' + b"a" * 1000).replace(
+                    b"Content-Length: 1012", f"Content-Length: {length}".encode()
+                ),
+            )
         elif kind == 6:  # long but legal: a very long prompt, long messages
-            body = {"prompt": "repeat 1 " * rng.randrange(100, 2000),
-                    "messages": [{"role": "user", "content": "x" * 5000}] * 3}
+            body = {
+                "prompt": "repeat 1 " * rng.randrange(100, 2000),
+                "messages": [{"role": "user", "content": "x" * 5000}] * 3,
+            }
             yield kind, post(path, json.dumps(body).encode())
         elif kind == 7:  # not HTTP, or HTTP the server does not serve
             yield kind, rng.choice([rng.randbytes(rng.randrange(1, 200)), *NOT_HTTP])
@@ -202,8 +260,10 @@ def test_ten_thousand_malformed_requests_never_end_the_server(tmp_path):
     good request made before is answered the same after."""
     proc, url = start_server("--config", str(EXAMPLES / "tiny.toml"))
     port = int(url.rsplit(":", 1)[1].split("/")[0])
-    good = post("/v1/completions", json.dumps({"prompt": "repeat 3", "max_tokens": 6, "seed": 5,
-                                               "logprobs": 1}).encode())
+    good = post(
+        "/v1/completions",
+        json.dumps({"prompt": "repeat 3", "max_tokens": 6, "seed": 5, "logprobs": 1}).encode(),
+    )
     try:
         status, before = http(port, good)
         assert status == 200
@@ -232,8 +292,11 @@ def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_field(served):
     """They would make MLX read past the embedding table (a crash, or NaN logprobs)."""
     client, _ = served
     for ids in ([999999, 3], [57], [-1, 2]):
-        with pytest.raises(openai.BadRequestError, match=r"prompt: token id -?\d+ is outside the vocabulary "
-                                                         r"\(0 to 56\)"):
+        with pytest.raises(
+            openai.BadRequestError,
+            match=r"prompt: token id -?\d+ is outside the vocabulary "
+            r"\(0 to 56\)",
+        ):
             client.completions.create(model="tiny-model", prompt=ids, max_tokens=4)
     assert client.completions.create(model="tiny-model", prompt=[56, 3], max_tokens=2).choices
 

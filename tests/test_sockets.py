@@ -28,8 +28,9 @@ def test_incoming_yields_messages_and_errors_with_the_sender(ctx, tmp_path):
     dealer, watch = sockets.connect(ctx, endpoint)
     dealer.send_multipart(protocol.encode(protocol.HEARTBEAT, {"role": "actor", "time": 1.0}))
     dealer.send_multipart([b"\x00not msgpack"])
-    dealer.send_multipart(protocol.encode(protocol.WEIGHTS, {"version": 3},
-                                          {"w": np.arange(4, dtype=np.float32)}))
+    dealer.send_multipart(
+        protocol.encode(protocol.WEIGHTS, {"version": 3}, {"w": np.arange(4, dtype=np.float32)})
+    )
     got = []
     deadline = time.monotonic() + 10
     while len(got) < 3 and time.monotonic() < deadline:
@@ -141,8 +142,9 @@ def test_a_frame_over_the_limit_is_refused_before_it_is_buffered(ctx):
     assert sent < 16 << 20, sent
     dealer, watch = sockets.connect(ctx, f"tcp://127.0.0.1:{port}", max_frame=sockets.frame_limit(1 << 20))
     try:
-        dealer.send_multipart(protocol.encode(protocol.WEIGHTS, {"version": 1},
-                                              {"w": np.zeros(1 << 18, dtype=np.float32)}))  # 1 MB
+        dealer.send_multipart(
+            protocol.encode(protocol.WEIGHTS, {"version": 1}, {"w": np.zeros(1 << 18, dtype=np.float32)})
+        )  # 1 MB
         (got,) = list(sockets.incoming(router, 5000))
         assert got.msg.arrays["w"].nbytes == 1 << 20
     finally:

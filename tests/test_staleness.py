@@ -24,16 +24,30 @@ def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):
     rng = np.random.default_rng(0)
 
     with peer(run, "learner") as (learner, sock):
+
         def send_group(version: int, n: int, versions: list[int] | None = None) -> None:
             ids = rng.integers(5, 40, 4 * 3).astype(np.int32)
             per_token = {} if versions is None else {"policy_versions": np.array(versions, np.int32)}
-            sock.send_multipart(protocol.encode(protocol.ROLLOUT, {
-                "group_id": f"v{version}-{n}", "policy_version": version, "prompt": "repeat 1",
-                "columns": {"target": "1"}, "texts": ["111", "123", "abc", "1a1"],
-                "finish_reasons": ["length"] * 4}, {
-                "prompt_ids": np.array(tok.encode("repeat 1"), np.int32), "completion_ids": ids,
-                "completion_lens": np.array([3, 3, 3, 3], np.int32),
-                "logprobs": np.full(12, -3.0, np.float32), **per_token}))
+            sock.send_multipart(
+                protocol.encode(
+                    protocol.ROLLOUT,
+                    {
+                        "group_id": f"v{version}-{n}",
+                        "policy_version": version,
+                        "prompt": "repeat 1",
+                        "columns": {"target": "1"},
+                        "texts": ["111", "123", "abc", "1a1"],
+                        "finish_reasons": ["length"] * 4,
+                    },
+                    {
+                        "prompt_ids": np.array(tok.encode("repeat 1"), np.int32),
+                        "completion_ids": ids,
+                        "completion_lens": np.array([3, 3, 3, 3], np.int32),
+                        "logprobs": np.full(12, -3.0, np.float32),
+                        **per_token,
+                    },
+                )
+            )
 
         def expect(kind: str, **fields) -> protocol.Message:
             while True:
@@ -42,9 +56,18 @@ def test_learner_drops_groups_older_than_max_staleness(tmp_path, tiny):
                 if msg.kind == kind and all(msg.header.get(k) == v for k, v in fields.items()):
                     return msg
 
-        sock.send_multipart(protocol.encode(protocol.HELLO, {
-            "role": "actor", "model": cfg.model.path, "tokenizer": tokenizer_fingerprint(tok),
-            "lora": as_dict(cfg.lora), "pid": os.getpid()}))
+        sock.send_multipart(
+            protocol.encode(
+                protocol.HELLO,
+                {
+                    "role": "actor",
+                    "model": cfg.model.path,
+                    "tokenizer": tokenizer_fingerprint(tok),
+                    "lora": as_dict(cfg.lora),
+                    "pid": os.getpid(),
+                },
+            )
+        )
         expect(protocol.WEIGHTS, version=0)
         for version in (0, 1):  # two on-policy batches: steps 1 and 2
             send_group(version, 0)
@@ -72,6 +95,7 @@ def test_actor_runs_ahead_with_max_staleness_one(tmp_path):
     lags = [m["version_lag_mean"] for m in metrics]
     assert all(0 <= lag <= 1 for lag in lags)
     assert any(lag > 0 for lag in lags)  # some batches were sampled a version behind
-    assert metrics[-1]["groups_received"] == (metrics[-1]["groups_trained"] + metrics[-1]["groups_dropped"]
-                                              + metrics[-1]["groups_queued"])
+    assert metrics[-1]["groups_received"] == (
+        metrics[-1]["groups_trained"] + metrics[-1]["groups_dropped"] + metrics[-1]["groups_queued"]
+    )
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["max_staleness"] == 1

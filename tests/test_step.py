@@ -46,15 +46,22 @@ CUTS = [12, 3, 7, 1, 12, 5, 9, 2]
 def sampled_batch(model, tok, groups=2, g=4, temperature=1.0, seed=0, episodes=False):
     """8 sampled completions of CUTS lengths; `episodes`: with loss masks that leave out
     every third token, as an episode's environment tokens."""
-    prompts = [tok.encode("repeat " + "12345"[:2 * i + 1]) for i in range(groups)]  # of other lengths
-    sampled = sample_groups(model, prompts, g, SamplingConfig(temperature=temperature, max_tokens=12),
-                            set(tok.eos_token_ids), seed=seed)
+    prompts = [tok.encode("repeat " + "12345"[: 2 * i + 1]) for i in range(groups)]  # of other lengths
+    sampled = sample_groups(
+        model,
+        prompts,
+        g,
+        SamplingConfig(temperature=temperature, max_tokens=12),
+        set(tok.eos_token_ids),
+        seed=seed,
+    )
     samples = []
     for i, (p, c) in enumerate((p, c) for p, group in zip(prompts, sampled) for c in group):
         n = min(CUTS[i], len(c.token_ids))
         mask = (np.arange(n) % 3 != 1).astype(np.float32) if episodes else None
-        samples.append(Sample(np.array(p), np.array(c.token_ids[:n]), np.array(c.logprobs[:n]),
-                              c.finish_reason, mask))
+        samples.append(
+            Sample(np.array(p), np.array(c.token_ids[:n]), np.array(c.logprobs[:n]), c.finish_reason, mask)
+        )
     return make_batch(samples, 0)
 
 
@@ -86,8 +93,15 @@ def test_micro_batched_accumulation_is_exact(name):
     results = []
     for micro in (0, 3):
         m, _ = model_with(start)
-        trainer = trainer_for(m, name, beta=0.04, micro=micro, optimizer=optim.SGD(learning_rate=1.0),
-                              max_grad_norm=1e9, sort_by_length=False)
+        trainer = trainer_for(
+            m,
+            name,
+            beta=0.04,
+            micro=micro,
+            optimizer=optim.SGD(learning_rate=1.0),
+            max_grad_norm=1e9,
+            sort_by_length=False,
+        )
         stats = trainer.step(trainer.prepare(batch), trainer.algorithm.advantages(REWARDS))
         delta = {k: v - start[k] for k, v in adapter_weights_numpy(m).items()}
         results.append((stats, delta))
@@ -122,8 +136,9 @@ def test_correction_weights_by_hand():
     np.testing.assert_allclose(w, [[1.0, 1.0, 1.0]])
 
 
-@pytest.mark.parametrize("mode,level", [("truncate", "token"), ("mask", "token"),
-                                        ("truncate", "sequence"), ("mask", "sequence")])
+@pytest.mark.parametrize(
+    "mode,level", [("truncate", "token"), ("mask", "token"), ("truncate", "sequence"), ("mask", "sequence")]
+)
 def test_a_stale_actor_is_corrected(mode, level):
     """The actor samples with old weights W0 while the learner already holds W1."""
     model, tok = model_with()
@@ -183,9 +198,18 @@ def test_trainer_runs_the_step_with_the_run_settings():
     assert trainer.logits.head is not None  # train.logit_chunk_mb: 64 MB of logits of 57 tokens each
     assert trainer.logits.chunk == 64 * 2**20 // (4 * 57)
     logits = Logits(output_head(by_hand), trainer.logits.chunk)  # one chunk holds the batch: whole
-    again = trainer_for(by_hand, "dapo", epsilon=0.1, beta=0.04, micro=3, fused=True,
-                        correction=Correction("truncate", "token", CAP), logits=logits, temperature=0.7,
-                        max_grad_norm=0.5)
+    again = trainer_for(
+        by_hand,
+        "dapo",
+        epsilon=0.1,
+        beta=0.04,
+        micro=3,
+        fused=True,
+        correction=Correction("truncate", "token", CAP),
+        logits=logits,
+        temperature=0.7,
+        max_grad_norm=0.5,
+    )
     theirs = again.step(again.prepare(batch), advantages)
     assert ours == theirs
     moved = adapter_weights_numpy(model)
@@ -194,10 +218,15 @@ def test_trainer_runs_the_step_with_the_run_settings():
     assert max(np.abs(moved[k] - start[k]).max() for k in start) > 1e-4
 
 
-@pytest.mark.parametrize("name,mode,level,beta,micro", [
-    ("grpo", "none", "token", 0.0, 0), ("dapo", "truncate", "token", 0.04, 3),
-    ("gspo", "truncate", "sequence", 0.0, 3), ("dr_grpo", "mask", "token", 0.04, 0),
-])
+@pytest.mark.parametrize(
+    "name,mode,level,beta,micro",
+    [
+        ("grpo", "none", "token", 0.0, 0),
+        ("dapo", "truncate", "token", 0.04, 3),
+        ("gspo", "truncate", "sequence", 0.0, 3),
+        ("dr_grpo", "mask", "token", 0.04, 0),
+    ],
+)
 def test_fused_old_logprobs_give_the_same_update(name, mode, level, beta, micro):
     """With one step per batch the old-policy logprobs can come from the training forward
     (stop-gradient) instead of a pass of their own: the same update and the same metrics."""
@@ -208,9 +237,18 @@ def test_fused_old_logprobs_give_the_same_update(name, mode, level, beta, micro)
     results = []
     for fused in (False, True):
         m, _ = model_with(start)
-        trainer = trainer_for(m, name, beta=beta, correction=correction, micro=micro, fused=fused,
-                              optimizer=optim.SGD(learning_rate=1.0), temperature=0.7, max_grad_norm=1e9,
-                              epsilon=0.1 if name == "gspo" else None)
+        trainer = trainer_for(
+            m,
+            name,
+            beta=beta,
+            correction=correction,
+            micro=micro,
+            fused=fused,
+            optimizer=optim.SGD(learning_rate=1.0),
+            temperature=0.7,
+            max_grad_norm=1e9,
+            epsilon=0.1 if name == "gspo" else None,
+        )
         prepared = trainer.prepare(batch)
         stats = trainer.step(prepared, trainer.algorithm.advantages(REWARDS))
         results.append(({**prepared.stats, **stats}, adapter_weights_numpy(m)))
@@ -219,8 +257,9 @@ def test_fused_old_logprobs_give_the_same_update(name, mode, level, beta, micro)
     assert_same_update([sep], w_sep, [fus], w_fus, start, 1e-5)
 
 
-def assert_same_update(stats_a: list[dict], weights_a: dict, stats_b: list[dict], weights_b: dict,
-                       start: dict, rel: float) -> None:
+def assert_same_update(
+    stats_a: list[dict], weights_a: dict, stats_b: list[dict], weights_b: dict, start: dict, rel: float
+) -> None:
     """Two ways of taking the same steps: the same metrics and adapters, to `rel`, and
     the adapters moved (so that the comparison means something)."""
     for a, b in zip(stats_a, stats_b, strict=True):
@@ -233,10 +272,15 @@ def assert_same_update(stats_a: list[dict], weights_a: dict, stats_b: list[dict]
         np.testing.assert_allclose(weights_b[k], weights_a[k], rtol=rel, atol=rel * moved)
 
 
-@pytest.mark.parametrize("name,mode,level,beta,micro,fused,chunk", [
-    ("grpo", "none", "token", 0.0, 0, True, 7), ("dapo", "truncate", "token", 0.04, 3, True, 16),
-    ("gspo", "truncate", "sequence", 0.04, 3, False, 5), ("dr_grpo", "mask", "token", 0.04, 0, False, 1000),
-])
+@pytest.mark.parametrize(
+    "name,mode,level,beta,micro,fused,chunk",
+    [
+        ("grpo", "none", "token", 0.0, 0, True, 7),
+        ("dapo", "truncate", "token", 0.04, 3, True, 16),
+        ("gspo", "truncate", "sequence", 0.04, 3, False, 5),
+        ("dr_grpo", "mask", "token", 0.04, 0, False, 1000),
+    ],
+)
 def test_chunked_logits_give_the_same_updates(name, mode, level, beta, micro, fused, chunk):
     """Logits formed `chunk` positions at a time, the gradient taken through the jacobian
     into the last hidden states: the same metrics and adapters as with the whole logits in
@@ -250,10 +294,19 @@ def test_chunked_logits_give_the_same_updates(name, mode, level, beta, micro, fu
         m, _ = model_with(start)
         logits = Logits(output_head(m), chunk) if chunked else WHOLE
         assert logits.head is not None or not chunked
-        trainer = trainer_for(m, name, beta=beta, correction=correction, micro=micro, fused=fused,
-                              logits=logits, temperature=0.7, max_grad_norm=1e9,
-                              optimizer=optim.SGD(learning_rate=1.0),  # the update is the gradient
-                              epsilon=0.1 if name == "gspo" else None)
+        trainer = trainer_for(
+            m,
+            name,
+            beta=beta,
+            correction=correction,
+            micro=micro,
+            fused=fused,
+            logits=logits,
+            temperature=0.7,
+            max_grad_norm=1e9,
+            optimizer=optim.SGD(learning_rate=1.0),  # the update is the gradient
+            epsilon=0.1 if name == "gspo" else None,
+        )
         prepared = trainer.prepare(batch)
         advantages = trainer.algorithm.advantages(REWARDS)
         steps = [trainer.step(prepared, advantages) for _ in range(1 if fused else 2)]
@@ -294,19 +347,28 @@ def test_micro_batch_rows_by_length_by_hand():
     assert [r.tolist() for r in micro_batch_rows(np.full(5, 7), 0)] == [[0, 1, 2, 3, 4]]
 
 
-MODES = {"padded": dict(sort_by_length=False, share_prompts=False),
-         "by length": dict(sort_by_length=True, share_prompts=False),
-         "shared prompts": dict(sort_by_length=True, share_prompts=True),
-         "shared prompts, rows in order": dict(sort_by_length=False, share_prompts=True)}
+MODES = {
+    "padded": dict(sort_by_length=False, share_prompts=False),
+    "by length": dict(sort_by_length=True, share_prompts=False),
+    "shared prompts": dict(sort_by_length=True, share_prompts=True),
+    "shared prompts, rows in order": dict(sort_by_length=False, share_prompts=True),
+}
 
 
-@pytest.mark.parametrize("name,mode,level,beta,fused,micro", [
-    ("grpo", "none", "token", 0.0, True, 0), ("dapo", "truncate", "token", 0.04, False, 3),
-    ("gspo", "truncate", "sequence", 0.04, False, 0), ("dr_grpo", "mask", "token", 0.04, True, 2),
-    ("cispo", "none", "token", 0.04, False, 0), ("sapo", "truncate", "token", 0.0, False, 3),
-])
-def test_micro_batches_by_length_and_shared_prompts_give_the_padded_update(name, mode, level, beta, fused,
-                                                                            micro):
+@pytest.mark.parametrize(
+    "name,mode,level,beta,fused,micro",
+    [
+        ("grpo", "none", "token", 0.0, True, 0),
+        ("dapo", "truncate", "token", 0.04, False, 3),
+        ("gspo", "truncate", "sequence", 0.04, False, 0),
+        ("dr_grpo", "mask", "token", 0.04, True, 2),
+        ("cispo", "none", "token", 0.04, False, 0),
+        ("sapo", "truncate", "token", 0.0, False, 3),
+    ],
+)
+def test_micro_batches_by_length_and_shared_prompts_give_the_padded_update(
+    name, mode, level, beta, fused, micro
+):
     """Rows of similar length in micro-batches padded only to their own longest, and each
     group's prompt run once with its completions after it (a KV cache): the same metrics
     and adapters as the whole batch padded to its longest row, over two steps (the second
@@ -319,10 +381,20 @@ def test_micro_batches_by_length_and_shared_prompts_give_the_padded_update(name,
     results = {}
     for label, settings in MODES.items():
         m, _ = model_with(start)
-        trainer = trainer_for(m, name, beta=beta, correction=Correction(mode, level, CAP), fused=fused,
-                              optimizer=optim.SGD(learning_rate=0.1), temperature=0.7, max_grad_norm=1e9,
-                              epsilon=0.1 if name == "gspo" else None, max_tokens=12,
-                              micro=0 if label == "padded" else micro, **settings)
+        trainer = trainer_for(
+            m,
+            name,
+            beta=beta,
+            correction=Correction(mode, level, CAP),
+            fused=fused,
+            optimizer=optim.SGD(learning_rate=0.1),
+            temperature=0.7,
+            max_grad_norm=1e9,
+            epsilon=0.1 if name == "gspo" else None,
+            max_tokens=12,
+            micro=0 if label == "padded" else micro,
+            **settings,
+        )
         prepared = trainer.prepare(batch)
         advantages = trainer.algorithm.advantages(REWARDS)
         steps = [trainer.step(prepared, advantages) for _ in range(1 if fused else 2)]
@@ -342,8 +414,9 @@ def test_micro_batches_by_length_and_shared_prompts_give_the_padded_update(name,
     # Shared: each micro-batch runs its distinct prompts once, then n x (C - 1) positions.
     _, _, shared, ratio = results["shared prompts"]
     prompts = {int(p) for p in batch.prompt_lengths}
-    computed = sum(sum(len(p) for p in m.rows.prompts) + len(m.index) * (m.mask.shape[1] - 1)
-                   for m in shared.micro)
+    computed = sum(
+        sum(len(p) for p in m.rows.prompts) + len(m.index) * (m.mask.shape[1] - 1) for m in shared.micro
+    )
     assert ratio == pytest.approx(computed / real) and len(prompts) == 2
     assert ratio < 1.0 or micro > 0  # a row limit may cut a group's rows apart: its prompt runs again
     for label in MODES:
@@ -361,8 +434,15 @@ def test_gspo_clip_fractions_are_merged_per_completion():
     seen = []
     for micro, by_length in ((0, False), (3, False), (0, True), (2, True)):
         m, _ = model_with(start)
-        trainer = trainer_for(m, "gspo", micro=micro, sort_by_length=by_length, temperature=0.7,
-                              optimizer=optim.SGD(learning_rate=1.0), max_grad_norm=1e9)
+        trainer = trainer_for(
+            m,
+            "gspo",
+            micro=micro,
+            sort_by_length=by_length,
+            temperature=0.7,
+            optimizer=optim.SGD(learning_rate=1.0),
+            max_grad_norm=1e9,
+        )
         prepared = trainer.prepare(batch)
         advantages = trainer.algorithm.advantages(REWARDS)
         trainer.step(prepared, advantages)

@@ -30,12 +30,6 @@ pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast
 CHECKPOINTS = "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100\n[run]\nhang_timeout_s = 60.0"
 
 
-
-
-
-
-
-
 def kill_mid_run(tmp_path: Path, role: str, at_step: int, steps: int) -> tuple[Path, str]:
     """Start a run, SIGKILL `role` once `at_step` is done, and let the run finish."""
     proc = orchestrator("up", "--config", str(write_config(tmp_path, CHECKPOINTS, steps=steps)))
@@ -91,8 +85,10 @@ def test_a_resumed_run_repeats_the_uninterrupted_run(tmp_path):
     a.mkdir()
     b.mkdir()
     # A and B's first part are independent: side by side, they share the cores' idle time.
-    first = [orchestrator("up", "--config", str(write_config(a, extra, steps=4))),
-             orchestrator("up", "--config", str(write_config(b, extra, steps=2)))]
+    first = [
+        orchestrator("up", "--config", str(write_config(a, extra, steps=4))),
+        orchestrator("up", "--config", str(write_config(b, extra, steps=2))),
+    ]
     assert [p.wait(300) for p in first] == [0, 0]
     proc = orchestrator("up", "--resume", str(b / "run"), "--steps", "4")
     out, _ = proc.communicate(timeout=300)
@@ -105,8 +101,10 @@ def test_a_resumed_run_repeats_the_uninterrupted_run(tmp_path):
     for x, y in zip(ma, mb):
         for key in ("reward", "loss", "kl", "mismatch_kl", "completions/mean_length", "num_tokens"):
             assert y[key] == pytest.approx(x[key], abs=1e-6), (x["step"], key)
-    digests = [json.loads((r / "run" / "checkpoints" / "step_000004" / "state.json").read_text())
-               ["adapters_digest"] for r in (a, b)]
+    digests = [
+        json.loads((r / "run" / "checkpoints" / "step_000004" / "state.json").read_text())["adapters_digest"]
+        for r in (a, b)
+    ]
     assert digests[0] == digests[1]
     assert np.isfinite([m["loss"] for m in mb]).all()
 
@@ -164,9 +162,13 @@ def external_workers(run: Path) -> list[subprocess.Popen]:
     started by hand: nothing restarts them."""
     from tests.helpers import raw_worker
 
-    reward = subprocess.Popen([sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward",
-                               "--run-dir", str(run)], cwd=run.parent, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
+    reward = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "reward-worker", "tiny_task:reward", "--run-dir", str(run)],
+        cwd=run.parent,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     return [reward, raw_worker(protocol.read_endpoints(run)["env"])]
 
 

@@ -29,8 +29,19 @@ TEMPLATE = (
     "<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}"
     "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
-    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a + b",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +51,9 @@ def tool_model(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tool-model")
     chars = CHARS + [c for c in '<>|{}[]"_' if c not in CHARS]
-    config = dict(MODEL_CONFIG, vocab_size=len(SPECIAL_TOKENS) + len(chars),
-                  eos_token_id=SPECIAL_TOKENS.index(EOS))
+    config = dict(
+        MODEL_CONFIG, vocab_size=len(SPECIAL_TOKENS) + len(chars), eos_token_id=SPECIAL_TOKENS.index(EOS)
+    )
     mx.random.seed(0)
     save_model(out, llama.Model(llama.ModelArgs.from_dict(config)), config, chars)
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
@@ -76,20 +88,29 @@ def test_a_turn_s_tool_call_markup_becomes_openai_s_tool_calls(tool_model):
 
 def test_tools_and_tool_messages_reach_the_chat_template(tool_model, tmp_path):
     cfg = tmp_path / "serve.toml"
-    cfg.write_text(f'[model]\npath = "{tool_model}"\n[data]\nprompts = "{EXAMPLES / "tiny_prompts.jsonl"}"\n'
-                   '[reward]\nfunctions = ["tiny_task:reward"]\n')
+    cfg.write_text(
+        f'[model]\npath = "{tool_model}"\n[data]\nprompts = "{EXAMPLES / "tiny_prompts.jsonl"}"\n'
+        '[reward]\nfunctions = ["tiny_task:reward"]\n'
+    )
     proc, url = start_server("--config", str(cfg))
     try:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
         history = [
             {"role": "user", "content": "add 1 and 2"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function",
-                 "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_1", "content": "3"},
         ]
-        out = client.chat.completions.create(model="tool-model", messages=history, tools=TOOLS,
-                                             max_tokens=4)
+        out = client.chat.completions.create(model="tool-model", messages=history, tools=TOOLS, max_tokens=4)
         from transformers import AutoTokenizer
 
         prompt = AutoTokenizer.from_pretrained(str(tool_model)).decode(out.prompt_token_ids)
@@ -106,8 +127,9 @@ def test_tools_for_a_model_whose_template_has_none_are_refused():
     try:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="tiny-model", messages=[{"role": "user", "content": "hi"}],
-                                           tools=TOOLS, max_tokens=2)
+            client.chat.completions.create(
+                model="tiny-model", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, max_tokens=2
+            )
         assert e.value.body["param"] == "tools"
         assert "defines no tool calls" in e.value.body["message"]
     finally:

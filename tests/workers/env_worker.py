@@ -129,8 +129,11 @@ def main(argv):
                         send("observation", request_id=request_id, observation="", done=True, error=repr(e))
                 else:
                     if record is not None:
-                        line = {"episode_id": episode_id, "action": msg.get("action"),
-                                "action_ids": msg.get("action_ids")}
+                        line = {
+                            "episode_id": episode_id,
+                            "action": msg.get("action"),
+                            "action_ids": msg.get("action_ids"),
+                        }
                         record.write(json.dumps(line, default=repr) + "\n")
                         record.flush()
                     if args.step_delay > 0:
@@ -139,8 +142,13 @@ def main(argv):
                         if episode_id not in episodes:
                             raise KeyError(f"unknown episode {episode_id!r}")
                         observation, done, reward = advance(episodes[episode_id], msg.get("action"))
-                        send("observation", request_id=request_id, observation=observation, done=done,
-                             reward=reward)
+                        send(
+                            "observation",
+                            request_id=request_id,
+                            observation=observation,
+                            done=done,
+                            reward=reward,
+                        )
                     except Exception as e:
                         send("observation", request_id=request_id, observation="", done=True, error=repr(e))
                 print(f"{kind} {episode_id}", flush=True)

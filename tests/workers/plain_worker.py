@@ -61,8 +61,16 @@ def main():
         if answered < garbage:
             sock.send_multipart(broken[answered % len(broken)])
         else:
-            sock.send_multipart([header("score_reply", request_id=rid, rewards=rewards,
-                                        rewards_by_function={"digits": rewards})])
+            sock.send_multipart(
+                [
+                    header(
+                        "score_reply",
+                        request_id=rid,
+                        rewards=rewards,
+                        rewards_by_function={"digits": rewards},
+                    )
+                ]
+            )
             print("scored", rid, flush=True)
         answered += 1
     sock.close()
