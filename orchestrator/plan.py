@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from policy.model import runs_on_cpu
+from policy.model import dequantizes
 from protocol.config import QUANT_GROUP, Config, ConfigError, logit_chunk_positions
 
 MB = 1 << 20
@@ -367,7 +367,7 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
         cfg.learner.ranks,
         t.share_prompts,
         cfg.decode_rows,
-        cfg.model.dequantize_on_cpu and runs_on_cpu(),
+        dequantizes(cfg.model.dequantize_on_cpu),
         bool(cfg.env.environment),
     )
 

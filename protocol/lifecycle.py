@@ -71,8 +71,9 @@ SOURCE_ROOT = Path(__file__).resolve().parent.parent
 def python_module(*args: str) -> list[str]:
     """The command line that runs `python -m ARGS` in a child of ours. `-P` keeps the
     working directory off sys.path: a user's folder holding `rewards.py` or `learner.py`
-    (beside their config, where docs/data-and-rewards.md puts reward modules) would otherwise be imported
-    in place of our packages. Their modules are loaded by path instead (rewards.functions)."""
+    (beside their config, where docs/data-and-rewards.md puts reward modules) would
+    otherwise be imported in place of our packages. Their modules are loaded by path
+    instead (rewards.functions)."""
     return [sys.executable, "-P", "-m", *args]
 
 

@@ -24,7 +24,7 @@ from orchestrator.plan import (
 from policy.logprobs import output_head
 from policy.model import load_policy
 from protocol.config import LoraConfig
-from tests.helpers import EXAMPLES, ROOT, TINY_MODEL, read_metrics, trainer_for
+from tests.helpers import EXAMPLES, ROOT, TINY_MODEL, read_metrics, run_up, trainer_for
 
 
 def shape(**kw) -> Shape:
@@ -521,30 +521,19 @@ def test_up_runs_a_config_that_fits_only_with_micro_batches_and_says_so(tmp_path
     assert low < high
     assert shape_from_config(cfg, s.prompt_tokens) == s
     budget_gb = (low + high) / 2 / (1 << 30)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator",
-            "up",
-            "--config",
-            str(EXAMPLES / "tiny.toml"),
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--steps",
-            "2",
-            "--available-memory-gb",
-            f"{budget_gb:.9f}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    code, out = run_up(
+        EXAMPLES / "tiny.toml",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--steps",
+        "2",
+        "--available-memory-gb",
+        f"{budget_gb:.9f}",
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "it fits with train.micro_batch_size = " in proc.stdout, proc.stdout
+    assert code == 0, out
+    assert "it fits with train.micro_batch_size = " in out, out
     picked = json.loads((tmp_path / "run" / "config.json").read_text())["train"]["micro_batch_size"]
-    assert picked >= 16 and f"train.micro_batch_size = {picked}" in proc.stdout
+    assert picked >= 16 and f"train.micro_batch_size = {picked}" in out
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
 
 
