@@ -98,7 +98,7 @@ class Actor:
         self.sampling = s = self.cfg.sampling
         bits = self.cfg.actor.quantize_bits
         log.info("loading %s (base weights: %s)", self.cfg.model.path, f"{bits}-bit" if bits else "as saved")
-        dequantize = dequantizes(self.cfg.model.dequantize_on_cpu, bits)
+        dequantize = dequantizes(self.cfg.model.dequantize_on_cpu)
         self.model, self.tokenizer, _ = load_policy(
             self.cfg.model.path, self.cfg.lora, quantize_bits=bits, dequantize=dequantize
         )

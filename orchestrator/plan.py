@@ -181,7 +181,7 @@ class Shape:
     learner_ranks: int = 1  # learner.ranks: each trains its share of a batch's rows
     share_prompts: bool = True  # train.share_prompts (and no grad_checkpoint): each prompt once
     decode_rows: int = 0  # rows an actor decodes at once (Config.decode_rows); 0: its share of a batch
-    dequantize: bool = False  # a quantized checkpoint loads as float32 (policy.model.dequantizes)
+    dequantize: bool = False  # quantized weights are held as float32 (policy.model.dequantizes)
     episodes: bool = False  # an environment: every episode of a batch keeps its KV cache while it waits
 
     @property
@@ -373,11 +373,13 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
 
 
 def make_plan(m: ModelShape, s: Shape, budget: float, source: str) -> Plan:
-    # Dequantized, weights and activations are float32; an actor told to quantize keeps
-    # the checkpoint's own quantization instead.
+    # Dequantized, weights and activations are float32, and an actor told to quantize
+    # rounds its weights but holds them dense. Without that, the actor keeps the
+    # checkpoint's own quantization or quantizes as it loads.
     dense = replace(m, weight_bytes=m.dense_bytes, act_bytes=4, bits=None) if s.dequantize and m.bits else m
+    actor = actor_terms(dense, replace(s, actor_bits=0)) if s.dequantize else actor_terms(m, s)
     return Plan(
-        actor_terms(m if s.actor_bits else dense, s),
+        actor,
         learner_terms(dense, s),
         budget,
         source,
@@ -437,7 +439,8 @@ def fit(cfg: Config, m: ModelShape, s: Shape, budget: float, source: str) -> Fit
     does, with a quantized checkpoint on the CPU loaded dequantized if that fits at all,
     quantized (and slow, said so) if only that fits."""
     notes: list[str] = []
-    for dense in [True, False] if s.dequantize and m.bits else [s.dequantize]:
+    quantized = s.dequantize and bool(m.bits or s.actor_bits)
+    for dense in [True, False] if quantized else [s.dequantize]:
         shape = replace(s, dequantize=dense)
         for candidate, changes in knob_choices(shape):
             plan = make_plan(m, candidate, budget, source)
@@ -445,9 +448,15 @@ def fit(cfg: Config, m: ModelShape, s: Shape, budget: float, source: str) -> Fit
                 continue
             if s.dequantize and m.bits:
                 notes.append(dequantize_note(m, dense))
+            if s.dequantize and s.actor_bits and dense:
+                notes.append(
+                    f"actor.quantize_bits = {s.actor_bits} on the CPU: the actor's base weights are "
+                    "rounded to that many bits and held as float32, the same function at dense speed "
+                    "(model.dequantize_on_cpu = false keeps them quantized, and smaller)"
+                )
             if changes:
                 notes.append(knob_note(make_plan(m, shape, budget, source), changes))
-            if s.dequantize and m.bits and not dense:
+            if quantized and not dense:
                 changes = {**changes, "model": {"dequantize_on_cpu": False}}
             return Fit(cfg.replace(**changes) if changes else cfg, plan, candidate, notes)
     return Fit(cfg, make_plan(m, s, budget, source), s, notes)

@@ -84,12 +84,12 @@ def runs_on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def dequantizes(dequantize_on_cpu: bool, quantize_bits: int = 0) -> bool:
-    """Whether a process loads a quantized checkpoint dequantized: on the CPU, unless the
-    config says no or the process samples from quantized weights on purpose
-    (actor.quantize_bits). The orchestrator turns `dequantize_on_cpu` off in a run's config
-    when the plan has no room for float32 weights."""
-    return dequantize_on_cpu and not quantize_bits and runs_on_cpu()
+def dequantizes(dequantize_on_cpu: bool) -> bool:
+    """Whether a process holds quantized weights as float32: on the CPU, unless the config
+    says no. That covers a quantized checkpoint and the actor's own quantization
+    (actor.quantize_bits: rounded to that many bits, then held dense). The orchestrator
+    turns `dequantize_on_cpu` off in a run's config when the plan has no room for it."""
+    return dequantize_on_cpu and runs_on_cpu()
 
 
 def load_policy(
@@ -105,7 +105,9 @@ def load_policy(
     weights are loaded into the fresh LoRA layers (its LoRA settings must match). With
     `quantize_bits` the base weights are quantized as they load (lazily, so the full
     precision weights never all exist at once); the LoRA layers stay float32. With
-    `dequantize`, a quantized checkpoint's layers become float32 ones (dequantize_base).
+    `dequantize`, quantized layers become float32 ones (dequantize_base): a quantized
+    checkpoint's, and with `quantize_bits` the freshly rounded ones, so the model computes
+    what the quantized one does at dense speed (the CPU's case).
     """
     from mlx_lm import load
     from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -117,9 +119,16 @@ def load_policy(
             "quantized matmuls are slow; model.dequantize_on_cpu = false keeps them)",
             layers,
         )
-    model.freeze()
     if quantize_bits:
         quantize_base(model, quantize_bits)
+        if dequantize:
+            dequantize_base(model)
+            log.info(
+                "base weights rounded to %d bits and held as float32 (MLX runs on the CPU here, "
+                "where quantized matmuls are slow; model.dequantize_on_cpu = false keeps them quantized)",
+                quantize_bits,
+            )
+    model.freeze()
     settings = lora_settings(lora, len(model.layers))
     linear_to_lora_layers(model, settings["num_layers"], settings["lora_parameters"])
     if adapter_path is not None:

@@ -111,7 +111,8 @@ class ModelConfig:
     dequantize_on_cpu: bool = key(
         True,
         "where MLX runs on the CPU, load a quantized checkpoint dequantized "
-        "to float32 (MLX's quantized matmuls are many times slower there) when "
+        "to float32, and hold an actor's `quantize_bits` weights rounded but "
+        "dense (MLX's quantized matmuls are many times slower there), when "
         "the memory plan has room; on a GPU nothing changes",
     )
 

@@ -376,18 +376,25 @@ def test_an_insecure_tcp_run_trains_without_keys(tmp_path):
     assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
 
 
-def test_a_quantized_actor_trains_and_its_mismatch_shows(tmp_path):
+@pytest.mark.parametrize("dense", [True, False])
+def test_a_quantized_actor_trains_and_its_mismatch_shows(tmp_path, dense):
     """actor.quantize_bits = 4: the actor samples from 4-bit base weights while the learner
     trains full precision. The run completes, the mismatch is there in the metrics (it is 0
     to float precision with a full-precision actor, see the test above), and the
-    truncated-IS correction acts on it."""
+    truncated-IS correction acts on it. On the CPU the rounded weights are held as float32
+    unless model.dequantize_on_cpu = false."""
     cfg = write_config(tmp_path, '[algorithm]\nis_correction = "truncate"', steps=2)
-    code, out = run_up(cfg, "--set", "actor.quantize_bits=4")
+    code, out = run_up(
+        cfg, "--set", "actor.quantize_bits=4", "--set", f"model.dequantize_on_cpu={str(dense).lower()}"
+    )
     assert code == 0, out
     metrics = read_metrics(tmp_path / "run")
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[0]["mismatch_kl"] > 1e-6 and metrics[0]["is_ratio_max"] > 1.0
-    assert "(base weights: 4-bit)" in (tmp_path / "run" / "actor.log").read_text()
+    log = (tmp_path / "run" / "actor.log").read_text()
+    assert "(base weights: 4-bit)" in log
+    assert ("rounded to 4 bits and held as float32" in log) == dense
+    assert ("rounded to that many bits and held as float32" in out) == dense
 
 
 def test_completions_are_logged_at_the_configured_steps_and_shown(tmp_path):

@@ -3,6 +3,7 @@
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -191,3 +192,26 @@ def test_a_quantized_actor_samples_close_to_the_full_model():
         diff = sequence_logprobs(quant, TOKENS, 1.0) - sequence_logprobs(full, TOKENS, 1.0)
         gaps[bits] = float(mx.abs(diff).mean().item())
     assert 0 < gaps[8] < gaps[4] / 4 and gaps[4] < 1.0, gaps
+
+
+def test_rounded_and_held_dense_computes_what_the_quantized_model_does():
+    """On the CPU an actor's quantize_bits weights are rounded, then held as float32
+    (dequantize=True): no quantized layer is left, and its logprobs equal the quantized
+    model's to float32 summation order, while both stay as far from the full model as
+    4 bits puts them."""
+    full, _, _ = fresh()
+    perturb(full)
+    quant, _, _ = load_policy(str(TINY_MODEL), LORA, quantize_bits=4)
+    dense, _, _ = load_policy(str(TINY_MODEL), LORA, quantize_bits=4, dequantize=True)
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in quant.named_modules())
+    assert not any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in dense.named_modules()
+    )
+    trainable = {k for k, _ in tree_flatten(dense.trainable_parameters())}
+    assert trainable and all(k.endswith(("lora_a", "lora_b")) for k in trainable)
+    for model in (quant, dense):
+        set_adapter_weights(model, adapter_weights_numpy(full))
+    lp = {name: sequence_logprobs(m, TOKENS, 1.0) for name, m in [("q", quant), ("d", dense), ("f", full)]}
+    same = float(mx.abs(lp["d"] - lp["q"]).max().item())
+    quantized = float(mx.abs(lp["q"] - lp["f"]).mean().item())
+    assert same < 1e-4 and quantized > 100 * same, (same, quantized)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -562,3 +563,25 @@ def test_the_plan_counts_the_real_example_s_learner_peak_within_15_percent(smoll
     )
     planned = sum(fitted.plan.learner.values())
     assert abs(planned / measured - 1) <= 0.15, (planned / MB, measured / MB)
+
+
+def test_a_quantized_actor_on_the_cpu_is_planned_dense_where_it_fits():
+    """actor.quantize_bits where quantized weights are held as float32 (the CPU): the
+    actor's weights term is the full-precision one, and where only the quantized actor
+    fits the budget, fit keeps it quantized (model.dequantize_on_cpu = false), saying so."""
+    from orchestrator.plan import SAFETY, fit, knob_choices, quantized_bytes
+    from protocol.config import load_config
+
+    cfg = load_config(EXAMPLES / "tiny.toml")
+    m = read_shape(str(TINY_MODEL))
+    # weights dominate: no knob makes the dense actor as small as the quantized one
+    s = shape(actor_bits=4, dequantize=True, group_size=1, prompt_tokens=1, max_tokens=1)
+    dense, small = make_plan(m, s, 1e12, ""), make_plan(m, replace(s, dequantize=False), 1e12, "")
+    assert dense.actor["weights"] == m.weight_bytes
+    assert small.actor["weights"] == quantized_bytes(m, 4) < m.weight_bytes / 2
+    got = fit(cfg, m, s, dense.total * SAFETY * 1.0001, "test")
+    assert got.shape.dequantize and got.cfg.model.dequantize_on_cpu
+    assert any("rounded to that many bits and held as float32" in n for n in got.notes)
+    got = fit(cfg, m, s, small.total * SAFETY * 1.0001, "test")
+    assert small.total < min(make_plan(m, c, 1e12, "").total for c, _ in knob_choices(s))
+    assert got.plan.fits and not got.shape.dequantize and not got.cfg.model.dequantize_on_cpu
