@@ -183,6 +183,7 @@ class Shape:
     decode_rows: int = 0  # rows an actor decodes at once (Config.decode_rows); 0: its share of a batch
     dequantize: bool = False  # quantized weights are held as float32 (policy.model.dequantizes)
     episodes: bool = False  # an environment: every episode of a batch keeps its KV cache while it waits
+    staleness: int = 1  # train.max_staleness: above 0, groups join a running batch
 
     @property
     def actor_batch(self) -> int:
@@ -250,9 +251,11 @@ def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         "weights": quantized_bytes(m, s.actor_bits) if s.actor_bits else m.weight_bytes,
         "lora": 4 * lora_params(m, s),
         "kv_cache": kv,
-        # Dropping finished rows (cache filter) and growing past a 256-token block both
-        # build the new cache while the old one is alive: measured peaks are 1.5x the cache.
-        "kv_copy": kv / 2,
+        # Cutting finished rows out (cache filter), rows joining a running batch (extend)
+        # and growing past a 256-token block build the new cache while the old one is
+        # alive: measured peaks are 1.5x the cache. A synchronous batch whose rows all fit
+        # at once, in one block, does none of them: it starts together and ends empty.
+        "kv_copy": kv / 2 if s.staleness or s.episodes or rows < share or s.tokens > KV_STEP else 0.0,
         # The prompts' forward, with logits for their last positions only.
         "prefill": s.actor_batch * (m.vocab * 4 + 4 * s.prompt_tokens * m.hidden * m.act_bytes),
         "sampling": rows * m.vocab * 4 * 4,  # logits, logprobs, sorted copy, mask
@@ -369,6 +372,7 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
         cfg.decode_rows,
         dequantizes(cfg.model.dequantize_on_cpu),
         bool(cfg.env.environment),
+        t.max_staleness,
     )
 
 

@@ -16,6 +16,7 @@ from learner.step import WHOLE, Logits, Sample, make_batch
 from orchestrator.plan import (
     MB,
     Shape,
+    actor_terms,
     learner_terms,
     make_plan,
     read_shape,
@@ -585,3 +586,21 @@ def test_a_quantized_actor_on_the_cpu_is_planned_dense_where_it_fits():
     got = fit(cfg, m, s, small.total * SAFETY * 1.0001, "test")
     assert small.total < min(make_plan(m, c, 1e12, "").total for c, _ in knob_choices(s))
     assert got.plan.fits and not got.shape.dequantize and not got.cfg.model.dequantize_on_cpu
+
+
+def test_a_synchronous_batch_in_one_block_plans_no_cache_copy():
+    """The actor's kv_copy term (half the cache) is there only when a copy can happen: rows
+    joining or leaving a running batch (max_staleness above 0, fewer decode rows than the
+    batch's share, episodes) or a cache growing past its first 256-token block."""
+    m = read_shape(str(TINY_MODEL))
+    kv = actor_terms(m, shape(staleness=0))["kv_cache"]
+    assert actor_terms(m, shape(staleness=0))["kv_copy"] == 0
+    for copies in (
+        shape(staleness=1),
+        shape(staleness=0, decode_rows=4),
+        shape(staleness=0, episodes=True),
+        shape(staleness=0, max_tokens=300),
+    ):
+        terms = actor_terms(m, copies)
+        assert terms["kv_copy"] == terms["kv_cache"] / 2 > 0, copies
+    assert actor_terms(m, shape(staleness=1))["kv_cache"] == kv

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchestrator.plan import MB, plan_for
+from protocol.config import load_config
 from tests.helpers import ROOT, TINY_MODEL, read_metrics, run_up, write_config
 
 pytestmark = pytest.mark.slow  # real processes end to end
@@ -102,7 +104,9 @@ def test_without_room_to_dequantize_it_stays_quantized_and_the_run_warns(tmp_pat
 def test_the_real_model_trains_a_few_steps(tmp_path, smollm2):
     """SmolLM2-135M-Instruct, converted from its GGUF file (4-bit, loaded dequantized on
     this CPU), in chat format: step 0's ratio is 1, every metric is finite, and mlx-lm
-    loads the adapters it leaves."""
+    loads the adapters it leaves. The actor's measured peak is within 15% of its plan (a
+    synchronous batch: no cache copies), the learner's below its plan (which takes every
+    completion at max_tokens)."""
     cfg = tmp_path / "run.toml"
     (tmp_path / "prompts.jsonl").write_text(
         "".join(
@@ -133,6 +137,7 @@ steps = 2
 batch_size = 2
 learning_rate = 1e-4
 checkpoint_every = 0
+max_staleness = 0
 [reward]
 functions = ["check:correct"]
 [run]
@@ -146,6 +151,14 @@ dir = "{tmp_path / "run"}"
     assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-3
     for m in metrics:
         assert all(np.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    plan = plan_for(load_config(cfg), available_gb=1024)[0].plan
+    planned = {p: sum(getattr(plan, p).values()) / MB for p in ("actor", "learner")}
+    actor, learner = (max(m[f"{p}_peak_mb"] for m in metrics) for p in ("actor", "learner"))
+    assert abs(actor / planned["actor"] - 1) <= 0.15 and learner <= planned["learner"], (
+        actor,
+        learner,
+        planned,
+    )
     command = [
         "generate",
         "--model",
