@@ -39,6 +39,13 @@ def main(args: dict) -> None:
         max_tokens=args["max_tokens"], temperature=args["temperature"], top_p=args["top_p"]
     )
     algorithm = GRPOAlgorithm()
+
+    def text_of_prompt(prompt) -> str:
+        """A chat prompt rendered by the model's template, as this project renders it."""
+        if isinstance(prompt, str):
+            return prompt
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
     if args["rollout"] == "best":  # its prefix-cached rollout with the compiled decode step
 
         def generate(**kw):
@@ -49,7 +56,7 @@ def main(args: dict) -> None:
     for step in range(args["steps"]):
         batch_rows = [rows[(step * batch_size + i) % len(rows)] for i in range(batch_size)]
         t0 = time.perf_counter()
-        prompts = [row["prompt"] for row in batch_rows]
+        prompts = [text_of_prompt(row["prompt"]) for row in batch_rows]
         completions = generate(
             model=model,
             tokenizer=tokenizer,

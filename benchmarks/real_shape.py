@@ -143,15 +143,17 @@ def run_ours(
     actor_bits: int = 0,
     batch_size: int = 1,
     sets: tuple[str, ...] = (),
+    task: tuple[Path, str] = (PROMPTS, "tiny_task:reward"),
 ) -> dict:
-    """`sets`: `key=value` settings on top of the run's config (`orchestrator up --set`)."""
+    """`sets`: `key=value` settings on top of the run's config (`orchestrator up --set`);
+    `task`: the prompts file and the reward function."""
     run_dir = work / tag  # short: ipc socket paths must stay < 100 bytes
     toml = work / f"{tag}.toml"
     toml.write_text(f"""
 [model]
 path = "{model}"
 [data]
-prompts = "{PROMPTS}"
+prompts = "{task[0]}"
 [sampling]
 group_size = {a.group_size}
 temperature = {SETTINGS["temperature"]}
@@ -168,7 +170,7 @@ beta = {SETTINGS["beta"]}
 [actor]
 quantize_bits = {actor_bits}
 [reward]
-functions = ["tiny_task:reward"]
+functions = ["{task[1]}"]
 search_path = "{EXAMPLES}"
 [run]
 dir = "{run_dir}"
@@ -209,12 +211,21 @@ def planned(toml: Path) -> dict:
 
 
 def run_mlxrl(
-    model: Path, work: Path, tag: str, a: argparse.Namespace, rollout: str, batch_size: int = 1
+    model: Path,
+    work: Path,
+    tag: str,
+    a: argparse.Namespace,
+    rollout: str,
+    batch_size: int = 1,
+    task: tuple[Path, str] = (PROMPTS, "tiny_task:reward"),
+    driver: str = "benchmarks.mlxrl_driver",
 ) -> dict:
+    """A single-process peer's run through its `driver` (mlxrl's, or mlx-lm-lora's with
+    `benchmarks.mlx_lm_lora_driver`), which prints one JSON line per step."""
     args = {
         "model": str(model),
-        "prompts": str(PROMPTS),
-        "reward": "tiny_task:reward",
+        "prompts": str(task[0]),
+        "reward": task[1],
         "search_path": str(EXAMPLES),
         "steps": a.steps,
         "group_size": a.group_size,
@@ -223,9 +234,9 @@ def run_mlxrl(
         "rollout": rollout,
         **SETTINGS,
     }
-    log(f"{tag}: mlxrl ({rollout} rollout), {a.steps} steps")
+    log(f"{tag}: {driver} ({rollout} rollout), {a.steps} steps")
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.mlxrl_driver", json.dumps(args)],
+        [sys.executable, "-m", driver, json.dumps(args)],
         cwd=ROOT,
         capture_output=True,
         text=True,
