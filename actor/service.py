@@ -52,7 +52,7 @@ from policy.model import (
 )
 from policy.sampler import Completion, sample_groups
 from protocol import lifecycle, sockets
-from protocol.config import as_dict, read_run_config
+from protocol.config import as_dict, credit_window, read_run_config
 from protocol.heartbeat import actor_name, start_heartbeat
 from protocol.keys import key_dir_for, run_key_dir
 from protocol.wire import MAX_HEADER_BYTES
@@ -124,7 +124,7 @@ class Actor:
         self.strange = False  # the learner does not know us (it took us for gone): say hello again
         train = self.cfg.train
         # Until the learner says otherwise: this slot's share, as if every actor were live.
-        self.window = -(-(train.max_staleness + 1) * train.batch_size // self.cfg.actor.count)
+        self.window = credit_window(train.max_staleness, train.batch_size, self.cfg.actor.count)
         self.ctx = zmq.Context()
         # Under an orchestrator the lifeline ends us; started by hand, we end when the
         # learner has been unreachable for good (the watch).

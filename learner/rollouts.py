@@ -31,6 +31,7 @@ import protocol
 from learner.groups import Group, data_span
 from learner.ledger import Ledger
 from protocol import sockets
+from protocol.config import credit_window
 from protocol.wire import HELLO_MODEL_FIELDS
 
 log = logging.getLogger("learner")
@@ -51,15 +52,16 @@ class RolloutSocket:
         keys: Path | None = None,
         actor_count: int = 1,
         max_frame: int = sockets.MAX_HEADER_BYTES,
-        in_flight: int = 1,
+        max_staleness: int = 0,
+        batch_size: int = 1,
     ) -> None:
         """`identity`: what this learner runs (model, tokenizer, lora, instance), sent in
         its hello and checked in actors'. `check_group` turns a rollout into a Group or
         raises ValueError with the drop reason. `weights()` gives the adapter arrays. `keys`:
         the run's CURVE key directory, for TCP (protocol.keys). `actor_count`: the run's
         actor slots. `max_frame`: the largest frame a rollout of the run carries.
-        `in_flight`: (k + 1) * B, the groups all actors together may have in flight."""
-        self.actor_count, self.in_flight = actor_count, in_flight
+        `max_staleness`, `batch_size`: k and B of the credit window (config.credit_window)."""
+        self.actor_count, self.max_staleness, self.batch_size = actor_count, max_staleness, batch_size
         self.sock = sockets.listen(ctx, endpoint, keys, "rollout", max_frame)
         self.ledger = ledger
         self.identity = identity
@@ -143,7 +145,7 @@ class RolloutSocket:
         loading = self.actor_count - len(self.attached_slots)
         if time.monotonic() - self.started > ACTOR_TIMEOUT_S:
             loading = 0  # an actor that never came is not waited for
-        return -(-self.in_flight // max(len(self.actors) + loading, 1))
+        return credit_window(self.max_staleness, self.batch_size, len(self.actors) + loading)
 
     def attach(self, actor: bytes, msg: protocol.Message, policy_version: int) -> None:
         problem = self.incompatibility(msg)

@@ -108,7 +108,8 @@ class Learner:
             keys,
             cfg.actor.count,
             sockets.frame_limit(cfg.rollout_array_bytes),
-            in_flight=(cfg.train.max_staleness + 1) * cfg.train.batch_size,
+            max_staleness=cfg.train.max_staleness,
+            batch_size=cfg.train.batch_size,
         )
         self.shares = plan_shares(self.run_dir)
 

@@ -173,6 +173,14 @@ class SamplingConfig:
     )
 
 
+def credit_window(max_staleness: int, batch_size: int, actors: int) -> int:
+    """The groups one of `actors` live actors may keep in flight (its credit window):
+    (max_staleness + 1) batches shared among them, ceil((k + 1) * B / n). The learner
+    tells each actor this; an actor assumes it until told; the docs and the memory plan
+    follow it."""
+    return -(-(max_staleness + 1) * batch_size // max(actors, 1))
+
+
 def logit_chunk_positions(chunk_mb: float, vocab: int) -> int:
     """Positions (rows x tokens) per chunk of `train.logit_chunk_mb` at a vocabulary; 0 = whole."""
     return max(1, int(chunk_mb * (1 << 20) / (4 * vocab))) if chunk_mb > 0 else 0
