@@ -133,8 +133,9 @@ def serve(
         cfg = read_run_config(run_dir) if run_dir is not None else load_config(str(config), set_)
     if host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo(f"warning: listening on {host}: anyone who can reach it can use the model", err=True)
+    from actor.completions import Policy
     from actor.sample import load_model
-    from actor.serve import Follower, Policy
+    from actor.serve import Follower
     from actor.serve import serve as run_server
 
     model, tok = load_model(cfg, None if run_dir else adapter)

@@ -53,6 +53,7 @@ from policy.model import (
 from policy.sampler import Completion, sample_groups
 from protocol import lifecycle, sockets
 from protocol.config import as_dict, credit_window, read_run_config
+from protocol.connection import ENDED, HEARTBEAT_S, Link, State, heartbeat
 from protocol.heartbeat import actor_name, start_heartbeat
 from protocol.keys import key_dir_for, run_key_dir
 from protocol.wire import MAX_HEADER_BYTES
@@ -91,9 +92,6 @@ class Actor:
                 f"slots 0 to {self.cfg.actor.count - 1}"
             )
         self.slot = slot
-        # Where to look whether the run is over (lifecycle.run_is_over); None with --connect,
-        # whose run directory is a copy on another machine.
-        self.run_dir = run_dir if connect is None else None
         self.signals = signals or lifecycle.StopSignals()
         self.sampling = s = self.cfg.sampling
         bits = self.cfg.actor.quantize_bits
@@ -119,9 +117,6 @@ class Actor:
         self.groups_sent = 0
         self.groups_consumed = 0
         self.timings: dict[str, float] = {}  # newest weight-sync times, sent with rollouts
-        self.told_to_stop = False
-        self.refused = False  # the learner refused our handshake
-        self.strange = False  # the learner does not know us (it took us for gone): say hello again
         train = self.cfg.train
         # Until the learner says otherwise: this slot's share, as if every actor were live.
         self.window = credit_window(train.max_staleness, train.batch_size, self.cfg.actor.count)
@@ -147,7 +142,9 @@ class Actor:
         self.lock = threading.Lock()
         self.beating = threading.Event()
         log.info("connecting to the learner at %s%s", endpoints["learner"], " (CURVE)" if keys else "")
-        self.learner_lost = False
+        # Where to look whether the run is over: none with --connect, whose run directory is a
+        # copy on another machine.
+        self.link = Link(self.watch, "learner", log, run_dir=run_dir if connect is None else None)
         engine = None
         if self.cfg.actor.engine == "continuous" and plain_caches(self.model):
             engine = Engine(self.model, s, self.eos_ids, s.seed, self.cfg.decode_rows)
@@ -180,9 +177,9 @@ class Actor:
 
     def beat(self) -> None:
         """Every HEARTBEAT_S, from a thread: the learner takes a silent actor for gone."""
-        while not self.beating.wait(lifecycle.HEARTBEAT_S):
+        while not self.beating.wait(HEARTBEAT_S):
             try:
-                self.send(protocol.HEARTBEAT, {"role": "actor", "time": time.time(), "slot": self.slot})
+                self.send(protocol.HEARTBEAT, heartbeat("actor", slot=self.slot))
             except zmq.ZMQError:  # closing, or the connection refused for good: the loop says so
                 return
 
@@ -198,6 +195,7 @@ class Actor:
         if msg is None:
             log.error("dropped a malformed message: %s", incoming.error)
             return
+        state = self.link.take(msg)  # the learner's hello and stop
         if msg.kind == protocol.WEIGHTS:
             if protocol.newer_weights(self.pending, msg) is msg:
                 self.pending = msg
@@ -211,16 +209,9 @@ class Actor:
             if type(window) is int and window > 0 and window != self.window:
                 log.info("window: %d groups in flight (was %d)", window, self.window)
                 self.window = window
-        elif msg.kind == protocol.STOP:
-            if msg.header.get("final") is False:  # a restart, or a resume to come
-                log.info("the learner goes away (%s); waiting for it to come back", msg["reason"])
-                return
+        elif msg.kind == protocol.STOP and state is not State.AWAY:  # away: it comes back
             log.info("learner says stop: %s", msg["reason"])
-            self.told_to_stop = True
-            self.refused = msg.header.get("code") == protocol.INCOMPATIBLE
-        elif msg.kind == protocol.HELLO and msg.header.get("attached") is False:
-            self.strange = True  # it took us for gone
-        elif msg.kind == protocol.HELLO:
+        elif msg.kind == protocol.HELLO and msg.header.get("attached") is not False:
             log.info("learner pid %s accepted the handshake", msg["pid"])
             # Where the slot's data continues (a restarted actor, a resumed run, a new
             # connection): after the groups the learner holds, skipping those it holds beyond.
@@ -403,7 +394,7 @@ class Actor:
     def interrupted(self) -> bool:
         """Between turns of an episode: the learner said stop, or a stop signal came."""
         self.receive(0)
-        return self.told_to_stop or self.signals.requested
+        return self.link.ended or self.signals.requested
 
     def greet(self) -> None:
         """Say hello: once at the start, and again on every new connection. A TCP connection
@@ -411,13 +402,12 @@ class Actor:
         the wire is lost), so the actor starts over as a restarted actor does: the learner
         sends weights and where the slot's data continues, and the credit counts from 0."""
         self.receive(0)  # what the old connection brought, before starting over
-        self.greeted = max(self.watch.connections, 1)  # the first hello goes on the first connection
+        self.link.saying_hello()
         # What the engine holds is the old connection's: it waits (no weights) and goes when
         # the learner's hello says where the data continues.
         self.policy_version, self.pending, self.groups_sent, self.groups_consumed = None, None, 0, 0
-        self.strange = False
         if not self.can_send():
-            self.greeted = 0  # the loop says why (refused: exit 4), or says hello again
+            self.link.hello_failed()  # the loop says why (refused: exit 4), or says hello again
             return
         try:
             self.send(
@@ -432,7 +422,7 @@ class Actor:
                 },
             )
         except zmq.Again:  # the connection went between the poll and the send (a refused key)
-            self.greeted = 0  # as above: the loop says why, or says hello again
+            self.link.hello_failed()
 
     def can_send(self) -> bool:
         """Whether the socket takes a message within the send timeout. A refused connection
@@ -452,24 +442,12 @@ class Actor:
         self.greet()
         threading.Thread(target=self.beat, name="actor-heartbeat", daemon=True).start()
         batches_in_flight = self.cfg.train.max_staleness + 1
-        while not (self.told_to_stop or self.signals.requested):
-            down = self.watch.down_for()
-            if down and self.watch.refused:
-                log.error("cannot connect to the learner: %s", self.watch.refused)
-                self.refused = True
-                return
-            if lifecycle.peer_sees_run_ended(self.run_dir, down):
-                self.told_to_stop = True
-                return
-            if down > lifecycle.LEARNER_TIMEOUT_S:
-                log.error("no learner for %.0f s; it is gone, stopping", lifecycle.LEARNER_TIMEOUT_S)
-                self.learner_lost = True
-                return
-            if self.watch.connections > self.greeted or self.strange:
-                log.warning(
-                    "the learner does not know us (%s); saying hello again",
-                    "it took us for gone" if self.strange else "the connection dropped and came back",
-                )
+        while not (self.link.ended or self.signals.requested):
+            if self.link.check() in ENDED:
+                return  # refused for good, the run is over, or the learner is gone
+            why = self.link.hello_due()
+            if why:
+                log.warning("the learner does not know us (%s); saying hello again", why)
                 self.greet()
             self.receive(0)
             if self.engine is not None:
@@ -509,9 +487,10 @@ def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str |
     finally:
         # The run is over when the learner says so, or when we are stopped for its end;
         # a crash, a restart or a lost orchestrator leave the env workers waiting.
-        actor.close(actor.told_to_stop or (signals.requested and lifecycle.stop_is_final(run_dir)))
-    if actor.refused:
-        return lifecycle.EXIT_USER_ERROR  # another model or LoRA config: a restart won't help
-    if actor.learner_lost:
+        told = actor.link.state in (State.STOPPED, State.INCOMPATIBLE)
+        actor.close(told or (signals.requested and lifecycle.stop_is_final(run_dir)))
+    if actor.link.state in (State.INCOMPATIBLE, State.REFUSED):
+        return lifecycle.EXIT_USER_ERROR  # another model or LoRA config, a refused key: a restart won't help
+    if actor.link.state is State.LOST:
         return lifecycle.EXIT_CRASH
     return signals.exit_code()

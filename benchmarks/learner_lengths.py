@@ -62,7 +62,7 @@ def long_tail_lengths(rows: int, mean: float, cap: int, seed: int) -> np.ndarray
 
 def samples_for(lengths: np.ndarray, groups: int, prompt_tokens: int, vocab: int, seed: int) -> list:
     """Rows of random ids: one prompt per group, the given completion lengths."""
-    from learner.step import Sample
+    from learner.batching import Sample
 
     rng = np.random.default_rng(seed)
     g = len(lengths) // groups
@@ -79,7 +79,8 @@ def measure(
     """Each mode's step seconds (prepare + optimizer step), padding ratio and peak MB."""
     import mlx.core as mx
 
-    from learner.step import Trainer, make_batch
+    from learner.batching import make_batch
+    from learner.trainer import Trainer
     from policy.model import load_policy
     from protocol.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
 

@@ -32,7 +32,7 @@ def _real_batch(model, tokenizer, cfg: Config):
     """Sample batch_size groups with our sampler and score them: (samples, rewards)."""
 
     import policy.sampler as sampler
-    from learner.step import Sample
+    from learner.batching import Sample
     from policy.data import load_prompts
     from rewards.scorer import Scorer
 
@@ -61,7 +61,8 @@ def _real_batch(model, tokenizer, cfg: Config):
 
 
 def run(reps: int) -> LearnerResult:
-    from learner.step import Trainer, make_batch
+    from learner.batching import make_batch
+    from learner.trainer import Trainer
     from policy.model import load_policy
 
     cfg = tiny_config()

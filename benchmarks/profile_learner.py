@@ -54,7 +54,8 @@ def profile(model_path: Path, rows: int, tokens: int, repeats: int) -> dict[str,
     import mlx.core as mx
 
     import protocol
-    from learner.step import Sample, Trainer, make_batch
+    from learner.batching import Sample, make_batch
+    from learner.trainer import Trainer
     from policy.logprobs import output_head
     from policy.model import adapter_weights_numpy, load_policy
     from protocol.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig

@@ -203,7 +203,8 @@ dir = "{run_dir}"
 
 def planned(toml: Path) -> dict:
     """The memory plan's estimate per process (MB), as `orchestrator plan` computes it."""
-    from orchestrator.plan import MB, plan_for
+    from orchestrator.fit import plan_for
+    from orchestrator.plan import MB
     from protocol.config import load_config
 
     plan = plan_for(load_config(toml), available_gb=1024)[0].plan

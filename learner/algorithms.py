@@ -287,7 +287,7 @@ ALGORITHMS: dict[AlgorithmName, type[GRPO]] = {
     "cispo": CISPO,
     "sapo": SAPO,
 }
-assert tuple(ALGORITHMS) == ALGORITHM_NAMES, "protocol/config.py names the objectives"
+assert tuple(ALGORITHMS) == ALGORITHM_NAMES, "protocol/config_sections.py names the objectives"
 
 
 def make_algorithm(

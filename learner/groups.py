@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from learner.step import Sample
+from learner.batching import Sample
 from protocol import Message, is_data_cursor
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from learner.batching import Sample
 from learner.groups import Group
-from learner.step import Sample
 from protocol.lifecycle import write_atomic
 
 log = logging.getLogger("learner")

@@ -7,7 +7,7 @@ published weights and the checkpoints. The other ranks own a model and an optimi
 nothing else: rank 0 sends them each batch (tokens, masks, behavior logprobs, advantages),
 every rank takes its rows, and every optimizer step adds the ranks' gradients (`all_sum`)
 before the same clip and update on every rank. Each row's loss is divided by the *whole*
-batch's normaliser (as micro-batches are, `learner.step`), so the summed gradient is the
+batch's normaliser (as micro-batches are, `learner.trainer`), so the summed gradient is the
 one-rank gradient of the whole batch, to float rounding.
 
 Everything between ranks is an MLX collective; "rank 0 sends" is an `all_sum` to which
@@ -28,7 +28,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from learner.step import Batch, Prepared, Trainer, combine_stats
+from learner.batching import Batch, Prepared
+from learner.trainer import Trainer, combine_stats
 from policy.memory import apply_memory_share
 from policy.model import dequantizes, load_policy
 from protocol import lifecycle
@@ -128,7 +129,7 @@ class Ranks:
     def combine(
         self, stats: dict[str, float], weight: tuple[float, float], per_completion: frozenset[str]
     ) -> dict[str, float]:
-        """Every rank's metrics of a step as the whole batch's (learner.step.combine_stats);
+        """Every rank's metrics of a step as the whole batch's (learner.trainer.combine_stats);
         `weight`: this rank's completion tokens and completions."""
         if self.group is None:
             return stats

@@ -12,13 +12,13 @@ credit says its window, the groups it may keep in flight, ceil((k + 1) * B / liv
 ACTOR_TIMEOUT_S after the learner starts, a slot that has not attached yet counts as
 live (its actor is loading), so the first actor does not take whole batches meanwhile. An
 actor the learner does not know (taken for gone, or a connection that came back under a
-new identity) is greeted with `hello`, `attached: false`, and says hello again.
+new identity) is greeted with `hello`, `attached: false`, and says hello again
+(protocol.connection).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,12 +32,12 @@ from learner.groups import Group, data_span
 from learner.ledger import Ledger
 from protocol import sockets
 from protocol.config import credit_window
+from protocol.connection import ACTOR_TIMEOUT_S, Peers, owner_hello
 from protocol.wire import HELLO_MODEL_FIELDS
 
 log = logging.getLogger("learner")
 
 MB = 1 << 20
-ACTOR_TIMEOUT_S = 10.0  # an actor that sent nothing this long is taken for gone
 
 
 class RolloutSocket:
@@ -67,12 +67,11 @@ class RolloutSocket:
         self.identity = identity
         self.check_group = check_group
         self.weights = weights
-        self.actors: dict[bytes, dict] = {}
-        self.last_seen: dict[bytes, float] = {}  # attached actors
+        self.actors: dict[bytes, dict] = {}  # their hellos
+        self.peers = Peers(ACTOR_TIMEOUT_S)  # when each was last heard from; strangers greeted
         self.windows: dict[bytes, int] = {}  # the window each actor was last told
         self.attached_slots: set[int] = set()  # slots that have had an actor
         self.started = time.monotonic()
-        self.greeted: set[bytes] = set()  # strangers told they are not attached
         # `actor serve --run-dir`: gets every weights version, sends nothing, has no credit.
         self.observers: dict[bytes, dict] = {}
         self.weight_sync: dict[str, float] = {}  # the newest publish's size and serialize time
@@ -86,8 +85,7 @@ class RolloutSocket:
         groups = []
         for incoming in sockets.incoming(self.sock, timeout_ms):
             actor, msg = incoming.peer, incoming.msg
-            if actor in self.actors:
-                self.last_seen[actor] = time.monotonic()
+            self.peers.heard(actor)
             if msg is None:
                 self.ledger.reject_message()
                 log.error("dropped a malformed message from %s: %s", actor.hex(), incoming.error)
@@ -115,22 +113,16 @@ class RolloutSocket:
     def greet(self, actor: bytes) -> None:
         """An actor we do not know (taken for gone, or a connection that came back): tell
         it, once, to say hello again."""
-        if actor not in self.greeted:
-            self.greeted.add(actor)
+        if self.peers.greet(actor):
             log.info("an actor that is not attached beats; sending it our hello")
-            self.send(
-                actor,
-                protocol.HELLO,
-                {"role": "learner", "pid": os.getpid(), **self.identity, "attached": False},
-            )
+            self.send(actor, protocol.HELLO, owner_hello("learner", False, **self.identity))
 
     def check_actors(self) -> None:
         """Take an actor that has been silent for ACTOR_TIMEOUT_S for gone: its share of the
         batch goes to the others (their windows grow) until it, or another, takes its slot."""
-        now = time.monotonic()
-        for actor in [a for a in self.actors if now - self.last_seen[a] > ACTOR_TIMEOUT_S]:
+        for actor, _ in self.peers.silent():
             header = self.actors.pop(actor)
-            del self.last_seen[actor]
+            self.peers.lose(actor)
             log.warning(
                 "actor pid %s (slot %d) sent nothing for %.0f s: taking it for gone; %d actor(s) "
                 "share the batch",
@@ -156,7 +148,7 @@ class RolloutSocket:
             )
             return
         role, slot = msg["role"], msg.header.get("slot", 0)
-        hello = {"role": "learner", "pid": os.getpid(), **self.identity, "attached": True}
+        hello = owner_hello("learner", True, **self.identity)
         if role == "observer":
             self.observers[actor] = msg.header
         else:
@@ -164,11 +156,10 @@ class RolloutSocket:
                 # Its slot is taken by a new actor (a restart): the old one is gone, and
                 # what it had not sent is sampled again from the slot's cursor.
                 log.info("slot %d was actor pid %s's; that actor is gone", slot, self.actors.pop(old)["pid"])
-                del self.last_seen[old]
+                self.peers.lose(old)
             self.actors[actor] = msg.header
             self.attached_slots.add(slot)
-            self.last_seen[actor] = time.monotonic()
-            self.greeted.discard(actor)
+            self.peers.attach(actor)
             self.ledger.attach(actor, slot)
             hello["data_cursor"], hello["data_skip"] = self.ledger.cursor_for(slot)
         log.info(

@@ -21,6 +21,7 @@ import numpy as np
 import zmq
 
 import protocol
+from learner.batching import make_batch
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.evaluation import Evaluator
 from learner.groups import Group, group_from_message
@@ -30,10 +31,9 @@ from learner.metrics import CompletionsFile, MetricsFile, StatusFile, batch_metr
 from learner.ranks import Command, Part, Ranks, follower_main, load_trainer
 from learner.reporters import open_reporters
 from learner.rollouts import MB, RolloutSocket
-from learner.step import make_batch
 from policy.memory import apply_memory_share
 from policy.model import adapter_weights_numpy, tokenizer_fingerprint
-from protocol import lifecycle, sockets
+from protocol import lifecycle, sockets, timeline
 from protocol.config import as_dict, read_run_config
 from protocol.heartbeat import start_heartbeat
 from protocol.keys import run_key_dir
@@ -136,8 +136,11 @@ class Learner:
             if self.step == 0:
                 self.evaluate()  # the base of comparison; a resumed run has it already
             while self.step < train.steps and not self.signals.requested:
-                self.intake.add(self.rollouts.receive(100, self.step))
-                self.intake.score()
+                with timeline.span("wait for groups", timeline.WAIT):
+                    arrived = self.rollouts.receive(100, self.step)
+                with timeline.span("score", groups=len(arrived)):
+                    self.intake.add(arrived)
+                    self.intake.score()
                 batch = self.intake.next_batch(self.step, train.batch_size, train.max_staleness)
                 if batch is not None:
                     self.learn(batch)
@@ -156,7 +159,7 @@ class Learner:
 
     def learn(self, groups: list[Group]) -> None:
         """Train on one batch: `num_iterations` optimizer steps, each published at once."""
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         train = self.cfg.train
         self.write_status(Phase.STEPPING, since=time.time())  # a stop signal now waits for the step
         rewards = np.stack([cast(np.ndarray, g.rewards) for g in groups])  # a batch's groups are scored
@@ -164,7 +167,8 @@ class Learner:
         samples = [sample for g in groups for sample in g.samples()]
         batch = make_batch(samples, self.pad_id)
         self.ranks.share_batch(batch, advantages)
-        part = Part(self.trainer, self.ranks, batch, advantages)  # this rank's rows: all, alone
+        with timeline.span("old and reference logprobs", groups=len(groups)):
+            part = Part(self.trainer, self.ranks, batch, advantages)  # this rank's rows: all, alone
         self.num_tokens += batch_tokens(samples)
         if self.completions is not None:
             self.completions.write_batch(
@@ -180,9 +184,11 @@ class Learner:
             self.ranks.broadcast(Command.GO if go else Command.STOP)  # the other ranks step (or not) with us
             if not go:
                 break
-            stats = part.step()
+            with timeline.span("optimizer step", iteration=iteration):
+                stats = part.step()
             self.step += 1
-            self.rollouts.publish(self.step)
+            with timeline.span("publish weights"):
+                self.rollouts.publish(self.step)
             if iteration == 0:
                 self.ledger.train([(g.sender, g.cursor, g.start_cursor) for g in groups])
             line = {
@@ -191,32 +197,35 @@ class Learner:
                 "iteration": iteration,
                 **shared,
                 **stats,
-                "step_s": time.perf_counter() - t0,
+                "step_s": (step_s := time.perf_counter() - t0),
                 **self.rollouts.weight_sync,
                 "learner_peak_mb": mx.get_peak_memory() / MB,
                 **self.shares,
                 **self.group_counts(),
             }
+            timeline.record("step", started, step_s, step=self.step)  # what step_s measures
+            timeline.mark("step", step=self.step)
             self.metrics.write(line)
             self.ledger.say_drops(self.step)
             if train.checkpoint_every and self.step % train.checkpoint_every == 0:
                 self.checkpoint()
             self.evaluate()
-            t0 = time.perf_counter()
+            t0, started = time.perf_counter(), time.time()
 
     def evaluate(self) -> None:
         """Evaluate on the held-out prompts when [eval] says this step is due."""
         if self.evaluator is None or not self.evaluator.due(self.step):
             return
         self.write_status(Phase.EVALUATING)
-        line = self.evaluator.run(
-            self.model,
-            self.step,
-            self.scorer,
-            self.intake.take,
-            lambda: self.signals.requested,
-            lambda tally: self.write_status(Phase.EVALUATING, eval=tally.summary()),
-        )
+        with timeline.span("evaluation", timeline.WAIT, step=self.step):  # the actor samples it
+            line = self.evaluator.run(
+                self.model,
+                self.step,
+                self.scorer,
+                self.intake.take,
+                lambda: self.signals.requested,
+                lambda tally: self.write_status(Phase.EVALUATING, eval=tally.summary()),
+            )
         if line is not None:
             self.metrics.write(line)
 
@@ -231,14 +240,15 @@ class Learner:
             "reward_stats": self.scorer.worker_stats(),
             "config": self.cfg.to_dict(),
         }
-        path = save_checkpoint(
-            self.run_dir,
-            self.model,
-            self.trainer.optimizer,
-            self.adapter_config,
-            state,
-            self.cfg.train.keep_checkpoints,
-        )
+        with timeline.span("checkpoint", step=self.step):
+            path = save_checkpoint(
+                self.run_dir,
+                self.model,
+                self.trainer.optimizer,
+                self.adapter_config,
+                state,
+                self.cfg.train.keep_checkpoints,
+            )
         self.checkpointed = self.step
         log.info("wrote checkpoint %s (pid %d)", path.name, os.getpid())
 
@@ -289,6 +299,7 @@ def main(run_dir: str, resume: bool = False) -> int:
     start_heartbeat(run_dir, "learner")
     apply_memory_share()
     learner = Learner(Path(run_dir), resume, signals, ranks)
+    timeline.start(run_dir, "learner", learner.cfg.log.timeline)
     # A crash is restarted: the workers wait for the new learner; so they do when only this
     # process is stopped (a restart, or its orchestrator died: a resume comes).
     reason, final = "the learner failed", False

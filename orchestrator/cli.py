@@ -63,7 +63,8 @@ def check_plan(
     """Refuse (exit 3) a run that nothing makes fit, naming the knob, and (exit 4) data
     that does not parse or fit the model's context; else return the config as it will
     run (with the knobs the plan picked, said on stdout) and the shares."""
-    from orchestrator.plan import MB, PlanError, plan_for, render, suggestion
+    from orchestrator.fit import plan_for, suggestion
+    from orchestrator.plan import MB, PlanError, render
     from policy.data import DataError
 
     try:
@@ -121,7 +122,7 @@ def prepare(
     with config_errors():
         cfg = load_config(config, set_, run_dir=run_dir)
     cfg, _ = check_plan(cfg, None)
-    from orchestrator.supervisor import prepare_run_dir
+    from orchestrator.launch import prepare_run_dir
     from protocol.rundir import RunExists
 
     try:
@@ -361,6 +362,25 @@ def plot(
     except RuntimeError as e:
         lifecycle.fail(f"error: {e}")
     typer.echo(f"wrote {written}")
+
+
+@app.command()
+def timeline(
+    run_dir: str = typer.Option(..., "--run-dir", help="The run's directory."),
+    steps: str | None = typer.Option(
+        None, help="A:B: only steps A to B (from step A-1's end); default: all."
+    ),
+    out: str | None = typer.Option(None, help="Trace to write; default: RUN_DIR/timeline.json."),
+) -> None:
+    """Write one trace of every process (open it in ui.perfetto.dev or chrome://tracing)
+    and print where each one's time went: busy, and what it waited on."""
+    from orchestrator.timeline import write_timeline
+
+    run_file(Path(run_dir), "timeline", "no process recorded one (log.timeline = false?)")
+    try:
+        typer.echo(write_timeline(run_dir, out, steps))
+    except ValueError as e:
+        lifecycle.fail(f"error: {e}")
 
 
 keys_app = typer.Typer(

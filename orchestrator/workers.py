@@ -9,7 +9,7 @@ these are the Python ones.
 
 Both follow PROTOCOL.md's conformance sections, plus what only a long-lived worker
 needs: they attach again when the socket's owner restarts, and exit when it says stop or
-has been unreachable for `owner_timeout_s`.
+has been unreachable for `owner_timeout_s` (protocol.connection: the connection's life).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import zmq
 
 import protocol
 from protocol import lifecycle, sockets
+from protocol.connection import HEARTBEAT_S, LEARNER_TIMEOUT_S, Link, State, heartbeat
 from rewards.functions import RewardError, call_reward, import_spec, load_reward_function
 
 log = logging.getLogger("workers")
@@ -52,16 +53,17 @@ class SocketWorker:
     def __init__(
         self,
         endpoint: str,
-        owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
+        owner_timeout_s: float = LEARNER_TIMEOUT_S,
         signals: lifecycle.StopSignals | None = None,
         keys: Path | None = None,
     ) -> None:
         """`keys`: the CURVE key directory for a TCP endpoint (protocol.keys)."""
         self.endpoint = endpoint
-        self.owner_timeout_s = owner_timeout_s
         self.signals = signals or lifecycle.StopSignals()
         self.ctx = zmq.Context()
         self.sock, self.watch = sockets.connect(self.ctx, endpoint, keys)
+        where = f"{self.owner} on {endpoint}"
+        self.link = Link(self.watch, self.owner, log, owner_timeout_s, where=where)
         self.instance: str | None = None  # the owner we are attached to
         self.last_beat = 0.0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.role)
@@ -76,25 +78,25 @@ class SocketWorker:
             log.debug("dropped a %s: no connection to the %s", kind, self.owner)
 
     def attach(self) -> None:
+        self.link.saying_hello()
         self.send(protocol.HELLO, {"role": self.role, "pid": os.getpid(), **self.hello_fields})
         self.send(protocol.READY)
 
     def run(self) -> int:
         """Serve until told to stop; returns the exit code."""
+        self.link.run_dir = self.run_dir  # the command line sets it after __init__
         self.attach()
         while True:
             if self.signals.requested:
                 # Tell the owner at once, so what we hold goes to another worker now.
                 self.send(protocol.STOP, {"reason": f"{self.role} stopped by {self.signals.name}"})
                 return self.signals.exit_code()
-            down = self.watch.down_for()
-            if down and self.watch.refused:
-                log.error("cannot connect to the %s on %s: %s", self.owner, self.endpoint, self.watch.refused)
+            state = self.link.check()
+            if state is State.REFUSED:
                 return lifecycle.EXIT_USER_ERROR
-            if lifecycle.peer_sees_run_ended(self.run_dir, down):
+            if state is State.STOPPED:  # the run has ended
                 return lifecycle.EXIT_OK
-            if down > self.owner_timeout_s:
-                log.error("no %s on %s for %.0f s; it is gone, stopping", self.owner, self.endpoint, down)
+            if state is State.LOST:
                 return lifecycle.EXIT_CRASH
             # While a job runs, wait on it rather than on the socket: its reply goes out at once.
             for incoming in sockets.incoming(self.sock, 0 if self.job is not None else 50):
@@ -114,15 +116,14 @@ class SocketWorker:
             log.error("dropped a malformed message: %s", incoming.error)
             return None
         if msg.kind == protocol.STOP:
-            if msg.header.get("final") is False:
+            if self.link.take(msg) is State.AWAY:
                 # The owner is being restarted (or its run resumed): what we hold is its
                 # predecessor's; the new one greets us with `attached: false`.
-                log.info("the %s goes away (%s); waiting for it to come back", self.owner, msg["reason"])
                 self.forget()
                 return None
             return msg["reason"]
         if msg.kind == protocol.HELLO:
-            if msg.header.get("attached") is False:
+            if self.link.take(msg) is State.STRANGER:
                 # An owner that does not know us (restarted): what we hold belongs to the
                 # old one, which will never read the answer.
                 log.info(
@@ -170,9 +171,9 @@ class SocketWorker:
         self.job = None
 
     def beat(self) -> None:
-        if time.monotonic() - self.last_beat >= lifecycle.HEARTBEAT_S:
+        if time.monotonic() - self.last_beat >= HEARTBEAT_S:
             self.last_beat = time.monotonic()
-            self.send(protocol.HEARTBEAT, {"role": self.role, "time": time.time()})
+            self.send(protocol.HEARTBEAT, heartbeat(self.role))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -192,7 +193,7 @@ class RewardWorker(SocketWorker):
         spec: str,
         endpoint: str,
         search_path: str | None = None,
-        owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
+        owner_timeout_s: float = LEARNER_TIMEOUT_S,
         signals: lifecycle.StopSignals | None = None,
         keys: Path | None = None,
     ) -> None:
@@ -274,7 +275,7 @@ class EnvWorker(SocketWorker):
         make_env: Callable[[], Any],
         name: str,
         endpoint: str,
-        owner_timeout_s: float = lifecycle.LEARNER_TIMEOUT_S,
+        owner_timeout_s: float = LEARNER_TIMEOUT_S,
         signals: lifecycle.StopSignals | None = None,
         keys: Path | None = None,
     ) -> None:

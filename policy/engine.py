@@ -45,6 +45,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from policy.logprobs import output_head
 from policy.sampler import Completion, _noise_keys, _sample, prefill_batch, prefill_logits
+from protocol import timeline
 from protocol.config import SamplingConfig
 
 # A row that ends stays in the batch, dead (its compute wasted), until a waiting group
@@ -141,6 +142,12 @@ class Engine:
         """Admit the waiting groups that fit, sample one token for every live row, queue
         the next forward, and mark the rows that ended (EOS or max_tokens) dead. `version`:
         the policy version of the model's weights now."""
+        with timeline.span("decode step") as span:
+            done = self._step(version)
+            span["rows"] = len(self.live) - self.live.count(None)
+            return done
+
+    def _step(self, version: int) -> list[tuple[Hashable, list[Completion]]]:
         self._admit(version)
         if not self.live:
             return []
@@ -232,6 +239,10 @@ class Engine:
             free -= len(group.rows)
         if not joining:
             return
+        with timeline.span("prefill", groups=len(joining)):
+            self._join(joining, alive, version)
+
+    def _join(self, joining: list[_Group], alive: int, version: int) -> None:
         if alive < len(self.live):  # they take the dead rows' places
             self._drop_dead()
         fresh = [g for g in joining if g.kept is None]

@@ -215,7 +215,7 @@ def chunked_terms(
     d logprob[i] / d hidden[i]: each position's logprob depends on its own hidden state
     only, so the head's vector-Jacobian product with d logprob / d logits gives every row
     of it at once. A loss of the logprobs then backpropagates into the model as
-    `dloss/dlogprob * jacobian` without the logits (learner/step.py)."""
+    `dloss/dlogprob * jacobian` without the logits (learner/trainer.py)."""
     logps, entropies, jacobians = [], [], []
     for start in range(0, hidden.shape[0], chunk):
         logp, ent, jac = _chunk_terms(

@@ -15,11 +15,12 @@ import threading
 import time
 from pathlib import Path
 
+from protocol.connection import HEARTBEAT_S
 from protocol.lifecycle import write_atomic
 
 log = logging.getLogger("heartbeat")
 
-INTERVAL_S = 1.0
+INTERVAL_S = HEARTBEAT_S  # as often as peers beat on their sockets
 
 
 def actor_name(slot: int, count: int) -> str:

@@ -33,6 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+# A connection's timeouts are protocol.connection's; protocol.sockets and the orchestrator's
+# command line read these two here.
+from protocol.connection import HEARTBEAT_S as HEARTBEAT_S
+from protocol.connection import LEARNER_TIMEOUT_S as LEARNER_TIMEOUT_S
+
 log = logging.getLogger("lifecycle")
 
 EXIT_OK = 0
@@ -53,14 +58,6 @@ RUN_LOCK_ENV = "MLXRL_RUN_LOCK_FD"
 # many seconds it exits anyway, so nothing of a dead run lingers.
 LIFELINE_GRACE_S = 10.0
 _supervised = False  # this process was started by an orchestrator (it handed us a lifeline)
-
-# Worker liveness on the reward and env sockets (PROTOCOL.md, "Liveness"): a worker beats
-# every HEARTBEAT_S and is taken for gone after HEARTBEAT_TIMEOUT_S of silence.
-HEARTBEAT_S = 1.0
-HEARTBEAT_TIMEOUT_S = 3.0
-# A peer whose learner has been unreachable this long stops waiting for it: long enough
-# for the orchestrator to restart a learner that loads a large model.
-LEARNER_TIMEOUT_S = 120.0
 
 
 # The checkout that holds our packages: a child started with it on PYTHONPATH imports them
@@ -253,11 +250,6 @@ def stop_is_final(run_dir: str | Path) -> bool:
     return not _supervised or (Path(run_dir) / FINAL_STOP).exists()
 
 
-# A peer started by hand checks the run directory only after this long without a
-# connection: a restart's gap is not the end of a run.
-RUN_OVER_CHECK_S = 1.0
-
-
 def run_is_over(run_dir: str | Path) -> bool:
     """Whether the run in `run_dir` has ended for good: its orchestrator marked the final
     stop and no process of it holds the run lock. A peer started by hand that finds its
@@ -265,15 +257,6 @@ def run_is_over(run_dir: str | Path) -> bool:
     waiting for a learner that will never come back. A resume takes the lock before it
     clears the mark, so a run about to start again is never taken for over."""
     return (Path(run_dir) / FINAL_STOP).exists() and not _alive(_holder(run_dir))
-
-
-def peer_sees_run_ended(run_dir: Path | None, down: float) -> bool:
-    """For a peer `down` seconds without its learner (actor), attached with `run_dir`
-    (None: by endpoint alone): whether its run has ended, said in its log when it has."""
-    if run_dir is None or down <= RUN_OVER_CHECK_S or not run_is_over(run_dir):
-        return False
-    log.info("the run in %s has ended (its orchestrator stopped it for good); stopping", run_dir)
-    return True
 
 
 # -- the run lock ---------------------------------------------------------------------

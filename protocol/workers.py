@@ -9,12 +9,12 @@ send a heartbeat every second. Each worker holds at most one request at a time; 
 makes it ready again.
 
 A worker is *lost* when it says `stop`, falls silent (no heartbeat for
-HEARTBEAT_TIMEOUT_S; while it works, only if it promised to beat while working), misses
+WORKER_TIMEOUT_S; while it works, only if it promised to beat while working), misses
 a deadline, sends a reply that cannot be used, or says hello again. The owner then
 forgets it: its request goes to another worker (after `max_attempts` a request fails
 with a reason), and whatever it holds is given up. If it speaks again it is a stranger,
-greeted as one below: it drops all it held and attaches afresh. So a worker's state and
-the owner's never disagree, and a late reply is never counted.
+greeted as one (protocol.connection): it drops all it held and attaches afresh. So a
+worker's state and the owner's never disagree, and a late reply is never counted.
 
 A request may be *pinned* to one attachment of a worker (`Holder`: its identity and the
 session its hello began): an environment's `step` must reach the worker that holds the
@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable
@@ -43,7 +42,7 @@ import zmq
 
 import protocol
 from protocol import sockets
-from protocol.lifecycle import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S
+from protocol.connection import HEARTBEAT_S, WORKER_TIMEOUT_S, Peers, heartbeat, owner_hello
 from protocol.wire import MAX_HEADER_BYTES
 
 log = logging.getLogger("workers")
@@ -85,7 +84,6 @@ POOLS = {"reward_worker": ("reward", "reward worker"), "env_worker": ("env", "en
 class Worker:
     pid: int
     beats_while_working: bool  # promised a heartbeat every second even while working
-    last_seen: float
     session: int  # this attachment's: a request pinned to another one is not for it
 
 
@@ -120,7 +118,7 @@ class WorkerPool:
         self.instance = instance or uuid.uuid4().hex[:12]
         self.timeout_s, self.max_attempts = timeout_s, max_attempts
         self.workers: dict[bytes, Worker] = {}  # the attached workers
-        self.greeted: set[bytes] = set()  # strangers we told who we are
+        self.peers = Peers(WORKER_TIMEOUT_S)  # when each was last heard from; strangers greeted
         self.ready: collections.deque[bytes] = collections.deque()
         self.waiting: collections.deque[Request] = collections.deque()
         self.assigned: dict[str, Request] = {}
@@ -144,14 +142,13 @@ class WorkerPool:
         """`attached` tells a worker whether this answers its hello, or greets a stranger
         that must say hello (PROTOCOL.md, "Liveness"); `timeout_s` is the deadline for a
         reply."""
-        return {
-            "role": self.owner_role,
-            "pid": os.getpid(),
-            "instance": self.instance,
-            "heartbeat_s": HEARTBEAT_S,
-            "timeout_s": self.timeout_s,
-            "attached": attached,
-        }
+        return owner_hello(
+            self.owner_role,
+            attached,
+            instance=self.instance,
+            heartbeat_s=HEARTBEAT_S,
+            timeout_s=self.timeout_s,
+        )
 
     def submit(
         self,
@@ -178,8 +175,7 @@ class WorkerPool:
     def poll(self, timeout_ms: int = 0) -> tuple[list[Reply], list[tuple[str, str]]]:
         """Handle worker messages, deadlines, silence and dispatch. Returns (replies, failures)."""
         for incoming in sockets.incoming(self.sock, timeout_ms):
-            if incoming.peer in self.workers:
-                self.workers[incoming.peer].last_seen = time.monotonic()
+            self.peers.heard(incoming.peer)
             if incoming.msg is None:
                 if incoming.peer in self.workers:
                     self.reject(incoming.peer, f"malformed message: {incoming.error}")
@@ -216,10 +212,10 @@ class WorkerPool:
             return
         if identity in self.workers:  # said hello again: it forgot what it held
             self.lose(identity, "the worker said hello again")
-        self.greeted.discard(identity)
         # beats_while_scoring: the reward socket's older name for the same promise.
         promise = msg.header.get("beats_while_working", msg.header.get("beats_while_scoring"))
-        self.workers[identity] = Worker(msg["pid"], promise is True, time.monotonic(), next(_sessions))
+        self.workers[identity] = Worker(msg["pid"], promise is True, next(_sessions))
+        self.peers.attach(identity)
         log.info("%s pid %s attached (%d attached)", self.name, msg["pid"], self.n_workers)
         self.send(identity, protocol.HELLO, self.hello(attached=True))
 
@@ -229,8 +225,7 @@ class WorkerPool:
         it holds and answers with hello and ready."""
         if msg.kind == self.reply_kind:
             self.stats["late_replies"] += 1  # to a request it lost, or of a previous instance
-        if identity not in self.greeted:
-            self.greeted.add(identity)
+        if self.peers.greet(identity):
             log.info(
                 "a peer not attached to this %s sent %r; sending it our hello", self.owner_role, msg.kind
             )
@@ -272,6 +267,7 @@ class WorkerPool:
         """Forget the worker: hand on the request it holds, fail those pinned to it. If it
         speaks again it is greeted as a stranger."""
         del self.workers[identity]
+        self.peers.lose(identity)
         self.stats["lost_workers"] += 1
         if identity in self.ready:
             self.ready.remove(identity)
@@ -304,10 +300,8 @@ class WorkerPool:
                 request.request_id,
             )
             self.lose(worker, "deadline missed")
-        for identity, w in list(self.workers.items()):
-            silent = now - w.last_seen
-            if silent <= HEARTBEAT_TIMEOUT_S:
-                continue
+        for identity, silent in self.peers.silent():
+            w = self.workers[identity]
             held = self.holding(identity)
             if held is None or w.beats_while_working:
                 log.error(
@@ -387,7 +381,7 @@ class WorkerPool:
             return
         self.last_beat = time.monotonic()
         for identity in self.workers:
-            self.send(identity, protocol.HEARTBEAT, {"role": self.owner_role, "time": time.time()})
+            self.send(identity, protocol.HEARTBEAT, heartbeat(self.owner_role))
 
     def send(self, identity: bytes, kind: str, header: dict) -> None:
         self.sock.send_multipart([identity, *protocol.encode(kind, header)])

@@ -51,12 +51,14 @@ def trainer_for(
     share_prompts: bool = True,
     grad_checkpoint: bool = False,
 ):
-    """learner.step.Trainer with these settings, built from the config sections as the
-    learner builds it; `logits` (learner.step.Logits, whole by default) and the optimizer
+    """learner.trainer.Trainer with these settings, built from the config sections as the
+    learner builds it; `logits` (learner.batching.Logits, whole by default) and the optimizer
     (Adam at 1e-2 by default) set directly."""
     import mlx.optimizers as optim
 
-    from learner.step import WHOLE, Correction, Trainer
+    from learner.batching import WHOLE
+    from learner.correction import Correction
+    from learner.trainer import Trainer
     from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig
 
     c = correction or Correction()

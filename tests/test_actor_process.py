@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import protocol
-from orchestrator.supervisor import prepare_run_dir
+from orchestrator.launch import prepare_run_dir
 from policy.logprobs import sequence_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights, tokenizer_fingerprint
 from protocol import lifecycle

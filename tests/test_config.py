@@ -675,8 +675,8 @@ def test_several_actors_with_an_environment_are_refused():
 def test_up_starts_what_the_config_names_each_process_built_once(tmp_path):
     """child_specs: the learner ranks, the local actors (remote slots come last), the env
     workers of a module environment; each with its command, memory share and threads."""
+    from orchestrator.launch import ChildSpec, child_specs
     from orchestrator.plan import thread_count
-    from orchestrator.supervisor import ChildSpec, child_specs
     from tests.helpers import write_config as small_config
 
     cfg = load_config(small_config(tmp_path, "[learner]\nranks = 2\n[actor]\ncount = 3\nremote = 1\n"))

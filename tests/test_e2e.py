@@ -18,7 +18,7 @@ import zmq
 import zmq.auth
 
 import protocol
-from orchestrator.supervisor import free_ports
+from orchestrator.launch import free_ports
 from tests.helpers import ROOT, orchestrator, read_metrics, run_up, wait_for, write_config
 
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset

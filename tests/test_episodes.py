@@ -21,8 +21,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 import protocol
 from actor.episodes import EpisodeRunner, Renderer
 from learner.algorithms import LossInputs, make_algorithm
+from learner.batching import Sample, make_batch
 from learner.groups import group_from_message
-from learner.step import Sample, make_batch
 from policy.data import Prompt
 from policy.model import load_policy
 from protocol.config import EnvConfig, LoraConfig, SamplingConfig

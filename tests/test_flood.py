@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.supervisor import free_ports
+from orchestrator.launch import free_ports
 from tests.helpers import (
     EXAMPLES,
     Lines,

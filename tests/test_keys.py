@@ -15,7 +15,7 @@ import zmq
 import zmq.auth
 
 import protocol
-from orchestrator.supervisor import free_ports
+from orchestrator.launch import free_ports
 from protocol import sockets
 from protocol.config import load_config, write_run_config
 from protocol.keys import KeysError, add_peer, create_run_keys, key_dir_for

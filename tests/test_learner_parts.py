@@ -406,8 +406,8 @@ def test_batch_metrics_carry_trl_s_names_and_meanings():
     """Two groups of three, two reward functions weighted 1 and 0.5; completion 2 of group
     b is unscored by both (None): TRL leaves it out of `reward` and `reward_std` and each
     function's None out of its own statistics. Every value computed by hand."""
+    from learner.batching import Sample
     from learner.metrics import batch_metrics, batch_tokens
-    from learner.step import Sample
 
     w = {"f": 1.0, "g": 0.5}
     a = scored_group(
@@ -485,8 +485,8 @@ def test_a_group_that_no_reward_scored_has_no_std_and_advantage_zero():
     rewards are all unscored. As in TRL, it has no std (not "zero std"), stays out of
     `reward`, and its advantages are 0 (it still counts as trained)."""
     from learner.algorithms import make_algorithm
+    from learner.batching import Sample
     from learner.metrics import batch_metrics
-    from learner.step import Sample
 
     a = scored_group("a", (2, 3), ["stop", "stop"], {"env": [1.0, 0.0]}, {"env": 1.0})
     b = scored_group("b", (2, 2), ["stop", "stop"], {"env": [None, None]}, {"env": 1.0})

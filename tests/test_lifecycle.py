@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol import lifecycle
+from protocol import connection, lifecycle
 from tests.helpers import ROOT, alive, orchestrator, pid_of, read_metrics, run_up, wait_for_step, write_config
 
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
@@ -169,7 +169,8 @@ def test_the_actor_stops_the_run_on_a_data_error_instead_of_being_restarted(tmp_
 
 def test_only_crashes_are_restarted(tmp_path):
     """The supervisor's verdict on each kind of exit, with real exited processes."""
-    from orchestrator.supervisor import Child, RunFailed, Supervisor
+    from orchestrator.launch import Child
+    from orchestrator.supervisor import RunFailed, Supervisor
     from protocol.config import load_config
 
     sup = Supervisor(load_config(write_config(tmp_path, steps=2)), out=open(os.devnull, "w"))
@@ -305,7 +306,7 @@ def test_peers_started_by_hand_exit_when_their_run_has_ended(tmp_path):
         for name, command in commands.items()
     }
     try:
-        time.sleep(4 * lifecycle.RUN_OVER_CHECK_S + 2)  # no learner yet, and no mark: they wait
+        time.sleep(4 * connection.RUN_OVER_CHECK_S + 2)  # no learner yet, and no mark: they wait
         assert {n: p.poll() for n, p in procs.items()} == {"actor": None, "reward-worker": None}
         lifecycle.mark_final_stop(run)
         codes = {n: p.wait(30) for n, p in procs.items()}

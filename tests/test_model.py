@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from learner.algorithms import GRPO
-from learner.step import Sample, make_batch
+from learner.batching import Sample, make_batch
 from policy.logprobs import sequence_logprobs
 from policy.model import (
     adapter_weights,

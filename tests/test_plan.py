@@ -12,7 +12,8 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from learner.step import WHOLE, Logits, Sample, make_batch
+from learner.batching import WHOLE, Logits, Sample, make_batch
+from orchestrator.fit import suggestion
 from orchestrator.plan import (
     MB,
     Shape,
@@ -21,7 +22,6 @@ from orchestrator.plan import (
     make_plan,
     read_shape,
     render,
-    suggestion,
 )
 from policy.logprobs import output_head
 from policy.model import load_policy
@@ -229,7 +229,8 @@ def test_each_process_stays_under_its_share_when_the_budget_is_as_small_as_the_p
     (its total plus the 10% margin), a share is ~1.1x its process's estimate, so an
     estimate that is too low shows as a measured peak above the share. (On a real machine's
     budget the shares are gigabytes and no peak of the tiny model could come near them.)"""
-    from orchestrator.plan import SAFETY, plan_for
+    from orchestrator.fit import plan_for
+    from orchestrator.plan import SAFETY
     from protocol.config import load_config
 
     plan = plan_for(load_config(EXAMPLES / "tiny.toml"), 1.0)[0].plan
@@ -404,7 +405,8 @@ def test_a_quantized_actor_s_load_peak_is_planned(qwen_vocab_model):
 def test_episodes_are_planned_and_checked_at_their_whole_token_budget():
     """With an environment, a completion is the whole episode: env.max_episode_tokens, not
     sampling.max_tokens, sizes the plan and is checked against the model's context."""
-    from orchestrator.plan import plan_for, prompt_tokens
+    from orchestrator.fit import plan_for
+    from orchestrator.plan import prompt_tokens
     from policy.data import DataError
     from protocol.config import load_config
 
@@ -475,7 +477,8 @@ def test_the_actor_s_decode_rows_are_planned(tmp_path):
 def test_fit_picks_micro_batches_then_checkpointing_then_fewer_decode_rows():
     """Each budget between two candidates' totals gets the first candidate that fits, in
     the documented order; below the last, nothing fits and the run is as configured."""
-    from orchestrator.plan import SAFETY, fit, knob_choices
+    from orchestrator.fit import fit, knob_choices
+    from orchestrator.plan import SAFETY
     from protocol.config import load_config
 
     cfg = load_config(EXAMPLES / "tiny.toml")
@@ -512,7 +515,8 @@ def test_fit_picks_micro_batches_then_checkpointing_then_fewer_decode_rows():
 def test_up_runs_a_config_that_fits_only_with_micro_batches_and_says_so(tmp_path):
     """A budget below the configured run's plan but above its plan with micro-batches:
     `up` runs it, says what it picked, and the run's config holds the pick."""
-    from orchestrator.plan import SAFETY, knob_choices, plan_for, shape_from_config
+    from orchestrator.fit import knob_choices, plan_for
+    from orchestrator.plan import SAFETY, shape_from_config
     from protocol.config import load_config
 
     cfg = load_config(EXAMPLES / "tiny.toml")
@@ -545,7 +549,7 @@ def test_the_plan_counts_the_real_example_s_learner_peak_within_15_percent(smoll
     prompts, G 8, LoRA on the last 16 of 30 blocks, whole logits), on the real model
     loaded dequantized as the run loads it: the plan's learner total within 15% of the
     measured peak."""
-    from orchestrator.plan import plan_for
+    from orchestrator.fit import plan_for
     from protocol.config import load_config
 
     cfg = load_config(EXAMPLES / "smollm2.toml", [f'model.path="{smollm2}"'])
@@ -570,7 +574,8 @@ def test_a_quantized_actor_on_the_cpu_is_planned_dense_where_it_fits():
     """actor.quantize_bits where quantized weights are held as float32 (the CPU): the
     actor's weights term is the full-precision one, and where only the quantized actor
     fits the budget, fit keeps it quantized (model.dequantize_on_cpu = false), saying so."""
-    from orchestrator.plan import SAFETY, fit, knob_choices, quantized_bytes
+    from orchestrator.fit import fit, knob_choices
+    from orchestrator.plan import SAFETY, quantized_bytes
     from protocol.config import load_config
 
     cfg = load_config(EXAMPLES / "tiny.toml")

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.plan import MB, plan_for
+from orchestrator.fit import plan_for
+from orchestrator.plan import MB
 from protocol.config import load_config
 from tests.helpers import ROOT, TINY_MODEL, read_metrics, run_up, write_config
 
@@ -73,7 +74,8 @@ def test_a_dequantized_checkpoint_trains_only_its_adapters(quantized_tiny):
 def test_without_room_to_dequantize_it_stays_quantized_and_the_run_warns(tmp_path, quantized_tiny):
     """A budget where only the quantized weights fit: the run goes on quantized, warns how
     slow that is, and its config turns dequantizing off for the processes."""
-    from orchestrator.plan import SAFETY, knob_choices, make_plan, plan_for
+    from orchestrator.fit import knob_choices, plan_for
+    from orchestrator.plan import SAFETY, make_plan
     from protocol.config import load_config
 
     cfg_path = write_config(tmp_path, f'[model]\npath = "{quantized_tiny}"', steps=1)

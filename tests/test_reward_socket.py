@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 import protocol
-from protocol.lifecycle import HEARTBEAT_TIMEOUT_S
+from protocol.connection import WORKER_TIMEOUT_S
 from protocol.workers import WorkerPool
 
 
@@ -111,7 +111,7 @@ def test_a_worker_taken_for_gone_is_greeted_as_a_stranger_and_attaches_again(soc
     pool, worker = socket_pair
     a = worker()
     attach(a, pool)
-    deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S + 3
+    deadline = time.monotonic() + WORKER_TIMEOUT_S + 3
     while pool.n_workers and time.monotonic() < deadline:  # silent: no heartbeats
         pool.poll(50)
     assert pool.n_workers == 0 and pool.stats["lost_workers"] == 1

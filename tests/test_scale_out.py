@@ -62,7 +62,7 @@ def test_an_actor_from_another_machine_joins_over_curve_tcp(tmp_path):
     import sys
     import time
 
-    from orchestrator.supervisor import free_ports
+    from orchestrator.launch import free_ports
     from protocol.config import load_config, write_run_config
     from tests.helpers import ROOT
 
@@ -162,7 +162,7 @@ def test_two_learner_ranks_under_mlx_launch_train_the_adapter_one_rank_trains(tm
     import mlx.core as mx
     import numpy as np
 
-    from orchestrator.supervisor import free_ports
+    from orchestrator.launch import free_ports
     from tests.helpers import ROOT
 
     def start(name: str, learner: list[str]) -> tuple[Path, list]:
@@ -411,7 +411,7 @@ def test_a_remote_actor_whose_connection_drops_and_comes_back_is_recognised(tmp_
     """A remote actor over TCP through a link the test cuts mid-run: its connection comes
     back under a new identity, the actor says hello again and takes its slot back, and
     the run finishes with every step once and nothing lost."""
-    from orchestrator.supervisor import free_ports
+    from orchestrator.launch import free_ports
 
     steps = 20
     port = free_ports(1)[0]

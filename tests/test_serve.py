@@ -332,8 +332,9 @@ def test_a_follower_serves_the_learner_s_weights_also_when_a_restart_goes_back(t
     import zmq
 
     import protocol
-    from actor.serve import Follower, Policy
-    from orchestrator.supervisor import prepare_run_dir
+    from actor.completions import Policy
+    from actor.serve import Follower
+    from orchestrator.launch import prepare_run_dir
     from policy.model import adapter_weights_numpy
     from protocol.config import load_config
 

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 import protocol
-from orchestrator.supervisor import free_ports
+from orchestrator.launch import free_ports
 from protocol import sockets
 
 

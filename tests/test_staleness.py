@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import protocol
-from orchestrator.supervisor import prepare_run_dir
+from orchestrator.launch import prepare_run_dir
 from policy.model import tokenizer_fingerprint
 from protocol.config import as_dict, load_config
 from tests.helpers import peer, read_metrics, run_up, write_config

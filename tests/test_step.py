@@ -7,16 +7,9 @@ import numpy as np
 import pytest
 
 from learner.algorithms import ALGORITHMS
-from learner.step import (
-    WHOLE,
-    Correction,
-    Logits,
-    Sample,
-    Trainer,
-    correction_weights,
-    logits_plan,
-    make_batch,
-)
+from learner.batching import WHOLE, Logits, Sample, logits_plan, make_batch
+from learner.correction import Correction, correction_weights
+from learner.trainer import Trainer
 from policy.logprobs import output_head
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
 from policy.sampler import sample_groups
@@ -336,7 +329,7 @@ def test_logits_are_formed_whole_where_chunks_would_be_wrong():
 def test_micro_batch_rows_by_length_by_hand():
     """Longest first; a micro-batch is cut where the next row would pad it beyond 10% of
     its real positions, or at the row limit."""
-    from learner.step import micro_batch_rows
+    from learner.batching import micro_batch_rows
 
     positions = np.array([10, 2, 9, 1, 10, 30])
     # 30 alone (with 10: 2 * 30 = 60 > 1.1 * 40); 10, 10, 9: 3 * 10 = 30 <= 1.1 * 29 = 31.9;

@@ -11,7 +11,7 @@ import signal
 import mlx.core as mx
 import pytest
 
-from actor.serve import Policy, chat_message
+from actor.completions import Policy, chat_message
 from policy.model import load_policy
 from policy.sampler import Completion
 from policy.tiny import CHARS, EOS, MODEL_CONFIG, SPECIAL_TOKENS, save_model

@@ -1,0 +1,234 @@
+"""A batch of rollout samples as the learner's forwards run it: prompt + completion rows
+right-padded into one batch, cut into micro-batches of rows of similar length (each distinct
+prompt run once when prompts are shared), with the logits formed whole or by chunks. Kept
+apart from the optimizer step so the layout, which decides how much a step computes and
+holds, can be tested on its own; free of sockets and files, like the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from policy.logprobs import Rows, output_head, plain_caches
+from protocol.config import TrainConfig, logit_chunk_positions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Logits:
+    """How the learner forms the logits: all at once inside the differentiated forward,
+    or, for a micro-batch of more than `chunk` positions, `chunk` positions at a time
+    through the model's output `head` (None: always whole)."""
+
+    head: Callable[[mx.array], mx.array] | None = None
+    chunk: int = 0
+
+    def chunked(self, positions: int) -> bool:
+        """Whether the logits of `positions` positions go by chunks."""
+        return self.head is not None and positions > self.chunk
+
+
+WHOLE = Logits()
+
+
+@dataclass
+class Sample:
+    """One completion, as the learner trains on it: the sampled IDs, never re-encoded text."""
+
+    prompt_ids: np.ndarray
+    completion_ids: np.ndarray
+    behavior_logprobs: np.ndarray
+    finish_reason: str
+    loss_mask: np.ndarray | None = None  # an episode's: 0 on the environment's tokens
+
+    @property
+    def trained_tokens(self) -> int:
+        """The completion tokens the model sampled: those the loss sees."""
+        return len(self.completion_ids) if self.loss_mask is None else int(self.loss_mask.sum())
+
+
+@dataclass
+class Batch:
+    tokens: mx.array  # [B, L] prompt + completion, right-padded to the longest row
+    mask: mx.array  # [B, L-1] 1 where tokens[:, 1:] is a completion token
+    behavior: mx.array  # [B, L-1] actor logprobs at the same positions, 0 elsewhere
+    lengths: np.ndarray  # [B] each row's own prompt + completion tokens
+    prompt_lengths: np.ndarray  # [B] each row's prompt tokens
+
+    def take(self, rows: np.ndarray, own_length: bool = True) -> Batch:
+        """These rows, padded only to their own longest (or, not `own_length`, as long as
+        the batch): the padding cut away came after each row's end, which causal attention
+        never lets change a logprob before it."""
+        length = int(self.lengths[rows].max()) if own_length else self.tokens.shape[1]
+        index = mx.array(rows.astype(np.int32))
+        return Batch(
+            self.tokens[index, :length],
+            self.mask[index, : length - 1],
+            self.behavior[index, : length - 1],
+            self.lengths[rows],
+            self.prompt_lengths[rows],
+        )
+
+
+@dataclass
+class Micro:
+    """A micro-batch: some of the batch's rows as one forward runs them (whole rows padded
+    to their own longest, or their group's prompt once and the completions after it), and
+    what every step on the batch shares about them. Arrays are [n, T], T the positions
+    that predict a target. `old` and `is_weight` are None when the step's own forward gives
+    them (Trainer.fused); `ref` when beta is 0."""
+
+    index: np.ndarray  # which of the batch's rows, in the batch's numbering
+    rows: Rows
+    mask: mx.array  # 1 where the target is a trained completion token
+    behavior: mx.array  # the actor's logprobs there, 0 elsewhere
+    positions: int  # what its forward computes (each prompt's once, with shared prompts)
+    old: mx.array | None = None
+    is_weight: mx.array | None = None
+    ref: mx.array | None = None
+
+    @cached_property
+    def weight(self) -> tuple[float, float]:
+        """What its diagnostics are averaged over: its completion tokens and completions.
+        Taken once: every step and every merge of its diagnostics asks for it again."""
+        return scalar(self.mask.sum()), scalar((self.mask.sum(-1) > 0).sum())
+
+
+@dataclass
+class Prepared:
+    """A batch ready for its optimizer steps: its micro-batches, the whole batch's loss
+    normaliser, and the diagnostics of the old-policy pass (when fused, which has none,
+    only `learner/padding_ratio`: the step gives the rest)."""
+
+    micro: list[Micro]
+    norm: float
+    stats: dict[str, float]
+
+    @property
+    def weight(self) -> tuple[float, float]:
+        tokens, completions = zip(*(m.weight for m in self.micro))
+        return sum(tokens), sum(completions)
+
+
+def make_batch(samples: list[Sample], pad_id: int) -> Batch:
+    """Right-pad prompt+completion rows. Causal attention means padding after a row's
+    end cannot change the logprobs before it."""
+    prompt_lengths = np.array([len(s.prompt_ids) for s in samples])
+    lengths = prompt_lengths + np.array([len(s.completion_ids) for s in samples])
+    tokens = np.full((len(samples), lengths.max()), pad_id, dtype=np.int32)
+    mask = np.zeros((len(samples), lengths.max() - 1), dtype=np.float32)
+    behavior = np.zeros((len(samples), lengths.max() - 1), dtype=np.float32)
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        tokens[i, :p] = s.prompt_ids
+        tokens[i, p : p + c] = s.completion_ids
+        # Position j predicts tokens[j + 1]: completion tokens sit at p-1 .. p+c-2. An
+        # episode's environment tokens are context, never trained on: mask 0.
+        mask[i, p - 1 : p - 1 + c] = 1.0 if s.loss_mask is None else s.loss_mask
+        behavior[i, p - 1 : p - 1 + c] = s.behavior_logprobs * mask[i, p - 1 : p - 1 + c]
+    return Batch(mx.array(tokens), mx.array(mask), mx.array(behavior), lengths, prompt_lengths)
+
+
+# A micro-batch formed by length may compute this much more than its rows' own positions.
+PADDING_SLACK = 0.1
+
+
+def micro_batch_rows(positions: np.ndarray, size: int, by_length: bool = True) -> list[np.ndarray]:
+    """The rows of each micro-batch, at most `size` rows each (0: no limit), from the
+    positions each row's forward needs (a whole row of n tokens: n - 1; a completion after
+    its shared prompt: its length).
+
+    by_length: longest rows first, and a new micro-batch whenever the next row would pad
+    the current one beyond PADDING_SLACK of its real positions, so a micro-batch computes
+    little but its own rows. Otherwise the rows in order (`train.sort_by_length = false`)."""
+    rows = len(positions)
+    cap = size if 0 < size < rows else rows
+    if not by_length:
+        return [np.arange(i, min(i + cap, rows)) for i in range(0, rows, cap)]
+    cuts: list[list[int]] = [[]]
+    for i in np.argsort(-positions, kind="stable"):
+        current = cuts[-1]
+        if current:
+            real = sum(int(positions[j]) for j in current) + int(positions[i])
+            padded = (len(current) + 1) * int(positions[current[0]])
+            if len(current) == cap or padded > (1 + PADDING_SLACK) * real:
+                cuts.append(current := [])
+        current.append(int(i))
+    return [np.sort(np.array(c)) for c in cuts]
+
+
+def whole_rows(batch: Batch, index: np.ndarray, own_length: bool) -> Micro:
+    """A micro-batch of whole rows (prompt + completion), padded to their own longest (or,
+    not `own_length`, as long as the batch)."""
+    part = batch.take(index, own_length)
+    rows, length = part.tokens.shape
+    return Micro(index, Rows(part.tokens), part.mask, part.behavior, rows * (length - 1))
+
+
+def shared_prompt_rows(host: dict[str, np.ndarray], batch: Batch, index: np.ndarray) -> Micro:
+    """A micro-batch whose rows run each distinct prompt once and then their completions
+    alone, right-padded to the longest (`host`: the batch's arrays in NumPy)."""
+    starts, ends = batch.prompt_lengths[index], batch.lengths[index]
+    width = int((ends - starts).max())
+    completions = np.zeros((len(index), width), np.int32)
+    mask, behavior = np.zeros((2, len(index), width), np.float32)
+    prompts: dict[bytes, int] = {}
+    owner = []
+    for k, (i, start, end) in enumerate(zip(index, starts, ends)):
+        owner.append(prompts.setdefault(host["tokens"][i, :start].tobytes(), len(prompts)))
+        completions[k, : end - start] = host["tokens"][i, start:end]
+        # The batch's position j predicts token j + 1: a completion's tokens sit at start-1 .. end-2.
+        mask[k, : end - start] = host["mask"][i, start - 1 : end - 1]
+        behavior[k, : end - start] = host["behavior"][i, start - 1 : end - 1]
+    ids = [mx.array(np.frombuffer(key, np.int32)) for key in prompts]
+    positions = sum(len(p) for p in ids) + len(index) * (width - 1)
+    rows = Rows(mx.array(completions), ids, owner)
+    return Micro(index, rows, mx.array(mask), mx.array(behavior), positions)
+
+
+def scalar(a: mx.array) -> float:
+    """A one-element array's value as a Python float."""
+    return float(cast(float, a.item()))
+
+
+def prompts_can_be_shared(model: nn.Module, train: TrainConfig) -> bool:
+    """Whether `train.share_prompts` can be honoured (and say why not)."""
+    if not train.share_prompts:
+        return False
+    if train.grad_checkpoint:  # its recomputation would write each layer's KV cache twice
+        log.warning("train.share_prompts is not used with train.grad_checkpoint: every row runs its prompt")
+        return False
+    if not plain_caches(model):
+        log.warning(
+            "train.share_prompts is not used: this model's KV caches are not mlx-lm's plain "
+            "KVCache (rotating or quantized caches cannot be merged); every row runs its prompt"
+        )
+        return False
+    return True
+
+
+def logits_plan(model: nn.Module, chunk_mb: float) -> Logits:
+    """Chunks of `chunk_mb` MB of logits when asked for and the model allows, else whole
+    (and say why)."""
+    if chunk_mb <= 0:
+        return WHOLE
+    head = output_head(model)
+    if head is None:
+        log.warning(
+            "train.logit_chunk_mb = %g is not used: this model's output layer is not a plain, "
+            "frozen projection of model.model's output (or its forward is random, e.g. LoRA "
+            "dropout); the learner forms each micro-batch's logits at once",
+            chunk_mb,
+        )
+        return WHOLE
+    vocab = model(mx.array([[0]])).shape[-1]
+    return Logits(head, logit_chunk_positions(chunk_mb, vocab))

@@ -1,0 +1,282 @@
+"""Optimizer steps on a batch of rollout groups: the numerical heart of the learner.
+
+Kept free of sockets and files so tests can drive it directly with real models. A batch is
+prepared once (cut into micro-batches by learner.batching; old-policy and reference
+logprobs; behavior-policy correction weights from learner.correction) and then used for
+`num_iterations` optimizer steps, with the old-policy logprobs frozen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_map
+
+from learner.algorithms import LossInputs, make_algorithm
+from learner.batching import (
+    Batch,
+    Logits,
+    Micro,
+    Prepared,
+    logits_plan,
+    micro_batch_rows,
+    prompts_can_be_shared,
+    scalar,
+    shared_prompt_rows,
+    whole_rows,
+)
+from learner.correction import Correction, old_policy_terms
+from policy.logprobs import (
+    Rows,
+    chunked_sequence_terms,
+    output_head,
+    sequence_logprobs,
+    sequence_logprobs_and_entropy,
+)
+from policy.model import adapters_disabled
+from protocol import timeline
+from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig
+
+Head = Callable[[mx.array], mx.array] | None
+
+
+def _logprobs(
+    model: nn.Module, rows: Rows, temperature: float, logits: Logits, head: Head, entropy: bool = False
+) -> tuple[mx.array, mx.array | None]:
+    """Logprobs (and entropy) without a graph, evaluated: by chunks when `logits` says,
+    else whole (through `head`, see Rows.logits)."""
+    if logits.chunked(rows.targets.size):
+        assert logits.head is not None  # chunked() says there is one
+        logp, ent, _ = chunked_sequence_terms(model, logits.head, rows, temperature, logits.chunk, entropy)
+        return logp, ent
+    if entropy:
+        logp, ent = sequence_logprobs_and_entropy(model, rows, temperature, head)
+    else:
+        logp, ent = sequence_logprobs(model, rows, temperature, head), None
+    mx.eval(logp, *([] if ent is None else [ent]))
+    return logp, ent
+
+
+Weighted = tuple[dict[str, float], tuple[float, float]]
+
+
+def combine_stats(parts: list[Weighted], per_completion: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Merge the diagnostics of parts of a batch (micro-batches, learner ranks), each with
+    its (completion tokens, completions): extremes by max/min, each part's share of the
+    loss summed, what every part has alike (the clipped grad norm, the learning rate)
+    taken once, averages over completions (`per_completion`) weighted by completions, the
+    rest by tokens."""
+    totals = [sum(w[i] for _, w in parts) or 1.0 for i in (0, 1)]
+    out = {}
+    for key in parts[0][0]:
+        values = [d[key] for d, _ in parts]
+        if key.endswith(("_max", "/max")):
+            out[key] = max(values)
+        elif key.endswith(("_min", "/min")):
+            out[key] = min(values)
+        elif key in ("loss", "surrogate_loss"):
+            out[key] = sum(values)
+        elif key in ("grad_norm", "learning_rate"):
+            out[key] = values[0]
+        else:
+            by = 1 if key in per_completion else 0
+            out[key] = sum(v * w[by] for v, (_, w) in zip(values, parts)) / totals[by]
+    return out
+
+
+def _chunked_value_and_grad(
+    model: nn.Module, logits: Logits, rows: Rows, temperature: float, objective: Callable, entropy: bool
+) -> tuple[tuple[mx.array, dict], dict]:
+    """The objective's value and its gradient in the adapters, never holding more than one
+    chunk's logits: the chain rule taken in three evaluated pieces,
+
+        dL/dθ = dL/dlogp · dlogp/dhidden · dhidden/dθ
+
+    (1) logprobs and their jacobian into the last hidden states, chunk by chunk
+    (chunked_terms); (2) dL/dlogp, the gradient of the objective in the [rows, tokens]
+    logprobs alone; (3) the model body's backward with dL/dhidden as its cotangent, which
+    runs the body's forward a second time: the price of never keeping the logits."""
+    assert logits.head is not None  # only chunked logits come here
+    logp, ent, jac = chunked_sequence_terms(
+        model, logits.head, rows, temperature, logits.chunk, entropy, jacobian=True
+    )
+    (value, diag), dlogp = mx.value_and_grad(lambda lp: objective(lp, ent))(logp)
+    dhidden = dlogp[..., None] * jac
+    _, grads = nn.value_and_grad(model, lambda m: (rows.outputs(m.model) * dhidden).sum())(model)
+    return (value, diag), grads
+
+
+class Trainer:
+    """The optimizer step with the run's settings, as the learner's loop and the benchmarks
+    run it: a batch is prepared once, then each `step` is one optimizer update and its
+    metrics.
+
+    Its one mode, `fused` (one step per batch and `train.fuse_old_logprobs`): the old-policy
+    logprobs come from the step's own forward (stop-gradient), not from a pass of their own
+    in `prepare`: the same weights on the same tokens give the very same logprobs."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        algorithm: AlgorithmConfig,
+        train: TrainConfig,
+        sampling: SamplingConfig,
+        max_completion_tokens: int | None = None,
+        optimizer: optim.Optimizer | None = None,
+    ) -> None:
+        """`max_completion_tokens`: the longest completion, Dr. GRPO's constant normaliser;
+        `sampling.max_tokens` unless episodes are longer (`env.max_episode_tokens`)."""
+        self.model = model
+        self.algorithm = make_algorithm(
+            algorithm.name,
+            beta=algorithm.beta,
+            epsilon=algorithm.epsilon,
+            epsilon_high=algorithm.epsilon_high,
+            scale_rewards=algorithm.scale_rewards,
+            max_tokens=max_completion_tokens or sampling.max_tokens,
+            sapo_temperatures=(algorithm.sapo_temperature_pos, algorithm.sapo_temperature_neg),
+        )
+        self.correction = Correction(algorithm.is_correction, algorithm.is_level, algorithm.is_cap)
+        self.optimizer = optimizer or optim.Adam(learning_rate=train.learning_rate)
+        self.beta, self.num_iterations = algorithm.beta, algorithm.num_iterations
+        self.fused = algorithm.num_iterations == 1 and train.fuse_old_logprobs
+        self.temperature = sampling.temperature
+        self.max_grad_norm, self.micro_batch_size = train.max_grad_norm, train.micro_batch_size
+        self.sort_by_length = train.sort_by_length
+        self.share_prompts = prompts_can_be_shared(model, train)
+        self.logits = logits_plan(model, train.logit_chunk_mb)
+        # Whole logits go through the output head where the model has a plain one: then a
+        # shared prompt's positions but its last never reach it (see Rows.logits).
+        self.head = output_head(model)
+        # Averages over completions, not tokens: merged across micro-batches by completions.
+        sequence_weights = self.correction.level == "sequence" and self.correction.mode != "none"
+        self.per_completion = self.algorithm.per_completion | (
+            {"sampling/importance_sampling_ratio/mean"} if sequence_weights else set()
+        )
+
+    def prepare(self, batch: Batch, norm: float | None = None) -> Prepared:
+        """Cut the batch into micro-batches, and take for each its old-policy logprobs (full
+        forward, current weights; unless fused), its reference logprobs with the adapters
+        off (when beta > 0), and its behavior-policy correction weights.
+
+        The old-policy forwards run over the very micro-batches the optimizer steps will:
+        identical shapes make the first step's ratio exactly 1. `norm`: the whole batch's
+        loss normaliser, when `batch` is one learner rank's part of it."""
+        micro = self.micro_batches(batch)
+        parts = [(self._take_old(m), m.weight) for m in micro] if not self.fused else []
+        for m in micro:
+            if self.beta > 0:
+                with adapters_disabled(self.model):
+                    m.ref = _logprobs(self.model, m.rows, self.temperature, self.logits, self.head)[0]
+        stats = combine_stats(parts, self.per_completion) if parts else {}
+        real = int(batch.lengths.sum()) - len(batch.lengths)  # a row of n tokens predicts n - 1
+        stats["learner/padding_ratio"] = sum(m.positions for m in micro) / max(real, 1)
+        norm = self.algorithm.normalizer(np.array(batch.mask)) if norm is None else norm
+        return Prepared(micro, norm, stats)
+
+    def micro_batches(self, batch: Batch) -> list[Micro]:
+        """The batch's micro-batches (see micro_batch_rows), each with its prompts once
+        when they are shared."""
+        if not self.share_prompts:
+            cuts = micro_batch_rows(batch.lengths - 1, self.micro_batch_size, self.sort_by_length)
+            return [whole_rows(batch, index, own_length=self.sort_by_length) for index in cuts]
+        host = {
+            "tokens": np.array(batch.tokens),
+            "mask": np.array(batch.mask),
+            "behavior": np.array(batch.behavior),
+        }
+        completions = batch.lengths - batch.prompt_lengths
+        cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length)
+        return [shared_prompt_rows(host, batch, index) for index in cuts]
+
+    def _take_old(self, m: Micro) -> dict[str, float]:
+        """The micro-batch's old-policy logprobs and correction weights; their diagnostics."""
+        old, entropy = _logprobs(self.model, m.rows, self.temperature, self.logits, self.head, entropy=True)
+        assert entropy is not None  # asked for
+        m.old, (m.is_weight, stats) = old, old_policy_terms(old, entropy, m.behavior, m.mask, self.correction)
+        mx.eval(m.is_weight, stats)
+        return {k: scalar(v) for k, v in stats.items()}
+
+    def step(
+        self, prepared: Prepared, advantages: np.ndarray, all_sum: Callable[[dict], dict] | None = None
+    ) -> dict[str, float]:
+        """One optimizer step, accumulating gradients over the micro-batches.
+
+        Each micro-batch's loss is its rows' summed terms over the whole batch's normaliser,
+        so the accumulated gradient equals the full batch's exactly (up to float rounding).
+        A learner rank (learner.ranks) passes `all_sum`, which adds every rank's gradients
+        before the clip and the update."""
+        adv = mx.array(advantages.astype(np.float32))
+        grads, loss, parts = None, 0.0, []
+        for m in prepared.micro:
+            with timeline.span("forward and backward", rows=len(m.index), positions=m.positions):
+                (part_loss, diag), part_grads = self._value_and_grad(
+                    m, adv[mx.array(m.index.astype(np.int32))], prepared.norm
+                )
+                grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
+                mx.eval(part_loss, diag, grads)
+            loss += scalar(part_loss)
+            parts.append(({k: scalar(v) for k, v in diag.items()}, m.weight))
+        assert grads is not None  # a batch has at least one row
+        timing = {}
+        if all_sum is not None:
+            t0 = time.perf_counter()
+            grads = all_sum(grads)
+            mx.eval(grads)
+            timing["allreduce_s"] = time.perf_counter() - t0  # with the wait for the slowest rank
+        with timeline.span("optimizer update"):
+            grads, grad_norm = optim.clip_grad_norm(grads, self.max_grad_norm)
+            self.optimizer.update(self.model, grads)
+            mx.eval(self.model.parameters(), self.optimizer.state, grad_norm)
+        lr = scalar(mx.array(self.optimizer.learning_rate))
+        return {
+            "loss": loss,
+            "grad_norm": scalar(grad_norm),
+            "learning_rate": lr,
+            **combine_stats(parts, self.per_completion),
+            **timing,
+        }
+
+    def _objective(
+        self, m: Micro, adv: mx.array, norm: float, logp: mx.array, entropy: mx.array | None
+    ) -> tuple[mx.array, dict]:
+        """The micro-batch's loss as a function of its logprobs (what is differentiated)."""
+        mask, extra = m.mask, cast(dict, {})
+        if self.fused:  # this forward gives the old-policy logprobs
+            assert entropy is not None  # the fused forward computes it
+            old = mx.stop_gradient(logp)
+            is_weight, extra = old_policy_terms(
+                old, mx.stop_gradient(entropy), m.behavior, mask, self.correction
+            )
+        else:
+            assert m.old is not None and m.is_weight is not None  # prepare() took them
+            old, is_weight = m.old, m.is_weight
+        total, diag = self.algorithm.loss_sum(LossInputs(logp, old, m.ref, adv, mask, is_weight))
+        diag["surrogate_loss"] = diag["surrogate_loss"] / norm
+        return total / norm, {**diag, **extra}
+
+    def _value_and_grad(self, m: Micro, adv: mx.array, norm: float) -> tuple[tuple[mx.array, dict], dict]:
+        rows, head = m.rows, self.head
+        if self.logits.chunked(rows.targets.size):
+            return _chunked_value_and_grad(
+                self.model,
+                self.logits,
+                rows,
+                self.temperature,
+                lambda lp, ent: self._objective(m, adv, norm, lp, ent),
+                self.fused,
+            )
+
+        def whole(model: nn.Module) -> tuple[mx.array, dict]:
+            if self.fused:
+                logp, entropy = sequence_logprobs_and_entropy(model, rows, self.temperature, head)
+                return self._objective(m, adv, norm, logp, entropy)
+            return self._objective(m, adv, norm, sequence_logprobs(model, rows, self.temperature, head), None)
+
+        return nn.value_and_grad(self.model, whole)(self.model)

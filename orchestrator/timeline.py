@@ -1,0 +1,169 @@
+"""`orchestrator timeline`: one trace of every process, and where each one's time went.
+
+Reads the spans each process recorded (protocol/timeline.py, RUN/timeline/*.jsonl) and
+writes one Chrome trace (`{"traceEvents": [...]}`) that Perfetto (ui.perfetto.dev) and
+chrome://tracing open: a track per process, a row per thread, the learner's step ends as
+marks. Times start at 0 at the window's start. The summary gives each process's busy
+share of the window and what its waits waited on; what is neither is time no span
+covers (start-up, bookkeeping between spans).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from protocol.timeline import BUSY, WAIT, timeline_dir
+
+# Tracks in this order, then by name: the learner on top, then the actors, then workers.
+ORDER = ("learner", "actor", "reward-worker", "env-worker")
+
+
+def read_events(run_dir: str | Path) -> dict[str, list[dict]]:
+    """Every process's events, by process name (its file's stem). A line cut short by a
+    crash is skipped."""
+    events: dict[str, list[dict]] = {}
+    for path in sorted(timeline_dir(run_dir).glob("*.jsonl")):
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        events[path.stem] = sorted(rows, key=lambda e: (e["ts"], -e.get("dur", 0)))
+    return dict(sorted(events.items(), key=lambda kv: (_rank(kv[0]), kv[0])))
+
+
+def _rank(process: str) -> int:
+    return next((i for i, p in enumerate(ORDER) if process.startswith(p)), len(ORDER))
+
+
+def step_ends(events: dict[str, list[dict]]) -> dict[int, int]:
+    """The learner's step marks: step -> when it ended (µs)."""
+    return {
+        e["args"]["step"]: e["ts"]
+        for e in events.get("learner", [])
+        if e["ph"] == "i" and e["name"] == "step"
+    }
+
+
+def window(events: dict[str, list[dict]], steps: tuple[int, int] | None) -> tuple[int, int]:
+    """The µs interval of steps A..B: from step A-1's end (the first event, for step 1)
+    to step B's end. None: everything recorded."""
+    every = [e["ts"] for rows in events.values() for e in rows]
+    ends = [e["ts"] + e.get("dur", 0) for rows in events.values() for e in rows]
+    if not every:
+        raise ValueError("no timeline recorded (log.timeline = false, or the run never started)")
+    if steps is None:
+        return min(every), max(ends)
+    marks = step_ends(events)
+    a, b = steps
+    if b not in marks:
+        have = f"steps {min(marks)}..{max(marks)}" if marks else "no step"
+        raise ValueError(f"--steps {a}:{b}: the timeline has {have}")
+    return marks.get(a - 1, min(every)), marks[b]
+
+
+def clipped(events: list[dict], t0: int, t1: int) -> list[dict]:
+    """The events that overlap [t0, t1], cut to it."""
+    out = []
+    for e in events:
+        start, end = e["ts"], e["ts"] + e.get("dur", 0)
+        if end < t0 or start > t1:
+            continue
+        e = dict(e)
+        if e["ph"] == "X":
+            e["ts"], e["dur"] = max(start, t0), min(end, t1) - max(start, t0)
+        out.append(e)
+    return out
+
+
+def top_level(events: list[dict]) -> list[dict]:
+    """The spans no other span of their thread contains (spans nest, never cross)."""
+    out: list[dict] = []
+    open_until: dict[int, int] = {}
+    for e in events:
+        if e["ph"] != "X":
+            continue
+        if e["ts"] >= open_until.get(e["tid"], -1):
+            out.append(e)
+            open_until[e["tid"]] = e["ts"] + e["dur"]
+    return out
+
+
+@dataclass
+class Share:
+    process: str
+    wall_s: float
+    busy_s: float = 0.0
+    waits: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.wall_s - self.busy_s - sum(self.waits.values()))
+
+
+def summarize(events: dict[str, list[dict]], t0: int, t1: int) -> list[Share]:
+    """Each process's busy and waiting seconds in [t0, t1], from its main thread's
+    top-level spans (thread 0: the one that records first)."""
+    shares = []
+    for process, rows in events.items():
+        share = Share(process, (t1 - t0) / 1e6)
+        for e in top_level(clipped(rows, t0, t1)):
+            if e["tid"] != 0:
+                continue
+            if e["cat"] == BUSY:
+                share.busy_s += e["dur"] / 1e6
+            elif e["cat"] == WAIT:
+                share.waits[e["name"]] = share.waits.get(e["name"], 0.0) + e["dur"] / 1e6
+        shares.append(share)
+    return shares
+
+
+def render(shares: list[Share]) -> str:
+    lines = [f"{'process':<16} {'busy':>6} {'waiting':>8}  waited on"]
+    for s in shares:
+        wall = s.wall_s or 1.0
+        waits = ", ".join(f"{k} {v / wall:.0%}" for k, v in sorted(s.waits.items(), key=lambda kv: -kv[1]))
+        waited = sum(s.waits.values())
+        lines.append(f"{s.process:<16} {s.busy_s / wall:>6.0%} {waited / wall:>8.0%}  {waits or '-'}")
+    return "\n".join(lines)
+
+
+def trace(events: dict[str, list[dict]], t0: int, t1: int) -> dict:
+    """The Chrome trace of [t0, t1]: a pid per process, named; times from t0."""
+    out: list[dict] = []
+    for pid, (process, rows) in enumerate(events.items(), start=1):
+        out.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process}})
+        out.append(
+            {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
+        )
+        for e in clipped(rows, t0, t1):
+            out.append({**e, "pid": pid, "ts": e["ts"] - t0})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def parse_steps(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--steps {text!r}: expected A:B, e.g. 3:10") from None
+    if not 1 <= a <= b:
+        raise ValueError(f"--steps {text!r}: expected 1 <= A <= B")
+    return a, b
+
+
+def write_timeline(run_dir: str | Path, out: str | Path | None = None, steps: str | None = None) -> str:
+    """Write the trace (default RUN/timeline.json) and return the summary text."""
+    events = read_events(run_dir)
+    t0, t1 = window(events, parse_steps(steps))
+    path = Path(out) if out else Path(run_dir) / "timeline.json"
+    path.write_text(json.dumps(trace(events, t0, t1)))
+    shares = summarize(events, t0, t1)
+    return (
+        f"trace: {path} (open it in ui.perfetto.dev or chrome://tracing)\n{(t1 - t0) / 1e6:.1f} s\n"
+        + render(shares)
+    )
