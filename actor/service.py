@@ -51,7 +51,7 @@ from policy.model import (
     weights_frame_bytes,
 )
 from policy.sampler import Completion, sample_groups
-from protocol import lifecycle, sockets
+from protocol import lifecycle, sockets, timeline
 from protocol.config import as_dict, credit_window, read_run_config
 from protocol.connection import ENDED, HEARTBEAT_S, Link, State, heartbeat
 from protocol.heartbeat import actor_name, start_heartbeat
@@ -236,13 +236,20 @@ class Actor:
                 f"; {len(skip)} prompts beyond it are held already" if skip else "",
             )
 
+    def wait_for_learner(self) -> None:
+        """Nothing to decode: wait (up to 200 ms) for the first weights, or for credit."""
+        what = "wait for weights" if self.policy_version is None else "wait for credit"
+        with timeline.span(what, timeline.WAIT):
+            self.receive(200)
+
     def apply_pending(self) -> None:
         if self.pending is None:
             return
         msg, self.pending = self.pending, None
         t0 = time.perf_counter()
         try:
-            set_adapter_weights(self.model, msg.arrays)
+            with timeline.span("apply weights", version=msg["version"]):
+                set_adapter_weights(self.model, msg.arrays)
         except ValueError as e:
             log.error("ignored weights of version %d: %s", msg["version"], e)
             return
@@ -267,20 +274,22 @@ class Actor:
         drawn = [self.next_prompt() for _ in range(n)]
         t0 = time.perf_counter()
         if self.episodes is None:
-            groups = sample_groups(
-                self.model,
-                [d.prompt.prompt_ids for d in drawn],
-                g,
-                self.sampling,
-                self.eos_ids,
-                seed=self.sampling.seed,
-                noise_ids=[d.first_noise + j for d in drawn for j in range(g)],
-            )
+            with timeline.span("sample", groups=n):
+                groups = sample_groups(
+                    self.model,
+                    [d.prompt.prompt_ids for d in drawn],
+                    g,
+                    self.sampling,
+                    self.eos_ids,
+                    seed=self.sampling.seed,
+                    noise_ids=[d.first_noise + j for d in drawn for j in range(g)],
+                )
             rollouts = [self.completions(d.prompt, c) for d, c in zip(drawn, groups)]
         else:
-            episodes = self.episodes.run(
-                [d.prompt for d in drawn], [d.first_noise for d in drawn], self.interrupted
-            )
+            with timeline.span("play episodes", groups=n):
+                episodes = self.episodes.run(
+                    [d.prompt for d in drawn], [d.first_noise for d in drawn], self.interrupted
+                )
             if episodes is None:
                 return  # stopping: the learner holds none of these; a restarted actor samples them
             rollouts = [e.fields(self.decode) for e in episodes]
@@ -304,7 +313,7 @@ class Actor:
         # Groups added and not yet sent count against the credit.
         room = self.window - (self.groups_sent - self.groups_consumed) - len(self.decoding)
         if self.policy_version is None or (room <= 0 and not engine.busy):
-            self.receive(200)  # wait for weights or credit
+            self.wait_for_learner()
             return
         if self.pending is None or in_flight:
             for _ in range(room):
@@ -339,7 +348,8 @@ class Actor:
             "gen_s": gen_s,
             "peak_memory_mb": mx.get_peak_memory() / (1 << 20),
         }
-        self.send_rollout(header, arrays)
+        with timeline.span("send", group=header["group_id"]):
+            self.send_rollout(header, arrays)
         self.groups_sent += 1
 
     def send_rollout(self, header: dict, arrays: dict) -> None:
@@ -456,7 +466,7 @@ class Actor:
             self.apply_pending()
             room = self.window - (self.groups_sent - self.groups_consumed)
             if self.policy_version is None or room <= 0:
-                self.receive(200)  # wait for weights or credit
+                self.wait_for_learner()
                 continue
             # At most our share of a batch at a time, so newer weights are applied between batches.
             self.sample_groups(min(room, -(-self.window // batches_in_flight)))
@@ -482,6 +492,7 @@ def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str |
     start_heartbeat(run_dir, actor_name(slot, read_run_config(run_dir).actor.count))
     apply_memory_share()
     actor = Actor(Path(run_dir), signals, Path(key_dir) if key_dir else None, slot, connect)
+    timeline.start(run_dir, actor_name(slot, actor.cfg.actor.count), actor.cfg.log.timeline)
     try:
         actor.run()
     finally:

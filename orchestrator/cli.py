@@ -283,12 +283,19 @@ def _run_is_insecure(run_dir: str) -> bool:
 def _serve(make_worker, user_error: type[Exception], run_dir: str | None) -> None:
     """Run a worker to its end and exit with its code; a user error (the function or class
     cannot be loaded) exits 2. `run_dir`: where it looks whether its run has ended."""
+    import os
+
     from orchestrator.workers import serve
+    from protocol import timeline
+    from protocol.config import read_run_config
 
     signals = lifecycle.StopSignals().install()
     try:
         worker = make_worker(signals)
         worker.run_dir = None if run_dir is None else Path(run_dir)
+        if run_dir is not None:
+            enabled = read_run_config(run_dir).log.timeline
+            timeline.start(run_dir, f"{worker.role.replace('_', '-')}-{os.getpid()}", enabled)
         code = serve(worker)
     except user_error as e:
         lifecycle.fail(f"error: {e}")

@@ -70,7 +70,7 @@ def clipped(events: list[dict], t0: int, t1: int) -> list[dict]:
     out = []
     for e in events:
         start, end = e["ts"], e["ts"] + e.get("dur", 0)
-        if end < t0 or start > t1:
+        if end < t0 or start > t1 or (e["ph"] == "i" and start == t0):  # t0's mark: the step before
             continue
         e = dict(e)
         if e["ph"] == "X":

@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 
 import protocol
-from protocol import lifecycle, sockets
+from protocol import lifecycle, sockets, timeline
 from protocol.connection import HEARTBEAT_S, LEARNER_TIMEOUT_S, Link, State, heartbeat
 from rewards.functions import RewardError, call_reward, import_spec, load_reward_function
 
@@ -151,9 +151,13 @@ class SocketWorker:
         while self.job is None and self.inbox:
             msg = self.inbox.popleft()
             if msg.kind in self.requests:
-                self.job = (msg["request_id"], self.pool.submit(self.answer, msg))
+                self.job = (msg["request_id"], self.pool.submit(self.timed_answer, msg))
             else:
                 self.notice(msg)
+
+    def timed_answer(self, msg: protocol.Message) -> dict:
+        with timeline.span(msg.kind, request=msg["request_id"]):
+            return self.answer(msg)
 
     def answer(self, msg: protocol.Message) -> dict:
         """A request's answer (in the worker's thread); never raises."""

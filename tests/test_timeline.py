@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -155,3 +157,83 @@ def test_the_process_timeline_is_what_module_functions_record_into(tmp_path):
     assert not timeline.current().on
     names = [e["name"] for e in read_events(tmp_path)["learner"]]
     assert sorted(names) == ["publish weights", "step", "step"]
+
+
+def check_trace(doc: dict, tolerance_us: int = 100) -> dict[str, list[dict]]:
+    """Every span of the trace nests in or follows the one before it on its thread (a
+    `tolerance_us` overhang: the learner's step span is timed by another clock); returns
+    the spans by process name."""
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    by_thread: dict[tuple, list[dict]] = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X":
+            by_thread.setdefault((e["pid"], e["tid"]), []).append(e)
+    for spans in by_thread.values():
+        open_ends: list[int] = []
+        for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+            while open_ends and open_ends[-1] <= e["ts"] + tolerance_us:
+                open_ends.pop()
+            end = e["ts"] + e["dur"]
+            assert not open_ends or end <= open_ends[-1] + tolerance_us, ("spans cross", e)
+            open_ends.append(end)
+    out: dict[str, list[dict]] = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] in "Xi":
+            out.setdefault(names[e["pid"]], []).append(e)
+    return out
+
+
+@pytest.mark.slow
+def test_a_real_run_s_timeline_has_every_process_and_its_busy_share_is_step_s(tmp_path):
+    """A real run (learner, actor): `orchestrator timeline` writes a trace with a track per
+    process, spans that nest, every step marked; over steps 2..4 the learner's busy share
+    is what its metrics' step_s add up to, within 5%."""
+    from tests.helpers import read_metrics, run_up, write_config
+
+    code, out = run_up(write_config(tmp_path, steps=4))
+    assert code == 0, out
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "timeline", "--run-dir", str(run), "--steps", "2:4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    doc = json.loads((run / "timeline.json").read_text())
+    spans = check_trace(doc)
+    assert set(spans) == {"learner", "actor"}
+    learner = {e["name"] for e in spans["learner"]}
+    assert {
+        "step",
+        "wait for groups",
+        "forward and backward",
+        "optimizer update",
+        "publish weights",
+    } <= learner
+    assert {"decode step", "prefill", "send", "apply weights"} <= {e["name"] for e in spans["actor"]}
+    marks = sorted(e["args"]["step"] for e in spans["learner"] if e["ph"] == "i")
+    assert marks == [2, 3, 4]  # step 1's end opens the window
+    metrics = {m["step"]: m for m in read_metrics(run)}
+    events = read_events(run)
+    t0, t1 = window(events, (2, 4))
+    learner_share = next(s for s in summarize(events, t0, t1) if s.process == "learner")
+    step_s = sum(metrics[k]["step_s"] for k in (2, 3, 4))
+    assert abs(learner_share.busy_s / step_s - 1) <= 0.05, (learner_share, step_s)
+    assert "learner" in done.stdout and "busy" in done.stdout
+
+
+@pytest.mark.slow
+def test_log_timeline_false_records_nothing_and_the_command_says_so(tmp_path):
+    from tests.helpers import run_up, write_config
+
+    code, out = run_up(write_config(tmp_path, "[log]\ntimeline = false", steps=1))
+    assert code == 0, out
+    assert not (tmp_path / "run" / "timeline").exists()
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "timeline", "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "log.timeline = false" in done.stderr
