@@ -39,7 +39,15 @@ from pathlib import Path
 
 from benchmarks.common import harness, log, write_results
 from benchmarks.learner_lengths import QUICK_SHAPE, SMALL_SHAPE
-from benchmarks.real_shape import flat_model, have_mlxrl, long_tail_copy, parameters, run_mlxrl, run_ours
+from benchmarks.real_shape import (
+    flat_model,
+    have_mlxrl,
+    long_tail_copy,
+    parameters,
+    run_mlxrl,
+    run_ours,
+    timeline_table,
+)
 
 BEFORE = ("actor.engine=static", "train.sort_by_length=false", "train.share_prompts=false")
 
@@ -108,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{shape['vocab_size']}), float32, LoRA rank 8; {bs} prompts x G {a.group_size} a step, "
         f"completions geometric (mean {a.mean}, max {a.max_tokens}; uniform: every one {a.mean}); "
         f"{a.steps - 1} timed steps a run, medians of {a.repeats} repeats\n\n" + table(runs)
+    )
+    report += (
+        "\nWhere the time went (orchestrator timeline, shares of the timed steps):\n\n" + timeline_table(runs)
     )
     out = {
         "shape": shape,

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import EXAMPLES, harness, write_results
-from benchmarks.real_shape import SETTINGS, have_mlxrl, run_mlxrl, run_ours, table
+from benchmarks.real_shape import SETTINGS, have_mlxrl, run_mlxrl, run_ours, table, timeline_table
 
 TASK = (EXAMPLES / "smollm2_train.jsonl", "rewards.verifiable:final_number")
 
@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     text = (
         f"SmolLM2-135M-Instruct, float32; one prompt a step, G={a.group_size}, at most "
         f"{a.max_tokens} tokens; {a.repeats} repeats of {a.steps} steps (first left out)\n\n" + table(runs)
+    )
+    text += "\nWhere the time went (orchestrator timeline, shares of the timed steps):\n\n" + timeline_table(
+        runs
     )
     write_results(a.results_dir, "real_model_quick" if a.quick else "real_model", out, text)
     return 0
