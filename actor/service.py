@@ -29,16 +29,14 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-import mlx.core as mx
-import numpy as np
 import zmq
 
 import protocol
 from actor.episodes import EpisodeRunner
+from actor.rollout import Drawn, completion_fields, rollout_frames, rollout_header
 from policy.data import DataError, Prompt, PromptStream, check_context, load_prompts
 from policy.engine import Engine
 from policy.logprobs import plain_caches
@@ -56,20 +54,9 @@ from protocol.config import as_dict, credit_window, read_run_config
 from protocol.connection import ENDED, HEARTBEAT_S, Link, State, heartbeat
 from protocol.heartbeat import actor_name, start_heartbeat
 from protocol.keys import key_dir_for, run_key_dir
-from protocol.wire import MAX_HEADER_BYTES
 from protocol.workers import WorkerPool
 
 log = logging.getLogger("actor")
-
-
-@dataclass
-class Drawn:
-    """A prompt drawn from the slot's data stream, until its group is sent."""
-
-    prompt: Prompt
-    start: list[int]  # the data cursor before it (the rollout's `start_cursor`)
-    cursor: list[int]  # and after it (the rollout's `cursor`)
-    first_noise: int  # its rows' noise ids follow from here
 
 
 class Actor:
@@ -333,70 +320,14 @@ class Actor:
             self.decode_s = 0.0
 
     def send_group(self, drawn: Drawn, fields: dict, arrays: dict, gen_s: float) -> None:
-        versions = arrays.get("policy_versions")
-        header = {
-            "group_id": str(self.groups_sent),
-            "cursor": drawn.cursor,
-            "start_cursor": drawn.start,
-            "row": drawn.prompt.index,
-            **self.timings,
-            # Its oldest token's, when the weights changed while it decoded.
-            "policy_version": int(versions.min()) if versions is not None else self.policy_version,
-            "prompt": drawn.prompt.prompt,
-            "columns": drawn.prompt.columns,
-            **fields,
-            "gen_s": gen_s,
-            "peak_memory_mb": mx.get_peak_memory() / (1 << 20),
-        }
-        with timeline.span("send", group=header["group_id"]):
-            self.send_rollout(header, arrays)
+        group_id = str(self.groups_sent)
+        header = rollout_header(drawn, group_id, self.policy_version, self.timings, fields, arrays, gen_s)
+        with timeline.span("send", group=group_id):
+            self.send_frames(rollout_frames(header, arrays))
         self.groups_sent += 1
 
-    def send_rollout(self, header: dict, arrays: dict) -> None:
-        """Send a group; one whose header the learner would refuse unread (over the
-        protocol's limit: huge texts or data columns) goes as an `error` group instead, so
-        the learner counts it as dropped, with the reason."""
-        frames = protocol.encode(protocol.ROLLOUT, header, arrays)
-        if len(frames[0]) > MAX_HEADER_BYTES:
-            reason = (
-                f"rollout header over the protocol's limit of {MAX_HEADER_BYTES} bytes (texts, prompt, "
-                "columns)"
-            )
-            log.error(
-                "data row %s: a rollout header of %d bytes is over the protocol's limit of %d bytes; "
-                "its group is sent as dropped",
-                header["row"],
-                len(frames[0]),
-                MAX_HEADER_BYTES,
-            )
-            header = {
-                **header,
-                "prompt": "",
-                "columns": {},
-                "texts": [""] * len(header["texts"]),
-                "turns": None,
-                "error": reason,
-            }
-            frames = protocol.encode(protocol.ROLLOUT, header, arrays)
-        self.send_frames(frames)
-
     def completions(self, prompt: Prompt, completions: list[Completion]) -> tuple[dict, dict]:
-        """A single-turn group's rollout fields and arrays."""
-        ids = [c.token_ids for c in completions]
-        fields = {
-            "texts": [self.decode(t) for t in ids],
-            "finish_reasons": [c.finish_reason for c in completions],
-        }
-        arrays = {
-            "prompt_ids": np.array(prompt.prompt_ids, dtype=np.int32),
-            "completion_ids": np.array(sum(ids, []), dtype=np.int32),
-            "completion_lens": np.array([len(t) for t in ids], dtype=np.int32),
-            "logprobs": np.array(sum((c.logprobs for c in completions), []), dtype=np.float32),
-        }
-        if all(c.versions is not None for c in completions):  # the continuous engine's
-            versions = sum((c.versions or [] for c in completions), [])
-            arrays["policy_versions"] = np.array(versions, dtype=np.int32)
-        return fields, arrays
+        return completion_fields(prompt, completions, self.decode)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -313,7 +313,9 @@ def measure(a: argparse.Namespace, model: Path, work: Path, quantized: bool) -> 
         runs["overlap"].append(run_ours(model, work, f"over-r{r}", 1, a))
         if not quantized and a.actor_bits:
             name = f"sync, actor {a.actor_bits}-bit"
-            runs[name].append(run_ours(model, work, f"q-r{r}", 0, a, a.actor_bits))
+            # held quantized: on the CPU the actor would otherwise hold its rounded weights dense
+            quantized_actor = ("model.dequantize_on_cpu=false",)
+            runs[name].append(run_ours(model, work, f"q-r{r}", 0, a, a.actor_bits, sets=quantized_actor))
     return runs
 
 

@@ -378,6 +378,7 @@ def timeline(
         None, help="A:B: only steps A to B (from step A-1's end); default: all."
     ),
     out: str | None = typer.Option(None, help="Trace to write; default: RUN_DIR/timeline.json."),
+    png: str | None = typer.Option(None, help="Also draw it to this PNG (the `plot` extra)."),
 ) -> None:
     """Write one trace of every process (open it in ui.perfetto.dev or chrome://tracing)
     and print where each one's time went: busy, and what it waited on."""
@@ -385,8 +386,8 @@ def timeline(
 
     run_file(Path(run_dir), "timeline", "no process recorded one (log.timeline = false?)")
     try:
-        typer.echo(write_timeline(run_dir, out, steps))
-    except ValueError as e:
+        typer.echo(write_timeline(run_dir, out, steps, png))
+    except (ValueError, RuntimeError) as e:
         lifecycle.fail(f"error: {e}")
 
 

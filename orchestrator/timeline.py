@@ -156,14 +156,55 @@ def parse_steps(text: str | None) -> tuple[int, int] | None:
     return a, b
 
 
-def write_timeline(run_dir: str | Path, out: str | Path | None = None, steps: str | None = None) -> str:
-    """Write the trace (default RUN/timeline.json) and return the summary text."""
+# Colours of the picture: what a span is, by its name's first word.
+COLOURS = {"wait": "#d9d9d9", "evaluation": "#d9d9d9", "decode": "#4c72b0", "prefill": "#8172b2"}
+BUSY_COLOUR = "#dd8452"
+
+
+def draw(events: dict[str, list[dict]], t0: int, t1: int, out: Path) -> Path:
+    """A PNG of the main thread's top-level spans, a row per process (matplotlib, the `plot`
+    extra): waits grey, the actor's decoding blue, its prefills purple, the rest (the
+    learner's steps, scoring, sending) orange; the learner's step ends as lines."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("drawing needs matplotlib: pip install 'mlx-rl-ipc[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(events)
+    fig, ax = plt.subplots(figsize=(14, 0.6 * len(names) + 1.2), constrained_layout=True)
+    for row, process in enumerate(names):
+        spans = [e for e in top_level(clipped(events[process], t0, t1)) if e["tid"] == 0]
+        for e in spans:
+            colour = COLOURS.get(e["name"].split()[0], BUSY_COLOUR)
+            ax.broken_barh([((e["ts"] - t0) / 1e6, e["dur"] / 1e6)], (row - 0.4, 0.8), color=colour, lw=0)
+    for step, ts in step_ends(events).items():
+        if t0 < ts <= t1:
+            ax.axvline((ts - t0) / 1e6, color="black", lw=0.6)
+            ax.text((ts - t0) / 1e6, len(names) - 0.45, f"step {step}", fontsize=7, ha="right")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, (t1 - t0) / 1e6)
+    ax.set_xlabel("seconds")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_timeline(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    steps: str | None = None,
+    png: str | Path | None = None,
+) -> str:
+    """Write the trace (default RUN/timeline.json), and with `png` a picture of it; return
+    the summary text."""
     events = read_events(run_dir)
     t0, t1 = window(events, parse_steps(steps))
     path = Path(out) if out else Path(run_dir) / "timeline.json"
     path.write_text(json.dumps(trace(events, t0, t1)))
-    shares = summarize(events, t0, t1)
-    return (
-        f"trace: {path} (open it in ui.perfetto.dev or chrome://tracing)\n{(t1 - t0) / 1e6:.1f} s\n"
-        + render(shares)
-    )
+    text = f"trace: {path} (open it in ui.perfetto.dev or chrome://tracing)\n"
+    if png:
+        text += f"picture: {draw(events, t0, t1, Path(png))}\n"
+    return text + f"{(t1 - t0) / 1e6:.1f} s\n" + render(summarize(events, t0, t1))

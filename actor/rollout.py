@@ -1,0 +1,98 @@
+"""A sampled group as the `rollout` message the learner reads (PROTOCOL.md, `rollout`).
+
+Kept apart from the actor's loop (actor/service.py) because it is pure: what a group
+becomes on the wire, whichever path sampled it (the engine, the static path, episodes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+import protocol
+from policy.data import Prompt
+from policy.sampler import Completion
+from protocol.wire import MAX_HEADER_BYTES
+
+log = logging.getLogger("actor")
+
+
+@dataclass
+class Drawn:
+    """A prompt drawn from the slot's data stream, until its group is sent."""
+
+    prompt: Prompt
+    start: list[int]  # the data cursor before it (the rollout's `start_cursor`)
+    cursor: list[int]  # and after it (the rollout's `cursor`)
+    first_noise: int  # its rows' noise ids follow from here
+
+
+def completion_fields(
+    prompt: Prompt, completions: list[Completion], decode: Callable[[list[int]], str]
+) -> tuple[dict, dict]:
+    """A single-turn group's rollout fields and arrays."""
+    ids = [c.token_ids for c in completions]
+    fields = {
+        "texts": [decode(t) for t in ids],
+        "finish_reasons": [c.finish_reason for c in completions],
+    }
+    arrays = {
+        "prompt_ids": np.array(prompt.prompt_ids, dtype=np.int32),
+        "completion_ids": np.array(sum(ids, []), dtype=np.int32),
+        "completion_lens": np.array([len(t) for t in ids], dtype=np.int32),
+        "logprobs": np.array(sum((c.logprobs for c in completions), []), dtype=np.float32),
+    }
+    if all(c.versions is not None for c in completions):  # the continuous engine's
+        versions = sum((c.versions or [] for c in completions), [])
+        arrays["policy_versions"] = np.array(versions, dtype=np.int32)
+    return fields, arrays
+
+
+def rollout_header(
+    drawn: Drawn,
+    group_id: str,
+    policy_version: int | None,
+    timings: dict[str, float],
+    fields: dict,
+    arrays: dict,
+    gen_s: float,
+) -> dict:
+    """The rollout's header: where its prompt is in the data, the weights it was sampled
+    with (its oldest token's, when they changed while it decoded), and `fields`."""
+    versions = arrays.get("policy_versions")
+    return {
+        "group_id": group_id,
+        "cursor": drawn.cursor,
+        "start_cursor": drawn.start,
+        "row": drawn.prompt.index,
+        **timings,
+        "policy_version": int(versions.min()) if versions is not None else policy_version,
+        "prompt": drawn.prompt.prompt,
+        "columns": drawn.prompt.columns,
+        **fields,
+        "gen_s": gen_s,
+        "peak_memory_mb": mx.get_peak_memory() / (1 << 20),
+    }
+
+
+def rollout_frames(header: dict, arrays: dict) -> list:
+    """The group's frames; one whose header the learner would refuse unread (over the
+    protocol's limit: huge texts or data columns) goes as an `error` group instead, so the
+    learner counts it as dropped, with the reason."""
+    frames = protocol.encode(protocol.ROLLOUT, header, arrays)
+    if len(frames[0]) <= MAX_HEADER_BYTES:
+        return frames
+    reason = f"rollout header over the protocol's limit of {MAX_HEADER_BYTES} bytes (texts, prompt, columns)"
+    log.error(
+        "data row %s: a rollout header of %d bytes is over the protocol's limit of %d bytes; "
+        "its group is sent as dropped",
+        header["row"],
+        len(frames[0]),
+        MAX_HEADER_BYTES,
+    )
+    header = {**header, "prompt": "", "columns": {}, "texts": [""] * len(header["texts"]), "turns": None}
+    return protocol.encode(protocol.ROLLOUT, {**header, "error": reason}, arrays)
