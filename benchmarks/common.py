@@ -62,3 +62,37 @@ def tiny_config() -> Config:
     """examples/tiny.toml, validated exactly as `orchestrator up` reads it, so the
     benchmark follows the default shape if the file changes."""
     return load_config(TINY_TOML)
+
+
+def timeline_summary(run_dir: Path, steps: int) -> dict:
+    """Each process's busy share and waits (shares of the window) over steps 2..steps,
+    from the run's timeline (orchestrator timeline)."""
+    from orchestrator.timeline import read_events, summarize, window
+
+    events = read_events(run_dir)
+    t0, t1 = window(events, (2, steps))
+    return {
+        s.process: {"busy": s.busy_s / s.wall_s, "waits": {k: v / s.wall_s for k, v in s.waits.items()}}
+        for s in summarize(events, t0, t1)
+    }
+
+
+def timeline_table(runs: dict[str, list[dict]]) -> str:
+    """Where the learner's and the actor's time went in each run of this project (medians
+    over repeats of the shares of steps 2..N; waits by what they waited on)."""
+
+    def cells(summaries: list[dict], process: str) -> list[str]:
+        mine = [next(v for k, v in s.items() if k.startswith(process)) for s in summaries]
+        names = sorted({w for m in mine for w in m["waits"]})
+        waits = ", ".join(f"{w} {statistics.median(m['waits'].get(w, 0) for m in mine):.0%}" for w in names)
+        return [f"{statistics.median(m['busy'] for m in mine):.0%}", waits or "-"]
+
+    rows = [
+        "| run | learner busy | learner waited on | actor busy | actor waited on |",
+        "|---|---|---|---|---|",
+    ]
+    for name, rs in runs.items():
+        summaries = [r["timeline"] for r in rs if r.get("timeline")]
+        if summaries:
+            rows.append(f"| {name} | {' | '.join(cells(summaries, 'learner') + cells(summaries, 'actor'))} |")
+    return "\n".join(rows) + "\n"

@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import harness, log, write_results
+from benchmarks.common import harness, log, timeline_table, write_results
 from benchmarks.learner_lengths import QUICK_SHAPE, SMALL_SHAPE
 from benchmarks.real_shape import (
     flat_model,
@@ -49,7 +49,6 @@ from benchmarks.real_shape import (
     parameters,
     run_mlxrl,
     run_ours,
-    timeline_table,
 )
 
 # A flat random model of 101 M parameters under a 512-token vocabulary: nearly all of its

@@ -36,8 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import EXAMPLES, harness, write_results
-from benchmarks.real_shape import SETTINGS, have_mlxrl, run_mlxrl, run_ours, table, timeline_table
+from benchmarks.common import EXAMPLES, harness, timeline_table, write_results
+from benchmarks.real_shape import SETTINGS, have_mlxrl, run_mlxrl, run_ours, table
 
 TASK = (EXAMPLES / "smollm2_train.jsonl", "rewards.verifiable:final_number")
 

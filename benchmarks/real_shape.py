@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import EXAMPLES, PROMPTS, ROOT, harness, log, write_results
+from benchmarks.common import EXAMPLES, PROMPTS, ROOT, harness, log, timeline_summary, write_results
 from benchmarks.end_to_end import watch_up
 from protocol.config import QUANT_GROUP
 from protocol.lifecycle import child_env
@@ -200,40 +200,6 @@ dir = "{run_dir}"
         "reward_mean": statistics.mean(x["reward"] for x in run.metrics),
         "timeline": timeline_summary(run_dir, a.steps),
     }
-
-
-def timeline_summary(run_dir: Path, steps: int) -> dict:
-    """Each process's busy share and waits (shares of the window) over steps 2..steps,
-    from the run's timeline (orchestrator timeline)."""
-    from orchestrator.timeline import read_events, summarize, window
-
-    events = read_events(run_dir)
-    t0, t1 = window(events, (2, steps))
-    return {
-        s.process: {"busy": s.busy_s / s.wall_s, "waits": {k: v / s.wall_s for k, v in s.waits.items()}}
-        for s in summarize(events, t0, t1)
-    }
-
-
-def timeline_table(runs: dict[str, list[dict]]) -> str:
-    """Where the learner's and the actor's time went in each run of this project (medians
-    over repeats of the shares of steps 2..N; waits by what they waited on)."""
-
-    def cells(summaries: list[dict], process: str) -> list[str]:
-        mine = [next(v for k, v in s.items() if k.startswith(process)) for s in summaries]
-        names = sorted({w for m in mine for w in m["waits"]})
-        waits = ", ".join(f"{w} {statistics.median(m['waits'].get(w, 0) for m in mine):.0%}" for w in names)
-        return [f"{statistics.median(m['busy'] for m in mine):.0%}", waits or "-"]
-
-    rows = [
-        "| run | learner busy | learner waited on | actor busy | actor waited on |",
-        "|---|---|---|---|---|",
-    ]
-    for name, rs in runs.items():
-        summaries = [r["timeline"] for r in rs if r.get("timeline")]
-        if summaries:
-            rows.append(f"| {name} | {' | '.join(cells(summaries, 'learner') + cells(summaries, 'actor'))} |")
-    return "\n".join(rows) + "\n"
 
 
 def planned(toml: Path) -> dict:
