@@ -128,6 +128,7 @@ class Actor:
         # The heartbeat thread shares the socket: every use of it holds this lock, briefly.
         self.lock = threading.Lock()
         self.beating = threading.Event()
+        self.last_beat = float("inf")  # the last heartbeat (monotonic); none before the first hello
         log.info("connecting to the learner at %s%s", endpoints["learner"], " (CURVE)" if keys else "")
         # Where to look whether the run is over: none with --connect, whose run directory is a
         # copy on another machine.
@@ -164,14 +165,24 @@ class Actor:
 
     def beat(self) -> None:
         """Every HEARTBEAT_S, from a thread: the learner takes a silent actor for gone."""
-        while not self.beating.wait(HEARTBEAT_S):
+        while not self.beating.wait(HEARTBEAT_S / 2):
             try:
-                self.send(protocol.HEARTBEAT, heartbeat("actor", slot=self.slot))
+                with self.lock:
+                    self.beat_if_due()
             except zmq.ZMQError:  # closing, or the connection refused for good: the loop says so
                 return
 
+    def beat_if_due(self) -> None:
+        """Send a heartbeat if none went out for HEARTBEAT_S (the caller holds the lock)."""
+        if time.monotonic() - self.last_beat >= HEARTBEAT_S:
+            self.sock.send_multipart(protocol.encode(protocol.HEARTBEAT, heartbeat("actor", slot=self.slot)))
+            self.last_beat = time.monotonic()
+
     def receive(self, timeout_ms: int) -> None:
         with self.lock:
+            # The loop waiting here takes the lock again at once: under load the heartbeat
+            # thread can wait for it for seconds, so the waiting loop beats too.
+            self.beat_if_due()
             messages = list(sockets.incoming(self.sock, timeout_ms))
         for incoming in messages:
             self.take(incoming)
@@ -381,6 +392,7 @@ class Actor:
 
     def run(self) -> None:
         self.greet()
+        self.last_beat = time.monotonic()
         threading.Thread(target=self.beat, name="actor-heartbeat", daemon=True).start()
         batches_in_flight = self.cfg.train.max_staleness + 1
         while not (self.link.ended or self.signals.requested):
