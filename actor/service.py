@@ -125,8 +125,9 @@ class Actor:
         self.sock, self.watch = sockets.connect(
             self.ctx, endpoints["learner"], keys, sockets.frame_limit(weights_frame_bytes(self.model))
         )
-        # The heartbeat thread shares the socket: every use of it holds this lock, briefly.
-        self.lock = threading.Lock()
+        # The heartbeat thread shares the socket: every use of it holds this lock, briefly
+        # (reentrant: a receive beats through `send` while it holds it).
+        self.lock = threading.RLock()
         self.beating = threading.Event()
         self.last_beat = float("inf")  # the last heartbeat (monotonic); none before the first hello
         log.info("connecting to the learner at %s%s", endpoints["learner"], " (CURVE)" if keys else "")
@@ -175,7 +176,7 @@ class Actor:
     def beat_if_due(self) -> None:
         """Send a heartbeat if none went out for HEARTBEAT_S (the caller holds the lock)."""
         if time.monotonic() - self.last_beat >= HEARTBEAT_S:
-            self.sock.send_multipart(protocol.encode(protocol.HEARTBEAT, heartbeat("actor", slot=self.slot)))
+            self.send(protocol.HEARTBEAT, heartbeat("actor", slot=self.slot))
             self.last_beat = time.monotonic()
 
     def receive(self, timeout_ms: int) -> None:

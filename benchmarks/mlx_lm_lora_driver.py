@@ -51,6 +51,7 @@ def main(args: dict) -> None:
         return [r or 0.0 for r in call_reward(reward, inputs, args["reward"])]
 
     rollout_s: list[float] = []
+    completions_tokens: list[int] = []
     generate = grpo_trainer.generate_grpo
 
     def timed_generate(**kw):
@@ -60,7 +61,6 @@ def main(args: dict) -> None:
         completions_tokens.append(sum(len(c) for c in out[0]))
         return out
 
-    completions_tokens: list[int] = []
     grpo_trainer.generate_grpo = timed_generate
     started = [time.perf_counter()]
 
