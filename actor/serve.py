@@ -33,6 +33,7 @@ from actor.completions import BadRequest, Policy, TooLarge, TooSlow, respond
 from policy.model import load_arrays, tokenizer_fingerprint, weights_frame_bytes
 from protocol import lifecycle, sockets
 from protocol.config import Config, as_dict
+from protocol.connection import Link, State
 from protocol.keys import run_key_dir
 from protocol.rundir import checkpoint_step, latest_checkpoint
 
@@ -216,23 +217,28 @@ class Follower:
                 "pid": os.getpid(),
             },
         )
+        # An observer's connection lives an actor's life (protocol/connection.py): it says
+        # hello again on a new connection, or when the learner takes it for a stranger.
+        self.link = Link(self.watch, "learner", log)
+        self.link.saying_hello()
         self.sock.send_multipart(self.hello)
-        self.greeted = 1  # the connection the hello goes on
         self.stopped: str | None = None
 
     def poll(self) -> None:
         self.watch.down_for()
-        if self.watch.connections > self.greeted:  # a new connection is a stranger to the learner
-            self.greeted = self.watch.connections
+        if self.link.hello_due():
+            self.link.saying_hello()
             self.sock.send_multipart(self.hello)
         newest = None
         for incoming in sockets.incoming(self.sock, 0):
             msg = incoming.msg
             if msg is None:
                 log.error("dropped a malformed message: %s", incoming.error)
-            elif msg.kind == protocol.WEIGHTS:
+                continue
+            state = self.link.take(msg)
+            if msg.kind == protocol.WEIGHTS:
                 newest = protocol.newer_weights(newest, msg)
-            elif msg.kind == protocol.STOP and msg.header.get("final") is not False:
+            elif msg.kind == protocol.STOP and state in (State.STOPPED, State.INCOMPATIBLE):
                 self.stopped = msg["reason"]
         if newest is not None:
             try:

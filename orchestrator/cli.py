@@ -9,6 +9,7 @@ import typer
 
 from protocol import lifecycle
 from protocol.config import Config, ConfigError, config_errors, load_config, load_run_config
+from protocol.connection import LEARNER_TIMEOUT_S
 
 app = typer.Typer(
     add_completion=False,
@@ -162,7 +163,7 @@ def reward_worker(
     ),
     insecure: bool = typer.Option(False, help="Connect to a TCP endpoint without keys (plain TCP)."),
     learner_timeout: float = typer.Option(
-        lifecycle.LEARNER_TIMEOUT_S, help="Exit when the learner has been unreachable this many seconds."
+        LEARNER_TIMEOUT_S, help="Exit when the learner has been unreachable this many seconds."
     ),
 ) -> None:
     """Serve a Python reward function to a run. Start as many as you like; each survives
@@ -204,7 +205,7 @@ def env_worker(
         None, help="OpenEnv: the observation's field the model sees; default: all of them, as JSON."
     ),
     actor_timeout: float = typer.Option(
-        lifecycle.LEARNER_TIMEOUT_S, help="Exit when the actor has been unreachable this many seconds."
+        LEARNER_TIMEOUT_S, help="Exit when the actor has been unreachable this many seconds."
     ),
 ) -> None:
     """Serve an environment to a run's actor: a Python class, or an OpenEnv server (one

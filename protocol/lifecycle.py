@@ -33,11 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-# A connection's timeouts are protocol.connection's; protocol.sockets and the orchestrator's
-# command line read these two here.
-from protocol.connection import HEARTBEAT_S as HEARTBEAT_S
-from protocol.connection import LEARNER_TIMEOUT_S as LEARNER_TIMEOUT_S
-
 log = logging.getLogger("lifecycle")
 
 EXIT_OK = 0
