@@ -8,16 +8,17 @@ incremental form (`Renderer`) and carries `loss_mask` 0, so the learner trains o
 model's tokens only. For chat prompts even the generation prompt of every model turn
 belongs to the environment's tokens: the prompt is rendered without it.
 
-Episodes do not wait for each other. With the continuous engine (policy/engine.py) an
-episode's model turn joins the decode batch the moment its observation is in, continuing
-the KV cache its last turn left: only the environment's new tokens are prefilled, so an
-n-turn episode prefills its context once. When the turn ends it sends its action to the
-env worker that holds it (`step`) and waits, keeping its cache, while the others decode.
-Models whose caches the engine cannot batch (and `actor.engine = "static"`) take turns
-in lockstep instead: once every environment has answered, all live episodes are sampled
-in one batch, each whole context prefilled again. Both draw a turn's noise alike, so
-they sample the same tokens (in float32, where an incremental and a full prefill agree
-to 1e-5; at a near-tie a lower precision may break them differently).
+Model turns decode in the actor's engine (policy/engine.py). Continuous, episodes do not
+wait for each other: a turn joins the decode batch the moment its observation is in,
+continuing the KV cache its last turn left, so only the environment's new tokens are
+prefilled and an n-turn episode prefills its context once. When the turn ends it sends
+its action to the env worker that holds it (`step`) and waits, keeping its cache, while
+the others decode. A static engine (`actor.engine = "static"`, or a model whose caches
+are not plain KVCache) takes turns in lockstep: once every environment has answered,
+the live episodes' turns go in together, each whole context prefilled again, and decode
+a batch at a time. Both draw a turn's noise alike, so they sample the same tokens (in
+float32, where an incremental and a full prefill agree to 1e-5; at a near-tie a lower
+precision may break them differently).
 
 The environment ends an episode with `done` (`env_done`) or an error (`env_error`); the
 per-episode token budget ends it too (`length`), and so does the environment's answer to
@@ -43,7 +44,6 @@ import numpy as np
 import protocol
 from policy.data import DataError, Prompt
 from policy.engine import Engine
-from policy.sampler import sample_groups
 from protocol.config import EnvConfig, SamplingConfig
 from protocol.workers import Holder, WorkerPool
 
@@ -213,12 +213,12 @@ class EpisodeRunner:
         env: EnvConfig,
         engine: Engine | None = None,
     ) -> None:
-        """`engine`: turns decode in it, each as soon as its observation is in (else in
-        lockstep batches)."""
+        """`engine`: where turns decode (by default a static one, every turn of a batch
+        together)."""
         self.pool, self.model, self.tokenizer = pool, model, tokenizer
         self.eos_ids, self.sampling, self.env = eos_ids, sampling, env
-        self.engine = engine
-        self.lockstep_prefilled = 0  # tokens the lockstep batches prefilled
+        rows = 1 << 30  # no bound: the lockstep batch is every live episode
+        self.engine = engine or Engine(model, sampling, eos_ids, sampling.seed, rows, static=True)
         self.renderer = Renderer(tokenizer, eos_ids)
         self.retries = 0  # episodes started again because their worker was lost
         self.episodes: dict[str, Episode] = {}  # by request id
@@ -244,9 +244,8 @@ class EpisodeRunner:
         waited = False
         while any(e.finish is None for e in live):
             if interrupted():
-                if self.engine is not None:
-                    self.engine.clear()
-                    self.in_engine.clear()
+                self.engine.clear()
+                self.in_engine.clear()
                 return None
             ready = [
                 e for e in live if e.finish is None and not e.waiting and e.episode_id not in self.in_engine
@@ -255,13 +254,10 @@ class EpisodeRunner:
                 if e.worker and not self.pool.holds(e.worker):
                     self.retry(e, f"{self.pool.name}: the worker holding it is gone")
             ready = [e for e in ready if e.finish is None and not e.waiting]  # not those started again
-            if self.engine is not None:
-                if self.decode_step(ready):
-                    self.handle(*self.pool.poll(0))
-                    continue
-            elif not any(e.waiting for e in live):
-                # Every environment has answered: the next turn of all of them, one batch.
-                self.sample_turn(ready)
+            if self.engine.static and any(e.waiting for e in live):
+                ready = []  # lockstep: a turn goes in once every environment has answered
+            if self.decode_step(ready):
+                self.handle(*self.pool.poll(0))
                 continue
             if not waited and self.pool.n_workers == 0:
                 log.info("waiting for an env worker on %s", self.pool.endpoint)
@@ -271,21 +267,23 @@ class EpisodeRunner:
 
     @property
     def prefilled(self) -> int:
-        """Tokens prefilled so far, in the engine or in lockstep batches."""
-        return self.lockstep_prefilled + (self.engine.prefilled if self.engine is not None else 0)
+        """Tokens prefilled so far."""
+        return self.engine.prefilled
 
     def turn_seed(self, e: Episode) -> int:
         """A turn's noise differs from the last turn's."""
         return self.sampling.seed + TURN_SEED_STRIDE * e.model_turns
 
     def decode_step(self, ready: list[Episode]) -> bool:
-        """The `ready` episodes' next turns join the engine (each continuing the cache its
-        last turn left), then one decode step; each turn that ends goes to its
-        environment. False when nothing decodes."""
-        engine = cast(Engine, self.engine)
+        """The `ready` episodes' next turns join the engine (continuous: each continuing
+        the cache its last turn left), then one decode step; each turn that ends goes to
+        its environment. False when nothing decodes."""
+        engine = self.engine
         for e in ready:
             self.in_engine[e.episode_id] = e
-            engine.add(e.episode_id, e.prompt_ids + e.ids, [e.noise], self.turn_seed(e), keep=True)
+            engine.add(
+                e.episode_id, e.prompt_ids + e.ids, [e.noise], self.turn_seed(e), keep=not engine.static
+            )
         if not engine.busy:
             return False
         for key, (c,) in engine.step():
@@ -302,28 +300,6 @@ class EpisodeRunner:
             {"episode_id": e.wire_id, "prompt": e.prompt.prompt, "columns": e.prompt.columns},
             protocol.RESET,
         )
-
-    def sample_turn(self, ready: list[Episode]) -> None:
-        """One model turn of every episode in `ready`, episodes at the same turn batched.
-        The batches are fixed before any is sampled: an episode that started again is
-        behind the others, and must not be taken again at the next turn's batch."""
-        by_turn: dict[int, list[Episode]] = {}
-        for e in ready:
-            by_turn.setdefault(e.model_turns, []).append(e)
-        for _, batch in sorted(by_turn.items()):
-            contexts = [e.prompt_ids + e.ids for e in batch]
-            self.lockstep_prefilled += sum(map(len, contexts))
-            out = sample_groups(
-                self.model,
-                contexts,
-                1,
-                self.sampling,
-                self.eos_ids,
-                self.turn_seed(batch[0]),
-                noise_ids=[e.noise for e in batch],
-            )
-            for e, (c,) in zip(batch, out):
-                self.model_turn(e, c.token_ids, c.logprobs)
 
     def model_turn(self, e: Episode, ids: list[int], logprobs: list[float]) -> None:
         """Add a sampled turn; send it to the environment unless the budget is spent. A
@@ -359,8 +335,7 @@ class EpisodeRunner:
     def retry(self, e: Episode, reason: str) -> None:
         """Start an episode that lost its worker again, from `reset`, or give it up (its
         group is dropped) once it has had `env.max_attempts`."""
-        if self.engine is not None:  # its KV cache is of the context it leaves behind
-            self.engine.release(e.episode_id)
+        self.engine.release(e.episode_id)  # its KV cache is of the context it leaves behind
         if e.attempts >= self.env.max_attempts:
             log.error(
                 "episode %s: %s; %d attempts used, its group is dropped", e.episode_id, reason, e.attempts
@@ -405,7 +380,6 @@ class EpisodeRunner:
 
     def finish(self, e: Episode, reason: str) -> None:
         e.finish = reason
-        if self.engine is not None:
-            self.engine.release(e.episode_id)
+        self.engine.release(e.episode_id)
         if e.worker is not None:
             self.pool.notify(e.worker, protocol.END, {"episode_id": e.wire_id})

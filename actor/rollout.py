@@ -1,7 +1,7 @@
 """A sampled group as the `rollout` message the learner reads (PROTOCOL.md, `rollout`).
 
 Kept apart from the actor's loop (actor/service.py) because it is pure: what a group
-becomes on the wire, whichever path sampled it (the engine, the static path, episodes).
+becomes on the wire, whichever way it was sampled (the engine, continuous or static; episodes).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def completion_fields(
         "completion_lens": np.array([len(t) for t in ids], dtype=np.int32),
         "logprobs": np.array(sum((c.logprobs for c in completions), []), dtype=np.float32),
     }
-    if all(c.versions is not None for c in completions):  # the continuous engine's
+    # A static batch decodes under one version, which the header's policy_version says.
+    if all(c.versions is not None for c in completions):
         versions = sum((c.versions or [] for c in completions), [])
         arrays["policy_versions"] = np.array(versions, dtype=np.int32)
     return fields, arrays

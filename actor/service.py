@@ -2,14 +2,16 @@
 
 It connects a DEALER socket to the learner, says hello, and samples nothing until it
 holds the learner's current weights: a restarted actor never samples with stale initial
-LoRA weights. It decodes with the continuous engine (policy/engine.py; `actor.engine`):
-rows refill the batch as others end, and each group goes out the moment its last row
-ends, whatever the order of its prompt in the data (it names the span of the data it
-covers, `start_cursor` to `cursor`, so a restarted actor neither skips nor repeats).
-With `max_staleness >= 1` the newest weights land between two decode steps (each token
-records its version); with 0, and on the static path, between batches.
-Episodes take their turns in the same engine, each as its observation comes in
-(actor/episodes.py); their groups go out a batch at a time.
+LoRA weights. It decodes with its engine (policy/engine.py), one step at a time, and each
+group goes out the moment its last row ends, whatever the order of its prompt in the data
+(it names the span of the data it covers, `start_cursor` to `cursor`, so a restarted
+actor neither skips nor repeats). Continuous (`actor.engine`), rows refill the batch as
+others end, and with `max_staleness >= 1` the newest weights land between two decode
+steps (each token records its version). Static (`actor.engine = "static"`, or a model
+whose caches are not plain KVCache), a share of a batch decodes at a time; then, and
+with `max_staleness = 0`, weights land only when nothing decodes.
+Episodes take their turns in the same engine (actor/episodes.py); their groups go out a
+batch at a time.
 
 Flow control is by credit: the learner reports how many of this actor's groups it has
 consumed (trained or dropped), and the actor's window. With `max_staleness = k`, batch
@@ -48,7 +50,7 @@ from policy.model import (
     tokenizer_fingerprint,
     weights_frame_bytes,
 )
-from policy.sampler import Completion, sample_groups
+from policy.sampler import Completion
 from protocol import lifecycle, sockets, timeline
 from protocol.config import as_dict, credit_window, read_run_config
 from protocol.connection import ENDED, HEARTBEAT_S, Link, State, heartbeat
@@ -134,10 +136,8 @@ class Actor:
         # Where to look whether the run is over: none with --connect, whose run directory is a
         # copy on another machine.
         self.link = Link(self.watch, "learner", log, run_dir=run_dir if connect is None else None)
-        engine = None
-        if self.cfg.actor.engine == "continuous" and plain_caches(self.model):
-            engine = Engine(self.model, s, self.eos_ids, s.seed, self.cfg.decode_rows)
-        self.engine = None if env.environment else engine  # episodes decode in theirs
+        static = self.cfg.actor.engine == "static" or not plain_caches(self.model)
+        self.engine = Engine(self.model, s, self.eos_ids, s.seed, self.cfg.decode_rows, static)
         self.decoding: dict[int, Drawn] = {}  # groups in the engine, by key
         self.groups_added = 0
         self.decode_s = 0.0  # decoding time since groups last went out
@@ -154,7 +154,7 @@ class Actor:
                 owner_role="actor",
                 keys=keys,
             )
-            self.episodes = EpisodeRunner(pool, self.model, self.tokenizer, self.eos_ids, s, env, engine)
+            self.episodes = EpisodeRunner(pool, self.model, self.tokenizer, self.eos_ids, s, env, self.engine)
             self.episodes.renderer.check(prompts[0].prompt)
 
     def send(self, kind: str, header: dict, arrays: dict | None = None) -> None:
@@ -221,7 +221,7 @@ class Actor:
                 )
             cursor = cursor if protocol.is_data_cursor(cursor) else [0, 0]  # nil: the data's start
             skip = [tuple(c) for c in skip if protocol.is_data_cursor(c)] if isinstance(skip, list) else []
-            if self.engine is not None:  # groups drawn from the stream being replaced
+            if self.episodes is None:  # groups drawn from the stream being replaced
                 self.engine.clear()
                 self.decoding.clear()
                 self.decode_s = 0.0
@@ -267,46 +267,30 @@ class Actor:
             self.stream.index * self.sampling.group_size,
         )
 
-    def sample_groups(self, n: int) -> None:
-        """The static path: `n` groups decoded (or played as episodes) together, then sent."""
-        g = self.sampling.group_size
+    def play_episodes(self, n: int) -> None:
+        """`n` groups played as episodes together, then sent."""
+        episodes = cast(EpisodeRunner, self.episodes)
         drawn = [self.next_prompt() for _ in range(n)]
         t0 = time.perf_counter()
-        if self.episodes is None:
-            with timeline.span("sample", groups=n):
-                groups = sample_groups(
-                    self.model,
-                    [d.prompt.prompt_ids for d in drawn],
-                    g,
-                    self.sampling,
-                    self.eos_ids,
-                    seed=self.sampling.seed,
-                    noise_ids=[d.first_noise + j for d in drawn for j in range(g)],
-                )
-            rollouts = [self.completions(d.prompt, c) for d, c in zip(drawn, groups)]
-        else:
-            with timeline.span("play episodes", groups=n):
-                episodes = self.episodes.run(
-                    [d.prompt for d in drawn], [d.first_noise for d in drawn], self.interrupted
-                )
-            if episodes is None:
-                return  # stopping: the learner holds none of these; a restarted actor samples them
-            rollouts = [e.fields(self.decode) for e in episodes]
+        with timeline.span("play episodes", groups=n):
+            played = episodes.run([d.prompt for d in drawn], [d.first_noise for d in drawn], self.interrupted)
+        if played is None:
+            return  # stopping: the learner holds none of these; a restarted actor samples them
         gen_s = (time.perf_counter() - t0) / n
-        for d, (fields, arrays) in zip(drawn, rollouts):
-            if self.episodes is not None:
-                fields = {**fields, "env_retries": self.episodes.retries}
-            self.send_group(d, fields, arrays, gen_s)
+        for d, group in zip(drawn, played):
+            fields, arrays = group.fields(self.decode)
+            self.send_group(d, {**fields, "env_retries": episodes.retries}, arrays, gen_s)
 
     def stream_groups(self) -> None:
-        """The continuous path (policy/engine.py), one decode step at a time: new groups
-        join as the credit allows and rows free up, and each group is sent the step its
-        last row ends. New weights land between two steps with max_staleness >= 1; with 0,
-        only when nothing decodes, so that every group is sampled by the weights of the
-        step before."""
+        """One decode step (policy/engine.py): new groups go in as the credit allows, and
+        each group is sent the step its last row ends. Continuous with max_staleness >= 1,
+        new weights land between two steps; otherwise only when nothing decodes, so that
+        every group is sampled by one version (with 0, the weights of the step before).
+        Static, groups go in only when nothing decodes, at most a share of a batch at a
+        time so that newer weights land between batches."""
         engine = self.engine
-        assert engine is not None  # the continuous path has one
-        in_flight = self.cfg.train.max_staleness >= 1
+        k = self.cfg.train.max_staleness
+        in_flight = k >= 1 and not engine.static
         if self.pending is not None and (in_flight or not engine.busy):
             self.apply_pending()
         # Groups added and not yet sent count against the credit.
@@ -314,6 +298,8 @@ class Actor:
         if self.policy_version is None or (room <= 0 and not engine.busy):
             self.wait_for_learner()
             return
+        if engine.static:
+            room = 0 if engine.busy else min(room, -(-self.window // (k + 1)))
         if self.pending is None or in_flight:
             for _ in range(room):
                 self.groups_added += 1
@@ -404,7 +390,7 @@ class Actor:
                 log.warning("the learner does not know us (%s); saying hello again", why)
                 self.greet()
             self.receive(0)
-            if self.engine is not None:
+            if self.episodes is None:
                 self.stream_groups()
                 continue
             self.apply_pending()
@@ -413,7 +399,7 @@ class Actor:
                 self.wait_for_learner()
                 continue
             # At most our share of a batch at a time, so newer weights are applied between batches.
-            self.sample_groups(min(room, -(-self.window // batches_in_flight)))
+            self.play_episodes(min(room, -(-self.window // batches_in_flight)))
 
     def close(self, final: bool = True) -> None:
         """`final`: the run is over, so env workers exit (else they wait for a new actor)."""

@@ -1,35 +1,46 @@
-"""Continuous decoding: rows refill as they finish, groups come out as they complete.
+"""The one decode loop: groups of rows decoded as a batch, handed back as they complete.
 
-The static sampler (policy/sampler.py::sample_groups) decodes a batch until its longest
-row ends. Under long-tailed completion lengths most of that batch is idle for most of the
-time, and no group leaves before the slowest row. The engine holds up to `max_rows` live
-rows in one of mlx-lm's BatchKVCaches. When rows finish, the groups waiting take their
-places: their prompts are prefilled together (left-padded and masked, each prompt once,
-its cache rows repeated for its G samples, as the static sampler does) and join the
-batch (`BatchKVCache.extend`) at the next step. A group is handed back the step its last
-row ends. A row that ends stays in the batch, dead, until a group needs its place or a
-quarter of the batch is dead: cutting rows out copies the whole cache, and one at a time
-that would be nearly every step.
+`add` queues a group (a prompt and one row per noise id), `step` samples one token for
+every live row. The batch is one of mlx-lm's batched caches, its rows left-padded and
+masked; each prompt is prefilled once and its cache rows repeated for its G samples. A
+group is handed back the step its last row ends. Two settings:
 
-Determinism is the static sampler's: a row's token t draws the noise of (seed, the row's
-noise id, t), so its tokens depend only on those and its own logits, never on what else
-shares the batch or when it joined (tests check it against the reference sampler).
+- continuous (the default): rows refill the batch as others end. When rows finish, the
+  waiting groups take their places: their prompts are prefilled together and join the
+  batch (`BatchKVCache.extend`) at the next step. Under long-tailed completion lengths a
+  static batch is mostly idle for most of its time, and no group leaves before its
+  slowest row; here none waits for another. Only models whose caches are mlx-lm's plain
+  KVCache can be batched this way (policy/logprobs.py::plain_caches).
+- `static`: a batch at a time. Waiting groups are admitted only when no row is live
+  (whole groups, up to max_rows), and the batch decodes until its longest row ends. It
+  takes every cache type: plain caches as above; other mergeable ones (rotating, arrays)
+  prefill each prompt alone and `merge` a copy per row; caches mlx-lm cannot merge
+  decode one group per batch, prefilled as G identical rows (they expose no plain tensor
+  to copy).
+
+A row that ends stays in the batch, dead, until a group needs its place or a quarter of
+the batch is dead: cutting rows out copies the whole cache, and one at a time that would
+be nearly every step. Caches that cannot be cut keep their dead rows to the batch's end.
+
+Determinism: a row's token t draws the noise of (seed, the row's noise id, t), so its
+tokens depend only on those and its own logits, never on what else shares the batch or
+when it joined (tests check both settings against the reference sampler).
 
 Weights may change between two steps (the caller sets new adapter weights and passes the
 new version to `step`). Each token records the version whose logits it was sampled from,
 and its behavior logprob is of those very logits. The keys and values already in a row's
 cache stay as the older weights computed them: the learner's importance weights correct
-for exactly that, token by token.
+for exactly that, token by token. A static row sampled under one version carries none
+(`versions` None): the caller's version says it, so a static rollout has no per-token
+versions on the wire.
 
-Episodes keep their KV cache across turns: a group added with `keep` leaves, when it
-ends, its row's cache behind (mlx-lm's `BatchKVCache.extract`), and when the same key is
-added again with a context that continues it (the environment's answer after the
-model's turn) only the new tokens are prefilled onto that cache before the row rejoins
-the batch (`BatchKVCache.merge`, `extend`). An n-turn episode so prefills its context
-once, not the sum of its prefixes, and waits for no other episode.
-
-Only models whose caches are mlx-lm's plain KVCache can be batched this way
-(policy/logprobs.py::plain_caches); the actor keeps the static sampler for the others.
+Episodes keep their KV cache across turns (continuous only): a group added with `keep`
+leaves, when it ends, its row's cache behind (mlx-lm's `BatchKVCache.extract`), and when
+the same key is added again with a context that continues it (the environment's answer
+after the model's turn) only the new tokens are prefilled onto that cache before the row
+rejoins the batch (`BatchKVCache.merge`, `extend`). An n-turn episode so prefills its
+context once, not the sum of its prefixes, and waits for no other episode. A static
+engine ignores `keep`: each turn prefills its whole context.
 """
 
 from __future__ import annotations
@@ -41,9 +52,9 @@ from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from policy.logprobs import output_head
+from policy.logprobs import output_head, plain_caches
 from policy.sampler import Completion, _noise_keys, _sample, prefill_batch, prefill_logits
 from protocol import timeline
 from protocol.config import SamplingConfig
@@ -84,23 +95,39 @@ class _Kept:
 
 
 class Engine:
-    """Decode groups of rows continuously: `add` groups, call `step` until `busy` is
-    False; each step returns the groups that completed in it, as (key, completions)."""
+    """Decode groups of rows: `add` groups, call `step` until `busy` is False; each step
+    returns the groups that completed in it, as (key, completions). `static`: a batch at
+    a time (see the module's docstring); required for caches that are not plain KVCache."""
 
     def __init__(
-        self, model: nn.Module, params: SamplingConfig, eos_ids: set[int], seed: int, max_rows: int
+        self,
+        model: nn.Module,
+        params: SamplingConfig,
+        eos_ids: set[int],
+        seed: int,
+        max_rows: int,
+        static: bool = False,
     ) -> None:
+        self.plain = plain_caches(model)
+        if not (static or self.plain):
+            kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
+            raise ValueError(
+                f"continuous decoding needs mlx-lm's plain KVCache, and this model's caches are "
+                f"{', '.join(kinds)}: decode it static"
+            )
         self.model, self.params, self.eos_ids, self.seed = model, params, eos_ids, seed
-        self.max_rows = max_rows
+        self.max_rows, self.static = max_rows, static
+        self.mergeable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
         self.head = output_head(model)
         self.waiting: deque[_Group] = deque()
         self.live: list[tuple[_Group, _Row] | None] = []  # in the batch's row order; None: dead
-        self.cache: list | None = None  # one BatchKVCache per layer, for the live rows
+        self.cache: list | None = None  # one batched cache per layer, for the live rows
         self.logits: mx.array | None = None  # the live rows' next-token logits [rows, V]
         self.keys: mx.array | None = None  # the live rows' noise keys
         self.made_by: list[int] = []  # the policy version that computed each live row's logits
         self.kept: dict[Hashable, _Kept] = {}  # the caches of finished `keep` groups, by key
         self.prefilled = 0  # tokens run through a prefill, padding not counted
+        self.decoded = 0  # rows that sampled a token in the last step
 
     def clear(self) -> None:
         """Forget every group, waiting or decoding, and every kept cache."""
@@ -120,10 +147,12 @@ class Engine:
         """A group to decode: one row per noise id, all continuing `prompt_ids`, with the
         noise of `seed` (default: the engine's). `keep` (one row only): when it ends, keep
         its KV cache for the next `add` of `key`, which then prefills only what its prompt
-        adds to that cache's tokens (a prompt that does not continue them starts afresh)."""
+        adds to that cache's tokens (a prompt that does not continue them starts afresh).
+        A static engine keeps nothing."""
         rows = [_Row(n) for n in noise_ids]
         if keep and len(rows) != 1:
             raise ValueError("only a single-row group can keep its KV cache")
+        keep = keep and not self.static
         kept = self.kept.pop(key, None)
         if kept is not None and prompt_ids[: len(kept.tokens)] != kept.tokens:
             kept = None
@@ -153,6 +182,7 @@ class Engine:
             return []
         assert self.logits is not None and self.keys is not None and self.cache is not None  # rows are live
         sampled, picked = self._sample()
+        self.decoded = len(self.live) - self.live.count(None)
         # The next forward is queued before this step's tokens are read back, so the
         # device never waits for Python; the rows that end now waste that one step.
         self.logits = self.model(sampled[:, None], cache=self.cache)[:, -1, :]
@@ -185,18 +215,19 @@ class Engine:
         # episode waits for its environment.
         mx.eval([(c.keys, c.values) for kept in left for c in kept.cache])
         dead = self.live.count(None)
-        if dead and dead >= DEAD_SHARE * len(self.live):
+        if dead == len(self.live) or (dead >= DEAD_SHARE * len(self.live) and self._cuttable()):
             self._drop_dead()
-        return [
-            (
-                g.key,
-                [
-                    Completion(r.tokens, r.logprobs, "stop" if r.stopped else "length", r.versions)
-                    for r in g.rows
-                ],
-            )
-            for g in done
-        ]
+        return [(g.key, [self._completion(r) for r in g.rows]) for g in done]
+
+    def _completion(self, row: _Row) -> Completion:
+        one = self.static and len(set(row.versions)) == 1
+        return Completion(
+            row.tokens, row.logprobs, "stop" if row.stopped else "length", None if one else row.versions
+        )
+
+    def _cuttable(self) -> bool:
+        """Whether the batch's rows can be cut out (caches mlx-lm cannot merge cannot)."""
+        return all(hasattr(c, "filter") for c in cast(list, self.cache))
 
     def _sample(self) -> tuple[mx.array, mx.array]:
         """A token and its logprob for every row in the batch: the live rows' sampled, the
@@ -230,11 +261,17 @@ class Engine:
     def _admit(self, version: int) -> None:
         """Prefill the waiting groups that fit in the free rows (whole groups, in order;
         one larger than max_rows goes alone into an empty batch) and join them. Dead rows
-        count as free, and are cut out before a group joins."""
+        count as free, and are cut out before a group joins. Static: only into an empty
+        batch, and one group at a time for caches mlx-lm cannot merge."""
         joining: list[_Group] = []
         alive = len(self.live) - self.live.count(None)
+        if self.static and alive:
+            return
         free = self.max_rows - alive
+        alone = self.static and not self.mergeable
         while self.waiting and (len(self.waiting[0].rows) <= free or not (alive or joining)):
+            if alone and joining:
+                break
             joining.append(group := self.waiting.popleft())
             free -= len(group.rows)
         if not joining:
@@ -247,11 +284,7 @@ class Engine:
             self._drop_dead()
         fresh = [g for g in joining if g.kept is None]
         continued = [g for g in joining if g.kept is not None]
-        parts = (
-            [prefill_batch(self.model, self.head, [g.prompt for g in fresh], [len(g.rows) for g in fresh])]
-            if fresh
-            else []
-        )
+        parts = [self._prefill(fresh)] if fresh else []
         self.prefilled += sum(len(g.prompt) for g in fresh)
         if continued:
             parts.append(self._continue(continued))
@@ -267,6 +300,26 @@ class Engine:
         self.keys = keys if self.keys is None else mx.concatenate([self.keys, keys])
         self.live += [(g, r) for g in joining for r in g.rows]
         self.made_by += [version] * sum(len(g.rows) for g in joining)
+
+    def _prefill(self, groups: list[_Group]) -> tuple[list, mx.array]:
+        """The groups' prompts prefilled, each prompt's cache row and logits once per row:
+        a batch's caches (one per layer) and its next-token logits [rows, V]."""
+        copies = [len(g.rows) for g in groups]
+        if self.plain:
+            return prefill_batch(self.model, self.head, [g.prompt for g in groups], copies)
+        if self.mergeable:
+            # Each prompt alone into the model's own caches (a batched prefill has only
+            # BatchKVCache's masking), then a copy per row; merge left-pads them.
+            caches, logits = [], []
+            for g in groups:
+                caches.append(cache := make_prompt_cache(self.model))
+                logits.append(prefill_logits(self.model, self.head, mx.array([g.prompt]), cache))
+            owner = [i for i, n in enumerate(copies) for _ in range(n)]
+            layers = [layer.merge([caches[i][k] for i in owner]) for k, layer in enumerate(caches[0])]
+            return layers, mx.concatenate(logits)[mx.array(owner)]
+        (group,) = groups  # admitted alone
+        cache = make_prompt_cache(self.model)
+        return cache, prefill_logits(self.model, self.head, mx.array([group.prompt] * copies[0]), cache)
 
     def _continue(self, groups: list[_Group]) -> tuple[list[BatchKVCache], mx.array]:
         """Prefill what each group's prompt adds to its kept cache, one row at a time (their

@@ -1,12 +1,11 @@
-"""Batched grouped sampling with behavior logprobs, reproducible by seed.
+"""Sampling a token, with its behavior logprob, reproducible by seed; and grouped sampling.
 
-All prompts are prefilled once, together (left-padded and masked in mlx-lm's
-BatchKVCache, the machinery of its own batch_generate), and each prompt's cache rows are
-repeated for its G samples. All rows then decode as one batch. Rows that sampled an EOS
-are dropped from the batch (cache `filter`) so they stop costing compute. Models with
-other cache types prefill each prompt alone and `merge` the caches; a model whose caches
-cannot be merged (e.g. ChunkedKVCache, QuantizedKVCache) decodes one prompt's G rows at a
-time.
+`_sample` draws one token for every row of a batch; the decode loop around it is
+policy/engine.py's, the only one. `sample_groups` (serving, evaluation, benchmarks) runs
+that engine static, all rows as one batch, for every cache type mlx-lm has. The prefill
+the engine uses is here too: all prompts at once, left-padded and masked in mlx-lm's
+BatchKVCache (the machinery of its own batch_generate), each prompt's cache rows then
+repeated for its G samples.
 
 For every sampled token we keep its logprob under the temperature-scaled, untruncated
 distribution, computed as in policy/logprobs.py (which explains why untruncated).
@@ -37,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from policy.logprobs import output_head, picked_logprobs, plain_caches, tempered
+from policy.logprobs import picked_logprobs, tempered
 from protocol.config import SamplingConfig
 
 # Tokens among which a truncated step looks for its cut (see _sample): a partition of the
@@ -167,60 +166,6 @@ class Stopped(Exception):
 Watch = Callable[[int], None]
 
 
-def _decode(
-    model: nn.Module,
-    cache: list,
-    logits: mx.array,
-    rows: list[int],
-    params: SamplingConfig,
-    eos_ids: set[int],
-    seed: int,
-    watch: Watch | None = None,
-) -> list[Completion]:
-    """Decode the batch whose next-token logits are `logits` ([len(rows), V]); row i has the
-    noise id rows[i]. Each row stops at its first EOS.
-
-    Pipelined: the forward of step t+1 is queued (async_eval) before the tokens of step t
-    are read back, so the device never waits for Python. A row that finished at step t is
-    dropped from the batch (cache `filter`) after step t+1 was queued for it; that one
-    extra step is ignored. A truncated step at a vocabulary above the candidates waits
-    for its own logits once (`_sample` checks that the cut lies among the candidates), so
-    there the next forward overlaps less of this loop's Python work."""
-    n = len(rows)
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    lps: list[list[float]] = [[] for _ in range(n)]
-    done = [False] * n
-    live = list(range(n))  # which row each batch position holds
-    can_filter = all(hasattr(c, "filter") for c in cache)
-    keys = _noise_keys(seed, rows)  # filtered along with the batch
-    sampled, picked = _sample(logits, keys, 0, params)
-    mx.async_eval(sampled, picked)
-    for t in range(params.max_tokens):
-        last = t + 1 == params.max_tokens
-        if not last:
-            logits = model(sampled[:, None], cache=cache)[:, -1, :]
-            nxt = _sample(logits, keys, t + 1, params)
-            mx.async_eval(*nxt)
-        for i, tok, lp in zip(live, cast(list[int], sampled.tolist()), cast(list[float], picked.tolist())):
-            if not done[i]:
-                tokens[i].append(tok)
-                lps[i].append(lp)
-                done[i] = tok in eos_ids
-        if watch is not None:
-            watch(len(live))
-        if all(done) or last:
-            break
-        sampled, picked = nxt
-        keep = [k for k, i in enumerate(live) if not done[i]]
-        if can_filter and len(keep) < len(live):
-            for c in cache:
-                c.filter(keep)
-            index = mx.array(keep)
-            sampled, picked, keys = sampled[index], picked[index], keys[index]
-            live = [live[k] for k in keep]
-    return [Completion(ts, lp, "stop" if d else "length") for ts, lp, d in zip(tokens, lps, done)]
-
-
 def prefill_logits(
     model: nn.Module, head: Callable[[mx.array], mx.array] | None, inputs: mx.array, cache: list
 ) -> mx.array:
@@ -259,58 +204,31 @@ def sample_groups(
     noise_ids: list[int] | None = None,
     watch: Watch | None = None,
 ) -> list[list[Completion]]:
-    """`group_size` completions of each prompt, all rows decoding as one batch. `watch`
-    sees every decode step (and may stop the batch by raising Stopped).
+    """`group_size` completions of each prompt, all rows decoding as one batch (a static
+    policy/engine.py::Engine, which takes every cache type). `watch` sees every decode
+    step (and may stop the batch by raising Stopped).
 
     Row j of prompt i has the noise id noise_offset + i * group_size + j (or
     noise_ids[i * group_size + j] when given): its tokens depend only on (seed, that id)
     and the model, so callers that give each group stable ids get the same samples
     whatever the batch holds.
     """
+    from policy.engine import Engine  # which samples with this module's functions
+
     if not prompts:
         return []
     rows = noise_ids or [noise_offset + r for r in range(len(prompts) * group_size)]
     if len(rows) != len(prompts) * group_size:
         raise ValueError(f"{len(rows)} noise ids for {len(prompts)} prompts of {group_size} rows")
-    head = output_head(model)
-
-    def prefill(inputs: mx.array, cache: list) -> mx.array:
-        return prefill_logits(model, head, inputs, cache)
-
-    if plain_caches(model):
-        cache, logits = prefill_batch(model, head, prompts, [group_size] * len(prompts))
-        flat = _decode(model, cache, logits, rows, params, eos_ids, seed, watch)
-    elif all(hasattr(c, "merge") for c in make_prompt_cache(model)):
-        caches, firsts = [], []
-        for p in prompts:
-            cache = make_prompt_cache(model)
-            firsts.append(prefill(mx.array(p)[None], cache))
-            caches.append(cache)
-        # One copy of its prompt's cache per row; merge left-pads to the longest prompt.
-        batch = [
-            layer.merge([c[i] for c in caches for _ in range(group_size)])
-            for i, layer in enumerate(caches[0])
-        ]
-        logits = mx.repeat(mx.concatenate(firsts), group_size, axis=0)
-        flat = _decode(model, batch, logits, rows, params, eos_ids, seed, watch)
-    else:
-        # Caches mlx-lm cannot batch: decode each prompt's G rows on their own, prefilled
-        # as G identical rows since these caches expose no plain tensor to copy.
-        flat = []
-        for i, p in enumerate(prompts):
-            cache = make_prompt_cache(model)
-            logits = prefill(mx.array([p] * group_size), cache)
-            flat += _decode(
-                model,
-                cache,
-                logits,
-                rows[i * group_size : (i + 1) * group_size],
-                params,
-                eos_ids,
-                seed,
-                watch,
-            )
-    return [flat[i : i + group_size] for i in range(0, len(flat), group_size)]
+    engine = Engine(model, params, eos_ids, seed, max_rows=len(rows), static=True)
+    for i, p in enumerate(prompts):
+        engine.add(i, p, rows[i * group_size : (i + 1) * group_size])
+    done: dict[int, list[Completion]] = {}
+    while engine.busy:
+        done.update((cast(int, key), group) for key, group in engine.step())
+        if watch is not None:
+            watch(engine.decoded)
+    return [done[i] for i in range(len(prompts))]
 
 
 def reference_sample(

@@ -57,8 +57,12 @@ def group_logprobs(model, msg: protocol.Message, temperature: float) -> tuple[np
     return msg.arrays["logprobs"], np.concatenate(ours)
 
 
-def test_actor_applies_each_weight_version_it_receives(tmp_path):
-    cfg = load_config(write_config(tmp_path, "[sampling]\ntemperature = 0.7\ntop_p = 0.9"))
+@pytest.mark.parametrize("engine", ["continuous", "static"])
+def test_actor_applies_each_weight_version_it_receives(tmp_path, engine):
+    """Either engine setting; a static batch's rollouts carry no per-token versions (one
+    version, the header's)."""
+    extra = f'[sampling]\ntemperature = 0.7\ntop_p = 0.9\n[actor]\nengine = "{engine}"'
+    cfg = load_config(write_config(tmp_path, extra))
     run = prepare_run_dir(cfg)
     with peer(run, "actor") as (actor, sock):
         model, tok, _ = load_policy(cfg.model.path, cfg.lora)
@@ -86,6 +90,7 @@ def test_actor_applies_each_weight_version_it_receives(tmp_path):
         batch = cfg.train.batch_size
         first = [recv(sock)[1] for _ in range(batch)]
         assert all(m.kind == protocol.ROLLOUT and m["policy_version"] == 0 for m in first)
+        assert all(("policy_versions" in m.arrays) == (engine == "continuous") for m in first)
         for m in first:
             reported, ours = group_logprobs(model, m, 0.7)
             np.testing.assert_allclose(reported, ours, atol=1e-4)

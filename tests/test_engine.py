@@ -1,5 +1,6 @@
-"""The continuous engine: rows that refill a batch as others end still get exactly the
-reference sampler's tokens, and groups come back as they complete, not in batch order."""
+"""The engine: rows that refill a batch as others end (continuous) or decode a batch at a
+time (static, on every cache type) still get exactly the reference sampler's tokens, and
+groups come back as they complete, not in batch order."""
 
 import mlx.core as mx
 import numpy as np
@@ -14,11 +15,11 @@ from tests.test_sampler import TEXTS, assert_same, policy  # noqa: F401  (policy
 G = 3
 
 
-def run_engine(model, prompts, params, eos, seed, max_rows, reverse=False):
+def run_engine(model, prompts, params, eos, seed, max_rows, reverse=False, static=False):
     """Every group through the engine (group i: prompts[i], noise ids i*G .. i*G+G-1,
     added last to first if `reverse`); returns the groups by key, the order they came
     back in, and each group's first and last step with live rows."""
-    engine = Engine(model, params, eos, seed, max_rows)
+    engine = Engine(model, params, eos, seed, max_rows, static=static)
     for i in reversed(range(len(prompts))) if reverse else range(len(prompts)):
         engine.add(i, prompts[i], [i * G + j for j in range(G)])
     out, order, first, last = {}, [], {}, {}
@@ -72,6 +73,69 @@ def test_a_group_larger_than_the_batch_runs_alone(policy):  # noqa: F811
     eos = set(tok.eos_token_ids)
     out, _, _, _ = run_engine(model, [tok.encode("hi")], params, eos, 1, max_rows=2)
     assert_same(out[0], reference_sample(model, tok.encode("hi"), G, params, eos, 1))
+
+
+def other_caches(kind, model):
+    """The model's caches made of another kind: mergeable but not plain KVCache (a rotating
+    window longer than any sequence here, so the same attention), or not mergeable."""
+    from mlx_lm.models.cache import ConcatenateKVCache, RotatingKVCache
+
+    if kind == "rotating":
+        return lambda: [RotatingKVCache(max_size=256) for _ in model.layers]
+    return lambda: [ConcatenateKVCache() for _ in model.layers]
+
+
+@pytest.mark.parametrize("kind", ["rotating", "unmergeable"])
+def test_static_batches_of_caches_that_are_not_plain_give_the_reference_sampler_s_tokens(
+    policy,  # noqa: F811
+    kind,
+    monkeypatch,
+):
+    """A batch at a time (7 rows: two groups of 3 when the caches merge, one when they
+    cannot), rows ending at many lengths: every row is the reference sampler's, no group
+    joins a batch that is decoding, and one version per row leaves `versions` unset (a
+    static rollout carries no per-token versions)."""
+    from policy.logprobs import plain_caches
+
+    model, tok = policy
+    monkeypatch.setattr(model, "make_cache", other_caches(kind, model))
+    assert not plain_caches(model)
+    with pytest.raises(ValueError, match="plain KVCache"):
+        Engine(model, SamplingConfig(), set(), 0, max_rows=7)
+    prompts = [tok.encode(t) for t in TEXTS + ["repeat 777", "ab"]]
+    eos = {*tok.eos_token_ids, tok.encode("f")[0], tok.encode("3")[0]}
+    params = SamplingConfig(temperature=0.7, top_p=0.9, max_tokens=12)
+    out, _, first, last = run_engine(model, prompts, params, eos, 7, max_rows=7, static=True)
+    for i, p in enumerate(prompts):
+        assert_same(out[i], reference_sample(model, p, G, params, eos, 7, noise_offset=i * G))
+        assert all(c.versions is None for c in out[i])
+    assert len({len(c.token_ids) for group in out.values() for c in group}) > 3  # ragged
+    starts = sorted(set(first.values()))
+    for a in out:  # a batch's groups start together; no other group starts while they decode
+        assert not any(first[a] < first[b] <= last[a] for b in out)
+    per_batch = [sum(first[k] == s for k in out) for s in starts]
+    assert per_batch == ([2, 2, 2] if kind == "rotating" else [1] * len(prompts))
+
+
+def test_a_static_engine_admits_no_group_into_a_running_batch(policy):  # noqa: F811
+    """Room for every row, yet a group added while a batch decodes waits for its end;
+    the continuous engine takes it at the next step."""
+    model, tok = policy
+    params, eos = SamplingConfig(max_tokens=6), set()  # every row runs the 6 steps
+    for static in (True, False):
+        engine = Engine(model, params, eos, 0, max_rows=100, static=static)
+        engine.add("first", tok.encode("hi"), list(range(G)))
+        engine.step()
+        engine.add("second", tok.encode("x"), list(range(G, 2 * G)))
+        steps, joined = 1, None
+        while engine.busy:
+            done = dict(engine.step())
+            steps += 1
+            if joined is None and any(g.key == "second" for g, _ in filter(None, engine.live)):
+                joined = steps
+            if "first" in done:
+                assert steps == 6
+        assert joined == (7 if static else 2), static
 
 
 def test_weights_that_change_between_steps_are_recorded_token_by_token(policy):  # noqa: F811
