@@ -138,32 +138,57 @@ def make_batch(samples: list[Sample], pad_id: int) -> Batch:
     return Batch(mx.array(tokens), mx.array(mask), mx.array(behavior), lengths, prompt_lengths)
 
 
-# A micro-batch formed by length may compute this much more than its rows' own positions.
-PADDING_SLACK = 0.1
+# What one more forward and backward costs beyond its positions, counted in positions (a
+# call per layer, smaller matrices). On a 2-core CPU the learner's step went with the
+# positions it computed, whatever their number of forwards (benchmarks/learner_lengths.py):
+# a small cost here only breaks ties toward fewer, larger forwards, which a GPU fills better.
+FORWARD_POSITIONS = 16
 
 
-def micro_batch_rows(positions: np.ndarray, size: int, by_length: bool = True) -> list[np.ndarray]:
+def micro_batch_rows(
+    positions: np.ndarray, size: int, by_length: bool = True, prompts: list[tuple[bytes, int]] | None = None
+) -> list[np.ndarray]:
     """The rows of each micro-batch, at most `size` rows each (0: no limit), from the
     positions each row's forward needs (a whole row of n tokens: n - 1; a completion after
-    its shared prompt: its length).
+    its shared prompt: its length). `prompts`: each row's shared prompt (a key and its
+    length), which a micro-batch runs once whatever rows of it it holds.
 
-    by_length: longest rows first, and a new micro-batch whenever the next row would pad
-    the current one beyond PADDING_SLACK of its real positions, so a micro-batch computes
-    little but its own rows. Otherwise the rows in order (`train.sort_by_length = false`)."""
+    by_length: longest rows first, cut where the micro-batches cost least in all: each
+    computes its rows padded to its longest, each of its distinct prompts once, and
+    FORWARD_POSITIONS for being a forward at all (an exact minimum over every cut of the
+    sorted rows, by dynamic programming). Rows of similar length go together, and rows far
+    apart in length go together too when running them apart would cost more (their
+    prompts again, another forward). Otherwise the rows in order (`train.sort_by_length =
+    false`)."""
     rows = len(positions)
     cap = size if 0 < size < rows else rows
     if not by_length:
         return [np.arange(i, min(i + cap, rows)) for i in range(0, rows, cap)]
-    cuts: list[list[int]] = [[]]
-    for i in np.argsort(-positions, kind="stable"):
-        current = cuts[-1]
-        if current:
-            real = sum(int(positions[j]) for j in current) + int(positions[i])
-            padded = (len(current) + 1) * int(positions[current[0]])
-            if len(current) == cap or padded > (1 + PADDING_SLACK) * real:
-                cuts.append(current := [])
-        current.append(int(i))
-    return [np.sort(np.array(c)) for c in cuts]
+    order = np.argsort(-positions, kind="stable")
+    width = [int(positions[i]) for i in order]  # a micro-batch starting at k is this wide
+    best = [0] + [-1] * rows  # best[j]: the least cost of the first j sorted rows
+    start = [0] * (rows + 1)  # where the last micro-batch of that best cut starts
+    for j in range(1, rows + 1):
+        seen: set[bytes] = set()
+        prompt_positions = 0
+        for k in range(j - 1, max(j - cap, 0) - 1, -1):  # the last micro-batch is rows k .. j-1
+            if prompts is not None:
+                key, length = prompts[order[k]]
+                if key not in seen:
+                    seen.add(key)
+                    prompt_positions += length
+            padded = (j - k) * width[k]
+            if best[j] >= 0 and padded >= best[j]:
+                break  # wider still from here on, whatever came before
+            cost = best[k] + padded + prompt_positions + FORWARD_POSITIONS
+            if best[j] < 0 or cost < best[j]:
+                best[j], start[j] = cost, k
+    cuts = []
+    j = rows
+    while j:
+        cuts.append(np.sort(order[start[j] : j]))
+        j = start[j]
+    return cuts[::-1]
 
 
 def whole_rows(batch: Batch, index: np.ndarray, own_length: bool) -> Micro:

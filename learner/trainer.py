@@ -192,7 +192,8 @@ class Trainer:
             "behavior": np.array(batch.behavior),
         }
         completions = batch.lengths - batch.prompt_lengths
-        cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length)
+        prompts = [(host["tokens"][i, :n].tobytes(), int(n)) for i, n in enumerate(batch.prompt_lengths)]
+        cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length, prompts)
         return [shared_prompt_rows(host, batch, index) for index in cuts]
 
     def _take_old(self, m: Micro) -> dict[str, float]:

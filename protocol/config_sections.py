@@ -155,8 +155,9 @@ class TrainConfig:
     sort_by_length: bool = key(
         True,
         "form micro-batches of rows of similar length, each padded only to "
-        "its own longest row (and cut where padding would pass 10%); false: rows "
-        "in order, padded to the batch's longest",
+        "its own longest row (cut where the forwards cost least: padding, prompts "
+        "run again, a forward's own cost); false: rows in order, padded to the "
+        "batch's longest",
     )
     share_prompts: bool = key(
         True,

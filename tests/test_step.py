@@ -6,6 +6,7 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
+from learner import batching
 from learner.algorithms import ALGORITHMS
 from learner.batching import WHOLE, Logits, Sample, logits_plan, make_batch
 from learner.correction import Correction, correction_weights
@@ -59,6 +60,15 @@ def sampled_batch(model, tok, groups=2, g=4, temperature=1.0, seed=0, episodes=F
 
 
 CAP = 1.05
+
+
+@pytest.fixture(autouse=True)
+def free_forwards(monkeypatch):
+    """A forward costs nothing beyond its positions, so these small ragged batches are cut
+    into several micro-batches of their own shapes: what the exactness tests are about."""
+    monkeypatch.setattr(batching, "FORWARD_POSITIONS", 0)
+
+
 REWARDS = np.array([[1.0, 0.0, 0.5, 0.0], [0.0, 0.2, 1.0, 1.0]])
 
 
@@ -326,18 +336,58 @@ def test_logits_are_formed_whole_where_chunks_would_be_wrong():
     assert logits_plan(dropout, 64).head is not None
 
 
-def test_micro_batch_rows_by_length_by_hand():
-    """Longest first; a micro-batch is cut where the next row would pad it beyond 10% of
-    its real positions, or at the row limit."""
+def test_micro_batch_rows_by_length_by_hand(monkeypatch):
+    """Longest first, cut where the micro-batches cost least: their padded positions,
+    each distinct prompt once, and FORWARD_POSITIONS (here 64) a forward; at most `size`
+    rows."""
     from learner.batching import micro_batch_rows
 
+    monkeypatch.setattr(batching, "FORWARD_POSITIONS", 64)
     positions = np.array([10, 2, 9, 1, 10, 30])
-    # 30 alone (with 10: 2 * 30 = 60 > 1.1 * 40); 10, 10, 9: 3 * 10 = 30 <= 1.1 * 29 = 31.9;
-    # 2 with them: 4 * 10 = 40 > 1.1 * 31; then 2, 1: 2 * 2 = 4 > 1.1 * 3: apart.
-    assert [r.tolist() for r in micro_batch_rows(positions, 0)] == [[5], [0, 2, 4], [1], [3]]
-    assert [r.tolist() for r in micro_batch_rows(positions, 2)] == [[5], [0, 4], [2], [1], [3]]
+    # 30 alone (30 + 64), the rest together (5 * 10 + 64): 208. One micro-batch: 6 * 30 + 64
+    # = 244; 30 | 10 10 9 | 2 1: 94 + 94 + 68 = 256.
+    assert [r.tolist() for r in micro_batch_rows(positions, 0)] == [[5], [0, 1, 2, 3, 4]]
+    # Two at most: 30 10 | 10 9 | 2 1 = 124 + 84 + 68 = 276; 30 | 10 10 | 9 2 | 1 = 325.
+    assert [r.tolist() for r in micro_batch_rows(positions, 2)] == [[0, 5], [2, 4], [1, 3]]
     assert [r.tolist() for r in micro_batch_rows(positions, 4, by_length=False)] == [[0, 1, 2, 3], [4, 5]]
     assert [r.tolist() for r in micro_batch_rows(np.full(5, 7), 0)] == [[0, 1, 2, 3, 4]]
+    # A shared prompt runs once per micro-batch that holds its rows: apart, 100 and 10 cost
+    # (100 + 64) + (10 + 64) = 238 < 2 * 100 + 64; with one 50-token prompt, apart costs
+    # 338 and together 2 * 100 + 50 + 64 = 314.
+    assert [r.tolist() for r in micro_batch_rows(np.array([100, 10]), 0)] == [[0], [1]]
+    shared = [(b"p", 50), (b"p", 50)]
+    assert [r.tolist() for r in micro_batch_rows(np.array([100, 10]), 0, prompts=shared)] == [[0, 1]]
+
+
+def test_micro_batch_rows_is_the_cheapest_cut_of_the_sorted_rows(monkeypatch):
+    """Against every way to cut the sorted rows into runs (an independent reference)."""
+    import itertools
+
+    from learner.batching import micro_batch_rows
+
+    monkeypatch.setattr(batching, "FORWARD_POSITIONS", 64)
+
+    def cost(cuts, positions, prompts):
+        return sum(len(c) * positions[c].max() + sum(dict(prompts[i] for i in c).values()) + 64 for c in cuts)
+
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        n = int(rng.integers(1, 8))
+        positions = np.minimum(rng.geometric(1 / 40, n), 300)
+        prompts = [(bytes([int(k)]), 30 + 10 * int(k)) for k in rng.integers(0, 3, n)]
+        size = int(rng.integers(0, n + 1))
+        cap = size if 0 < size < n else n
+        order = np.argsort(-positions, kind="stable")
+        cheapest = min(
+            cost([order[a:b] for a, b in zip((0, *ends), (*ends, n))], positions, prompts)
+            for r in range(n)
+            for ends in itertools.combinations(range(1, n), r)
+            if all(b - a <= cap for a, b in zip((0, *ends), (*ends, n)))
+        )
+        cuts = micro_batch_rows(positions, size, prompts=prompts)
+        assert sorted(np.concatenate(cuts).tolist()) == list(range(n))
+        assert all(len(c) <= cap for c in cuts)
+        assert cost(cuts, positions, prompts) == cheapest, (trial, positions, prompts, size)
 
 
 MODES = {
