@@ -67,14 +67,25 @@ def tiny_config() -> Config:
 def timeline_summary(run_dir: Path, steps: int) -> dict:
     """Each process's busy share and waits (shares of the window) over steps 2..steps,
     from the run's timeline (orchestrator timeline)."""
-    from orchestrator.timeline import read_events, summarize, window
+    from orchestrator.timeline import clipped, read_events, summarize, window
 
     events = read_events(run_dir)
     t0, t1 = window(events, (2, steps))
-    return {
+    out: dict = {
         s.process: {"busy": s.busy_s / s.wall_s, "waits": {k: v / s.wall_s for k, v in s.waits.items()}}
         for s in summarize(events, t0, t1)
     }
+    for process, rows in events.items():
+        mine = [e for e in clipped(rows, t0, t1) if e["tid"] == 0 and e.get("ph") == "X"]
+        spans: dict[str, float] = {}
+        for e in mine:  # seconds a timed step in each span, nested ones too
+            spans[e["name"]] = spans.get(e["name"], 0.0) + e["dur"] / 1e6 / (steps - 1)
+        out[process]["spans"] = spans
+        decode = [e["args"]["rows"] for e in mine if e["name"] == "decode step" and "args" in e]
+        if decode:
+            out[process]["decode_steps"] = len(decode) / (steps - 1)
+            out[process]["rows_per_decode_step"] = sum(decode) / len(decode)
+    return out
 
 
 def timeline_table(runs: dict[str, list[dict]]) -> str:
@@ -95,4 +106,34 @@ def timeline_table(runs: dict[str, list[dict]]) -> str:
         summaries = [r["timeline"] for r in rs if r.get("timeline")]
         if summaries:
             rows.append(f"| {name} | {' | '.join(cells(summaries, 'learner') + cells(summaries, 'actor'))} |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + "\n" + work_table(runs)
+
+
+def work_table(runs: dict[str, list[dict]]) -> str:
+    """What each timed step cost the learner and the actor, by the timeline's spans
+    (medians over repeats): the learner's forwards and backwards, the actor's decode steps,
+    and how many rows a decode step held on average."""
+
+    def value(rs: list[dict], process: str, get) -> str:
+        found = [get(next(v for k, v in r["timeline"].items() if k.startswith(process))) for r in rs]
+        found = [f for f in found if f is not None]
+        return f"{statistics.median(found):.1f}" if found else "-"
+
+    rows = [
+        "| run | learner: forward and backward, s | learner: step, s | actor: decode steps, s | "
+        "decode steps | rows a decode step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, rs in runs.items():
+        rs = [r for r in rs if r.get("timeline")]
+        if not rs:
+            continue
+        cells = [
+            value(rs, "learner", lambda t: t.get("spans", {}).get("forward and backward")),
+            value(rs, "learner", lambda t: t.get("spans", {}).get("step")),
+            value(rs, "actor", lambda t: t.get("spans", {}).get("decode step")),
+            value(rs, "actor", lambda t: t.get("decode_steps")),
+            value(rs, "actor", lambda t: t.get("rows_per_decode_step")),
+        ]
+        rows.append(f"| {name} | {' | '.join(cells)} |")
+    return "\nSeconds a timed step, by the timeline's spans:\n\n" + "\n".join(rows) + "\n"

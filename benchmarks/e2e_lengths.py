@@ -5,6 +5,7 @@ its own paths before the continuous engine, and against the same run at uniform 
     python -m benchmarks.e2e_lengths --quick    # smaller, one repeat: checks the harness
     python -m benchmarks.e2e_lengths --pair --shape flat --mean 59 --max-tokens 256
         # long tail and uniform at max_staleness 1 only, on a flat 101 M model, V = 512
+    python -m benchmarks.e2e_lengths --pair --staleness 2    # the pair at max_staleness 2
 
 The model is built offline with random weights and a nearly flat next-token distribution,
 in two copies that differ only in config.json's `eos_token_id` (every system here reads
@@ -65,7 +66,8 @@ FLAT_SHAPE = dict(
 BEFORE = ("actor.engine=static", "train.sort_by_length=false", "train.share_prompts=false")
 
 
-def table(runs: dict[str, list[dict]]) -> str:
+def table(runs: dict[str, list[dict]], k: int = 1) -> str:
+    """it/s and completion tokens/s of each run; the long tail's over uniform's at `k`."""
     med = {
         name: {k: statistics.median(r[k] for r in rs) for k in ("it_s", "completion_tok_s")}
         for name, rs in runs.items()
@@ -78,10 +80,10 @@ def table(runs: dict[str, list[dict]]) -> str:
         before = med.get("long tail, k=1, before")
         vs_before = f"{m['it_s'] / before['it_s']:.2f}x" if before else "-"
         lines.append(f"| {name} | {m['it_s']:.3f} | {m['completion_tok_s']:.0f} | {vs_mlxrl} | {vs_before} |")
-    tail, uniform = med["long tail, k=1"], med["uniform, k=1"]
+    tail, uniform = med[f"long tail, k={k}"], med[f"uniform, k={k}"]
     lines.append("")
     text = (
-        "Long tail against uniform lengths, completion tokens/s at k=1: "
+        f"Long tail against uniform lengths, completion tokens/s at k={k}: "
         f"{tail['completion_tok_s'] / uniform['completion_tok_s']:.2f}x"
     )
     if "long tail, k=1, before" in med:
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the long tail and uniform runs at max_staleness 1 (no mlxrl)",
     )
+    p.add_argument("--staleness", type=int, default=1, help="--pair: at this max_staleness")
     p.add_argument("--shape", choices=["small", "flat"], default="small", help="flat: FLAT_SHAPE, 101 M")
     a = p.parse_args(argv)
     shape = QUICK_SHAPE if a.quick else FLAT_SHAPE if a.shape == "flat" else SMALL_SHAPE
@@ -119,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         "long tail, k=1, before",
         "uniform, k=1",
     ]
+    k_pair = a.staleness if a.pair else 1
+    if a.pair:
+        names = [f"long tail, k={k_pair}", f"uniform, k={k_pair}"]
     runs: dict[str, list[dict]] = {name: [] for name in names}
     bs = a.batch_size
     with tempfile.TemporaryDirectory(prefix="e2el") as tmp:
@@ -126,18 +132,20 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(a.repeats):
             if have_mlxrl() and not a.pair:
                 runs["mlxrl"].append(run_mlxrl(tail, work, f"mlxrl{r}", a, "best", bs))
-            for k in (1,) if a.pair else (0, 1, 2):
+            for k in (k_pair,) if a.pair else (0, 1, 2):
                 runs[f"long tail, k={k}"].append(run_ours(tail, work, f"k{k}r{r}", k, a, batch_size=bs))
             if not a.pair:
                 before = run_ours(tail, work, f"b{r}", 1, a, batch_size=bs, sets=BEFORE)
                 runs["long tail, k=1, before"].append(before)
-            runs["uniform, k=1"].append(run_ours(uniform, work, f"u{r}", 1, _ns(mean_only), batch_size=bs))
+            runs[f"uniform, k={k_pair}"].append(
+                run_ours(uniform, work, f"u{r}", k_pair, _ns(mean_only), batch_size=bs)
+            )
             log(f"repeat {r + 1} of {a.repeats} done")
     report = (
         f"End to end, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters (vocabulary "
         f"{shape['vocab_size']}), float32, LoRA rank 8; {bs} prompts x G {a.group_size} a step, "
         f"completions geometric (mean {a.mean}, max {a.max_tokens}; uniform: every one {a.mean}); "
-        f"{a.steps - 1} timed steps a run, medians of {a.repeats} repeats\n\n" + table(runs)
+        f"{a.steps - 1} timed steps a run, medians of {a.repeats} repeats\n\n" + table(runs, k_pair)
     )
     report += (
         "\nWhere the time went (orchestrator timeline, shares of the timed steps):\n\n" + timeline_table(runs)
@@ -149,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.time() - started,
     }
     stem = "e2e_lengths_quick" if a.quick else "e2e_lengths" + ("_flat" if a.shape == "flat" else "")
-    write_results(a.results_dir, stem + ("_pair" if a.pair else ""), out, report)
+    pair = ("_pair" if k_pair == 1 else f"_pair_k{k_pair}") if a.pair else ""
+    write_results(a.results_dir, stem + pair, out, report)
     return 0
 
 
