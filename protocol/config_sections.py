@@ -270,7 +270,7 @@ class ActorConfig:
     )
     max_rows: int = key(
         0,
-        "rows the continuous engine decodes at once; 0 = the rows of the actor's share "
+        "rows the engine decodes at once (a static batch too); 0 = the rows of the actor's share "
         "of a batch, ceil(batch_size / count) * group_size (what the memory plan counts)",
         _range(0),
     )
