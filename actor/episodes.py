@@ -281,9 +281,7 @@ class EpisodeRunner:
         engine = self.engine
         for e in ready:
             self.in_engine[e.episode_id] = e
-            engine.add(
-                e.episode_id, e.prompt_ids + e.ids, [e.noise], self.turn_seed(e), keep=not engine.static
-            )
+            engine.add(e.episode_id, e.prompt_ids + e.ids, [e.noise], self.turn_seed(e), keep=True)
         if not engine.busy:
             return False
         for key, (c,) in engine.step():

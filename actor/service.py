@@ -289,8 +289,7 @@ class Actor:
         Static, groups go in only when nothing decodes, at most a share of a batch at a
         time so that newer weights land between batches."""
         engine = self.engine
-        k = self.cfg.train.max_staleness
-        in_flight = k >= 1 and not engine.static
+        in_flight = self.cfg.train.max_staleness >= 1 and not engine.static
         if self.pending is not None and (in_flight or not engine.busy):
             self.apply_pending()
         # Groups added and not yet sent count against the credit.
@@ -299,7 +298,7 @@ class Actor:
             self.wait_for_learner()
             return
         if engine.static:
-            room = 0 if engine.busy else min(room, -(-self.window // (k + 1)))
+            room = 0 if engine.busy else min(room, self.batch_share())
         if self.pending is None or in_flight:
             for _ in range(room):
                 self.groups_added += 1
@@ -316,6 +315,11 @@ class Actor:
             self.send_group(drawn, fields, arrays, self.decode_s / len(done))
         if done:
             self.decode_s = 0.0
+
+    def batch_share(self) -> int:
+        """The groups a batch at a time takes (static, episodes): our window's share of one
+        batch, so that newer weights land between batches."""
+        return -(-self.window // (self.cfg.train.max_staleness + 1))
 
     def send_group(self, drawn: Drawn, fields: dict, arrays: dict, gen_s: float) -> None:
         group_id = str(self.groups_sent)
@@ -381,7 +385,6 @@ class Actor:
         self.greet()
         self.last_beat = time.monotonic()
         threading.Thread(target=self.beat, name="actor-heartbeat", daemon=True).start()
-        batches_in_flight = self.cfg.train.max_staleness + 1
         while not (self.link.ended or self.signals.requested):
             if self.link.check() in ENDED:
                 return  # refused for good, the run is over, or the learner is gone
@@ -398,8 +401,7 @@ class Actor:
             if self.policy_version is None or room <= 0:
                 self.wait_for_learner()
                 continue
-            # At most our share of a batch at a time, so newer weights are applied between batches.
-            self.play_episodes(min(room, -(-self.window // batches_in_flight)))
+            self.play_episodes(min(room, self.batch_share()))
 
     def close(self, final: bool = True) -> None:
         """`final`: the run is over, so env workers exit (else they wait for a new actor)."""

@@ -199,9 +199,18 @@ def whole_rows(batch: Batch, index: np.ndarray, own_length: bool) -> Micro:
     return Micro(index, Rows(part.tokens), part.mask, part.behavior, rows * (length - 1))
 
 
-def shared_prompt_rows(host: dict[str, np.ndarray], batch: Batch, index: np.ndarray) -> Micro:
+def prompt_keys(host: dict[str, np.ndarray], batch: Batch) -> list[tuple[bytes, int]]:
+    """Each row's prompt as a key (its token ids' bytes) and its length: rows with equal
+    keys share their prompt (`host`: the batch's arrays in NumPy)."""
+    return [(host["tokens"][i, :n].tobytes(), int(n)) for i, n in enumerate(batch.prompt_lengths)]
+
+
+def shared_prompt_rows(
+    host: dict[str, np.ndarray], batch: Batch, index: np.ndarray, keys: list[tuple[bytes, int]]
+) -> Micro:
     """A micro-batch whose rows run each distinct prompt once and then their completions
-    alone, right-padded to the longest (`host`: the batch's arrays in NumPy)."""
+    alone, right-padded to the longest (`host`: the batch's arrays in NumPy; `keys`: each
+    row's prompt_keys)."""
     starts, ends = batch.prompt_lengths[index], batch.lengths[index]
     width = int((ends - starts).max())
     completions = np.zeros((len(index), width), np.int32)
@@ -209,7 +218,7 @@ def shared_prompt_rows(host: dict[str, np.ndarray], batch: Batch, index: np.ndar
     prompts: dict[bytes, int] = {}
     owner = []
     for k, (i, start, end) in enumerate(zip(index, starts, ends)):
-        owner.append(prompts.setdefault(host["tokens"][i, :start].tobytes(), len(prompts)))
+        owner.append(prompts.setdefault(keys[i][0], len(prompts)))
         completions[k, : end - start] = host["tokens"][i, start:end]
         # The batch's position j predicts token j + 1: a completion's tokens sit at start-1 .. end-2.
         mask[k, : end - start] = host["mask"][i, start - 1 : end - 1]

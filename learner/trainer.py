@@ -26,6 +26,7 @@ from learner.batching import (
     Prepared,
     logits_plan,
     micro_batch_rows,
+    prompt_keys,
     prompts_can_be_shared,
     scalar,
     shared_prompt_rows,
@@ -192,9 +193,9 @@ class Trainer:
             "behavior": np.array(batch.behavior),
         }
         completions = batch.lengths - batch.prompt_lengths
-        prompts = [(host["tokens"][i, :n].tobytes(), int(n)) for i, n in enumerate(batch.prompt_lengths)]
-        cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length, prompts)
-        return [shared_prompt_rows(host, batch, index) for index in cuts]
+        keys = prompt_keys(host, batch)
+        cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length, keys)
+        return [shared_prompt_rows(host, batch, index, keys) for index in cuts]
 
     def _take_old(self, m: Micro) -> dict[str, float]:
         """The micro-batch's old-policy logprobs and correction weights; their diagnostics."""
