@@ -88,12 +88,18 @@ def timeline_summary(run_dir: Path, steps: int) -> dict:
     return out
 
 
+def of_process(summary: dict, process: str) -> dict:
+    """A timeline summary's entry for `process` ("learner", "actor"; an actor's name has
+    its slot after it)."""
+    return next(v for k, v in summary.items() if k.startswith(process))
+
+
 def timeline_table(runs: dict[str, list[dict]]) -> str:
     """Where the learner's and the actor's time went in each run of this project (medians
     over repeats of the shares of steps 2..N; waits by what they waited on)."""
 
     def cells(summaries: list[dict], process: str) -> list[str]:
-        mine = [next(v for k, v in s.items() if k.startswith(process)) for s in summaries]
+        mine = [of_process(s, process) for s in summaries]
         names = sorted({w for m in mine for w in m["waits"]})
         waits = ", ".join(f"{w} {statistics.median(m['waits'].get(w, 0) for m in mine):.0%}" for w in names)
         return [f"{statistics.median(m['busy'] for m in mine):.0%}", waits or "-"]
@@ -115,7 +121,7 @@ def work_table(runs: dict[str, list[dict]]) -> str:
     and how many rows a decode step held on average."""
 
     def value(rs: list[dict], process: str, get) -> str:
-        found = [get(next(v for k, v in r["timeline"].items() if k.startswith(process))) for r in rs]
+        found = [get(of_process(r["timeline"], process)) for r in rs]
         found = [f for f in found if f is not None]
         return f"{statistics.median(found):.1f}" if found else "-"
 
