@@ -87,18 +87,19 @@ def eval_(
     adapter: str | None = typer.Option(None, help="mlx-lm adapter directory; default: the base model."),
     set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value."),
 ) -> None:
-    """Evaluate on the held-out prompts: the eval/* numbers a training run logs."""
+    """Evaluate on the held-out prompts: the eval/* numbers a training run logs. With an
+    agent, each prompt row runs as eval.num_samples sessions of it."""
     from protocol.config import ConfigError, load_config
 
     with config_errors():
         cfg = load_config(config, set_)
         if not cfg.eval.prompts:
             raise ConfigError("eval.prompts is not set (the held-out prompt rows)")
-    from actor.sample import run_eval
+    from actor.sample import run_agent_eval, run_eval
     from policy.data import DataError
 
     try:
-        summary = run_eval(cfg, adapter)
+        summary = run_agent_eval(cfg, adapter) if cfg.agent.enabled else run_eval(cfg, adapter)
     except (DataError, FileNotFoundError) as e:
         lifecycle.fail(f"error: {e}")
     show_summary(summary)

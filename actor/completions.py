@@ -123,10 +123,7 @@ class Policy:
                 f"model's context of {self.context}",
                 "max_tokens",
             )
-        stops = body.get("stop") or []
-        stops = [stops] if isinstance(stops, str) else stops
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise BadRequest("stop must be a string or a list of strings", "stop")
+        stops = stop_strings(body)
         eos = set(self.tokenizer.eos_token_ids)
         (group,) = sample_groups(self.model, [prompt_ids], n, params, eos, seed=seed)
         return [self.cut(c, stops) for c in group]
@@ -149,6 +146,11 @@ class Policy:
 def chat_prompt(policy: Policy, body: dict) -> list[int]:
     """The messages (tool calls and tool results included) and `tools`, through the chat
     template."""
+    return encode_prompt(policy.tokenizer, *chat_request(policy, body))
+
+
+def chat_request(policy: Policy, body: dict) -> tuple[list[dict], list | None]:
+    """The request's messages as the chat template takes them, and its `tools`; checked."""
     messages, tools = body.get("messages"), body.get("tools")
     if (
         not isinstance(messages, list)
@@ -174,7 +176,7 @@ def chat_prompt(policy: Policy, body: dict) -> list[int]:
                 "tool-call parser for this tokenizer)",
                 "tools",
             )
-    return encode_prompt(policy.tokenizer, [template_message(m) for m in messages], tools)
+    return [template_message(m) for m in messages], tools or None
 
 
 def template_message(m: dict) -> dict:
@@ -263,7 +265,22 @@ def text_prompt(policy: Policy, body: dict) -> list[int]:
 def respond(policy: Policy, body: dict, chat: bool) -> dict:
     """The response body of a chat or text completion request."""
     prompt_ids = chat_prompt(policy, body) if chat else text_prompt(policy, body)
-    out = policy.generate(prompt_ids, body)
+    return response_body(policy, body, chat, prompt_ids, policy.generate(prompt_ids, body))
+
+
+def stop_strings(body: dict) -> list[str]:
+    """The request's `stop`: a string or a list of non-empty strings."""
+    stops = body.get("stop") or []
+    stops = [stops] if isinstance(stops, str) else stops
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("stop must be a string or a list of strings", "stop")
+    return stops
+
+
+def response_body(
+    policy: Policy, body: dict, chat: bool, prompt_ids: list[int], out: list[tuple[Completion, str]]
+) -> dict:
+    """The response to `body` whose completions (each cut at its stop, and its text) are `out`."""
     choices = []
     for i, (c, text) in enumerate(out):
         choice: dict[str, Any] = {

@@ -77,10 +77,28 @@ class Renderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
-    def template(self, messages: list[dict], generation_prompt: bool) -> str:
+    def template(self, messages: list[dict], generation_prompt: bool, tools: list | None = None) -> str:
+        extra = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=False
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
         )
+
+    def continuation(
+        self, before: list[dict], new: list[dict], after_eos: bool, tools: list | None
+    ) -> list[int]:
+        """The tokens that follow a model turn (the last message of `before`, its tokens as
+        sampled) when `new` messages come after it: the rest of the turn's close and the
+        template's text for `new` with the generation prompt. ValueError when the template
+        does not render the longer conversation as a continuation of the shorter."""
+        base = self.template(before, False, tools)
+        full = self.template(before + new, True, tools)
+        close = self.turn_close
+        if not (full.startswith(base) and base.endswith(close)):
+            raise ValueError("the chat template does not render this conversation as a continuation")
+        if after_eos:
+            eos = next((t for t in self.eos_texts if close.startswith(t)), "")
+            close = close[len(eos) :]
+        return self.encode(close + full[len(base) :])
 
     def prompt_ids(self, prompt: Any) -> list[int]:
         """A chat prompt without its generation prompt: that comes with the first

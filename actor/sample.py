@@ -5,20 +5,39 @@ computes both)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
+import time
+from collections import deque
 from pathlib import Path
 from typing import IO
 
 import zmq
 
-from policy.data import load_prompts
-from policy.evaluation import Sampled, eval_sampling, load_eval_prompts, rewards_of, sample_prompts, summarize
+from actor.agents import AgentError, AgentRunner
+from actor.completions import Policy
+from actor.gateway import Gateway
+from actor.rollout import Drawn
+from policy.data import DataError, load_prompts
+from policy.engine import Engine
+from policy.evaluation import (
+    Progress,
+    Sampled,
+    eval_metrics,
+    eval_sampling,
+    load_eval_prompts,
+    rewards_of,
+    sample_prompts,
+    summarize,
+)
 from policy.model import dequantizes, load_policy
 from protocol.config import Config, LoraConfig
 from rewards.functions import RewardError
 from rewards.scorer import Scored, Scorer
+
+MAX_EVAL_ROWS = 64  # sessions an agent evaluation runs at once
 
 
 def adapter_lora(adapter: str | Path) -> LoraConfig:
@@ -126,6 +145,55 @@ def run_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.stderr)
     )
     scores = score_rows(cfg, rows, err)
     return {**summarize(rows, scores, cfg.eval.pass_threshold, "eval/"), "tokens_per_s": rate}
+
+
+def run_agent_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.stderr) -> dict:
+    """`actor eval` of a config with an [agent]: each held-out row runs as
+    `eval.num_samples` sessions of the agent, served from one continuous engine (at most
+    MAX_EVAL_ROWS sessions at once); a session passes when its reward is at least
+    `eval.pass_threshold`. A row whose sessions all failed `agent.max_attempts` times is
+    counted unscored (and fails)."""
+    model, tok = load_model(cfg, adapter)
+    n = cfg.eval.num_samples
+    params = dataclasses.replace(eval_sampling(cfg), group_size=n)
+    prompts = load_eval_prompts(cfg, tok)
+    eos = set(tok.eos_token_ids)
+    engine = Engine(model, params, eos, params.seed, max(MAX_EVAL_ROWS, n))
+    context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    try:
+        runner = AgentRunner(cfg.agent, cfg.reward.search_path, engine, tok, eos, params, context)
+    except AgentError as e:
+        raise DataError(str(e)) from None
+    gateway = Gateway(cfg.agent.host, runner, Policy(model, tok, Path(cfg.model.path).name, params, 0))
+    gateway.start()
+    waiting, results, lengths = deque(prompts), {}, []
+    progress, t0 = Progress(err, len(prompts)), time.perf_counter()
+    try:
+        while waiting or runner.busy:
+            while waiting and (len(runner.groups) + 1) * n <= max(MAX_EVAL_ROWS, n):
+                p = waiting.popleft()
+                runner.start_group(Drawn(p, [0, 0], [0, 1], p.index * n))
+            for g in runner.pump(0):
+                lost = g.lost is not None
+                if lost:
+                    print(f"\nrow {g.drawn.prompt.index}: {g.lost}", file=err)
+                results[g.drawn.prompt.index] = [None if lost else s.reward for s in g.sessions]
+                lengths += [sum(t.mask) for s in g.sessions for t in s.traces]
+                progress.show(len(results), sum(lengths) / (time.perf_counter() - t0))
+            if not engine.busy:
+                time.sleep(0.002)
+    finally:
+        progress.close()
+        gateway.stop()
+        runner.close()
+    rewards = [results[p.index] for p in prompts]
+    unscored = sum(all(r is None for r in row) for row in rewards)
+    elapsed = time.perf_counter() - t0
+    return {
+        **eval_metrics(rewards, lengths, cfg.eval.pass_threshold, "eval/"),
+        "eval/unscored_prompts": unscored,
+        "tokens_per_s": sum(lengths) / elapsed if elapsed else 0.0,
+    }
 
 
 def score_all(scorer: Scorer, rows: list[Sampled], err: IO[str]) -> dict[str, Scored]:

@@ -144,40 +144,44 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
                 )
 
         def body(self) -> dict:
-            """The request's JSON object: at most MAX_BODY_BYTES, UTF-8, no NaN or Infinity."""
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                raise BadRequest("Content-Length must be a number of bytes", "Content-Length") from None
-            if length < 0:
-                raise BadRequest("Content-Length must not be negative", "Content-Length")
-            if length > MAX_BODY_BYTES:
-                self.close_connection = True  # what follows is not read
-                raise TooLarge(f"the request body must be at most {MAX_BODY_BYTES} bytes", "Content-Length")
-            try:
-                data = self.rfile.read(length)
-            except TimeoutError:
-                raise TooSlow(f"the request body did not arrive within {CLIENT_TIMEOUT_S:.0f} s") from None
-            if len(data) < length:
-                raise BadRequest(f"the request body ended after {len(data)} of {length} bytes")
-            try:
-                body = json.loads(data.decode() if data else "{}", parse_constant=reject_constant)
-            except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
-                raise BadRequest(f"the request body is not JSON (UTF-8): {e}") from None
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-            try:
-                json.dumps(body, ensure_ascii=False).encode()
-            except UnicodeEncodeError:  # "\ud800" is JSON, but no text a tokenizer can read
-                raise BadRequest(
-                    "the request body holds a lone surrogate (\\ud800-\\udfff): not Unicode text"
-                ) from None
-            return body
+            return read_json(self)
 
         def log_message(self, fmt: str, *args) -> None:
             log.info("%s %s", self.address_string(), fmt % args)
 
     return Handler
+
+
+def read_json(handler: BaseHTTPRequestHandler, limit: int = MAX_BODY_BYTES) -> dict:
+    """The request's JSON object: at most `limit` bytes, UTF-8, no NaN or Infinity."""
+    try:
+        length = int(handler.headers.get("Content-Length") or 0)
+    except ValueError:
+        raise BadRequest("Content-Length must be a number of bytes", "Content-Length") from None
+    if length < 0:
+        raise BadRequest("Content-Length must not be negative", "Content-Length")
+    if length > limit:
+        handler.close_connection = True  # what follows is not read
+        raise TooLarge(f"the request body must be at most {limit} bytes", "Content-Length")
+    try:
+        data = handler.rfile.read(length)
+    except TimeoutError:
+        raise TooSlow(f"the request body did not arrive within {CLIENT_TIMEOUT_S:.0f} s") from None
+    if len(data) < length:
+        raise BadRequest(f"the request body ended after {len(data)} of {length} bytes")
+    try:
+        body = json.loads(data.decode() if data else "{}", parse_constant=reject_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        raise BadRequest(f"the request body is not JSON (UTF-8): {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # "\ud800" is JSON, but no text a tokenizer can read
+        raise BadRequest(
+            "the request body holds a lone surrogate (\\ud800-\\udfff): not Unicode text"
+        ) from None
+    return body
 
 
 def reject_constant(name: str) -> None:

@@ -37,7 +37,10 @@ from typing import cast
 import zmq
 
 import protocol
+from actor.agents import AgentError, AgentRunner
+from actor.completions import Policy
 from actor.episodes import EpisodeRunner
+from actor.gateway import Gateway
 from actor.rollout import Drawn, completion_fields, rollout_frames, rollout_header
 from policy.data import DataError, Prompt, PromptStream, check_context, load_prompts
 from policy.engine import Engine
@@ -142,6 +145,9 @@ class Actor:
         self.groups_added = 0
         self.decode_s = 0.0  # decoding time since groups last went out
         self.episodes = None
+        self.agents: AgentRunner | None = None
+        if self.cfg.agent.enabled:
+            self.agents, self.gateway = self.serve_agents(prompts[0])
         if env.environment:
             # max_attempts=1: the runner counts an episode's attempts itself.
             pool = WorkerPool(
@@ -156,6 +162,26 @@ class Actor:
             )
             self.episodes = EpisodeRunner(pool, self.model, self.tokenizer, self.eos_ids, s, env, self.engine)
             self.episodes.renderer.check(prompts[0].prompt)
+
+    def serve_agents(self, first: Prompt) -> tuple[AgentRunner, Gateway]:
+        """The agent's sessions, and the OpenAI API they call (loopback unless told)."""
+        context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
+        try:
+            runner = AgentRunner(
+                self.cfg.agent,
+                self.cfg.reward.search_path,
+                self.engine,
+                self.tokenizer,
+                self.eos_ids,
+                self.sampling,
+                context,
+            )
+        except AgentError as e:
+            raise DataError(str(e)) from None
+        if isinstance(first.prompt, list):
+            runner.renderer.check(first.prompt)
+        policy = Policy(self.model, self.tokenizer, Path(self.cfg.model.path).name, self.sampling, None)
+        return runner, Gateway(self.cfg.agent.host, runner, policy)
 
     def send(self, kind: str, header: dict, arrays: dict | None = None) -> None:
         self.send_frames(protocol.encode(kind, header, arrays))
@@ -221,7 +247,9 @@ class Actor:
                 )
             cursor = cursor if protocol.is_data_cursor(cursor) else [0, 0]  # nil: the data's start
             skip = [tuple(c) for c in skip if protocol.is_data_cursor(c)] if isinstance(skip, list) else []
-            if self.episodes is None:  # groups drawn from the stream being replaced
+            if self.agents is not None:  # sessions of the stream being replaced
+                self.agents.clear()
+            elif self.episodes is None:  # groups drawn from the stream being replaced
                 self.engine.clear()
                 self.decoding.clear()
                 self.decode_s = 0.0
@@ -316,6 +344,29 @@ class Actor:
         if done:
             self.decode_s = 0.0
 
+    def run_sessions(self) -> None:
+        """Agent sessions (actor/agents.py): new groups start as the credit allows, every
+        session's calls decode together, and each group is sent when its sessions have all
+        reported. Weights land between decode steps with max_staleness >= 1; with 0, only
+        when no session runs."""
+        agents = cast(AgentRunner, self.agents)
+        in_flight = self.cfg.train.max_staleness >= 1
+        if self.pending is not None and (in_flight or not agents.busy):
+            self.apply_pending()
+        room = self.window - (self.groups_sent - self.groups_consumed) - len(agents.groups)
+        if self.policy_version is None or (room <= 0 and not agents.busy):
+            self.wait_for_learner()
+            return
+        if self.pending is None or in_flight:
+            for _ in range(room):
+                agents.start_group(self.next_prompt())
+        done = agents.pump(self.policy_version)
+        if not self.engine.busy:
+            self.receive(5)  # the sessions' agents are at work: wait a little, not spin
+        for g in done:
+            fields, arrays = agents.fields(g, self.decode)
+            self.send_group(g.drawn, {**fields, "env_retries": agents.retries}, arrays, g.seconds)
+
     def batch_share(self) -> int:
         """The groups a batch at a time takes (static, episodes): our window's share of one
         batch, so that newer weights land between batches."""
@@ -382,6 +433,8 @@ class Actor:
         return False
 
     def run(self) -> None:
+        if self.agents is not None:
+            self.gateway.start()
         self.greet()
         self.last_beat = time.monotonic()
         threading.Thread(target=self.beat, name="actor-heartbeat", daemon=True).start()
@@ -393,6 +446,9 @@ class Actor:
                 log.warning("the learner does not know us (%s); saying hello again", why)
                 self.greet()
             self.receive(0)
+            if self.agents is not None:
+                self.run_sessions()
+                continue
             if self.episodes is None:
                 self.stream_groups()
                 continue
@@ -405,6 +461,9 @@ class Actor:
 
     def close(self, final: bool = True) -> None:
         """`final`: the run is over, so env workers exit (else they wait for a new actor)."""
+        if self.agents is not None:
+            self.gateway.stop()
+            self.agents.close()
         if self.episodes is not None:
             self.episodes.pool.close(
                 "the run is over" if final else "the actor stops; a new one will come", final

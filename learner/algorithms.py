@@ -2,7 +2,7 @@
 
 This is the one interface the learner's loop knows; it never branches on an algorithm's
 name. Shapes: rewards [groups, G]; logprobs and masks [B, T] (B = groups * G completions,
-T completion positions); advantages [B].
+T completion positions); advantages [B], or [B, T] per token (GiGPO).
 
 Every loss is written as (sum of per-completion terms) / (a constant of the whole batch).
 That makes micro-batched gradient accumulation exact for all of them: the learner splits
@@ -29,13 +29,17 @@ class LossInputs:
     logp: mx.array  # current policy [B, T]; carries the gradient
     old_logp: mx.array  # the policy the batch is measured against (frozen)
     ref_logp: mx.array | None  # adapters off; None when beta == 0
-    advantages: mx.array  # [B]
+    advantages: mx.array  # [B], or [B, T] per token (GiGPO's, learner/gigpo.py)
     mask: mx.array  # [B, T], 1 on completion tokens
     is_weight: mx.array  # [B, T] behavior-policy correction pi_old / pi_behavior (1 = none)
 
 
 class Algorithm(Protocol):
     per_completion: ClassVar[frozenset[str]]  # diagnostics averaged over completions, not tokens
+
+    @property
+    def scale_rewards(self) -> str:
+        """How advantages are scaled: "group", "batch" or "none" (GiGPO's step groups too)."""
 
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
         """[groups, G] rewards -> [groups * G] advantages."""
@@ -48,6 +52,12 @@ class Algorithm(Protocol):
 
     def loss_sum(self, x: LossInputs) -> tuple[mx.array, dict[str, mx.array]]:
         """Sum over the rows of x of their loss terms, and token-mean diagnostics."""
+
+
+def token_advantages(x: LossInputs) -> mx.array:
+    """The advantages as the [B, T] terms use them: [B, 1] (one per completion), or the
+    per-token [B, T] as they are."""
+    return x.advantages if x.advantages.ndim == 2 else x.advantages[:, None]
 
 
 def k3_kl(logp: mx.array, ref_logp: mx.array) -> mx.array:
@@ -133,7 +143,7 @@ class GRPO:
 
     def loss_sum(self, x: LossInputs) -> tuple[mx.array, dict[str, mx.array]]:
         ratio = self.ratio(x)
-        adv = x.advantages[:, None]
+        adv = token_advantages(x)
         clipped = mx.clip(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
         surrogate = -mx.minimum(ratio * adv, clipped * adv) * x.is_weight
         kl = k3_kl(x.logp, x.ref_logp) if x.ref_logp is not None else mx.zeros_like(x.logp)
@@ -239,7 +249,7 @@ class CISPO(BNPO):
 
     def loss_sum(self, x: LossInputs) -> tuple[mx.array, dict[str, mx.array]]:
         ratio = mx.exp(x.logp - x.old_logp)
-        adv = x.advantages[:, None]
+        adv = token_advantages(x)
         weight = mx.stop_gradient(mx.minimum(ratio, self.epsilon_high))
         surrogate = -weight * adv * x.logp * x.is_weight
         kl = k3_kl(x.logp, x.ref_logp) if x.ref_logp is not None else mx.zeros_like(x.logp)
@@ -265,7 +275,7 @@ class SAPO(GRPO):
 
     def loss_sum(self, x: LossInputs) -> tuple[mx.array, dict[str, mx.array]]:
         ratio = self.ratio(x)
-        adv = x.advantages[:, None]
+        adv = token_advantages(x)
         tau = mx.where(adv > 0, self.temperature_pos, self.temperature_neg)
         surrogate = -mx.sigmoid(tau * (ratio - 1)) * 4 / tau * adv * x.is_weight
         kl = k3_kl(x.logp, x.ref_logp) if x.ref_logp is not None else mx.zeros_like(x.logp)

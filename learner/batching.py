@@ -95,6 +95,19 @@ class Micro:
     old: mx.array | None = None
     is_weight: mx.array | None = None
     ref: mx.array | None = None
+    # Where each row's first position sits in the batch's [B, T] arrays (None: at 0, whole
+    # rows); what lays out a per-token array of the batch as this micro-batch's (per_token).
+    offsets: np.ndarray | None = None
+
+    def per_token(self, values: np.ndarray) -> mx.array:
+        """This micro-batch's part of `values`, an array laid out as the batch's mask
+        ([rows, T] in the numbering of `index`), laid out as its own mask is."""
+        width = self.mask.shape[1]
+        offsets = np.zeros(len(self.index), np.int64) if self.offsets is None else self.offsets
+        # Zeros after the batch's end: a row after a shared prompt may run past it.
+        padded = np.pad(values[self.index], ((0, 0), (0, width)))
+        columns = offsets[:, None] + np.arange(width)
+        return mx.array(np.take_along_axis(padded, columns, axis=1).astype(np.float32))
 
     @cached_property
     def weight(self) -> tuple[float, float]:
@@ -136,6 +149,17 @@ def make_batch(samples: list[Sample], pad_id: int) -> Batch:
         mask[i, p - 1 : p - 1 + c] = 1.0 if s.loss_mask is None else s.loss_mask
         behavior[i, p - 1 : p - 1 + c] = s.behavior_logprobs * mask[i, p - 1 : p - 1 + c]
     return Batch(mx.array(tokens), mx.array(mask), mx.array(behavior), lengths, prompt_lengths)
+
+
+def token_rows(samples: list[Sample], values: list[np.ndarray]) -> np.ndarray:
+    """Per-token values of each sample's completion (e.g. GiGPO's advantages), as
+    make_batch lays out its mask: [B, longest row - 1], 0 off the completions."""
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    out = np.zeros((len(samples), max(lengths) - 1), dtype=np.float32)
+    for i, (s, v) in enumerate(zip(samples, values)):
+        p = len(s.prompt_ids)
+        out[i, p - 1 : p - 1 + len(s.completion_ids)] = v
+    return out
 
 
 # What one more forward and backward costs beyond its positions, counted in positions (a
@@ -226,7 +250,7 @@ def shared_prompt_rows(
     ids = [mx.array(np.frombuffer(key, np.int32)) for key in prompts]
     positions = sum(len(p) for p in ids) + len(index) * (width - 1)
     rows = Rows(mx.array(completions), ids, owner)
-    return Micro(index, rows, mx.array(mask), mx.array(behavior), positions)
+    return Micro(index, rows, mx.array(mask), mx.array(behavior), positions, offsets=starts - 1)
 
 
 def scalar(a: mx.array) -> float:

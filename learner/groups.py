@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from learner.batching import Sample
+from learner.gigpo import model_turns
 from protocol import Message, is_data_cursor
 
 
@@ -33,8 +34,25 @@ class Group:
     turns: list[list[dict]] | None = None  # episodes: each completion's turns as messages
     env_rewards: list[float | None] | None = None  # episodes: what the environment returned, summed
     env_retries: int | None = None  # episodes the actor started again so far
-    rewards: np.ndarray | None = None  # [G] weighted sum, set when scored
+    agent_splits: int | None = None  # agent calls that did not continue their session, so far
+    turn_rewards: list[list[float]] | None = None  # episodes: a reward per model turn (GiGPO)
+    # Agent sessions that split: each completion's session (0 to G-1); None: one each.
+    sessions: list[int] | None = None
+    rewards: np.ndarray | None = None  # [completions] weighted sum, set when scored
     rewards_by_function: dict[str, list] = field(default_factory=dict)
+
+    def session_rewards(self, group_size: int) -> np.ndarray:
+        """[G]: each session's reward (its last completion's), what advantages compare."""
+        rewards = cast(np.ndarray, self.rewards)
+        if self.sessions is None:
+            return rewards
+        out = np.full(group_size, np.nan)
+        out[self.sessions] = rewards  # a session's later completions win
+        return out
+
+    def row_advantages(self, advantages: np.ndarray) -> np.ndarray:
+        """Each completion's advantage: its session's, of the group's [G] `advantages`."""
+        return advantages if self.sessions is None else advantages[self.sessions]
 
     def samples(self) -> list[Sample]:
         """Its completions as the step trains them: tokens, behavior logprobs, loss masks."""
@@ -83,7 +101,10 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"token id outside the vocabulary of {vocab_size}")
     lens = a["completion_lens"]
-    if len(lens) != group_size:
+    sessions = msg.header.get("sessions")
+    if sessions is not None and sorted(set(sessions)) != list(range(group_size)):
+        raise ValueError(f"sessions {sorted(set(sessions))} are not the group's {group_size} sessions")
+    if sessions is None and len(lens) != group_size:
         raise ValueError(f"group of {len(lens)} completions, config says {group_size}")
     cuts = np.cumsum(lens)[:-1]
     masks = np.split(a["loss_mask"], cuts) if "loss_mask" in a else None
@@ -91,6 +112,15 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
         # A completion without a sampled token has nothing to carry its advantage; training
         # on it would silently shrink the batch's loss.
         raise ValueError("empty completion")
+    turn_rewards = msg.header.get("turn_rewards")
+    if turn_rewards is not None:
+        each: list[np.ndarray | None] = [*masks] if masks is not None else [None] * len(lens)
+        turns = [len(model_turns(m, int(n))) for m, n in zip(each, lens)]
+        if [len(r) for r in turn_rewards] != turns:
+            raise ValueError(
+                f"turn_rewards has {[len(r) for r in turn_rewards]} rewards per completion "
+                f"for {turns} model turns (runs of loss_mask 1)"
+            )
     cursor, start_cursor = data_span(msg.header)
     gen_s = msg.header.get("gen_s", 0.0)
     peak = msg.header.get("peak_memory_mb")
@@ -119,4 +149,7 @@ def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size:
         turns=msg.header.get("turns"),
         env_rewards=msg.header.get("env_rewards"),
         env_retries=v if type(v := msg.header.get("env_retries")) is int else None,
+        agent_splits=v if type(v := msg.header.get("agent_splits")) is int else None,
+        turn_rewards=turn_rewards,
+        sessions=sessions,
     )

@@ -81,6 +81,8 @@ def episode_metrics(groups: list[Group]) -> dict[str, float]:
         "episodes/mean_model_turns": float(np.mean(turns)),
         "env_retries": max(g.env_retries or 0 for g in groups),
     }
+    if any(g.agent_splits is not None for g in groups):
+        out["agent/splits"] = max(g.agent_splits or 0 for g in groups)
     for reason in sorted(set(reasons)):
         out[f"episodes/finish/{reason}"] = reasons.count(reason) / len(reasons)
     return out
@@ -131,13 +133,17 @@ def function_rewards(groups: list[Group], metric_name: Callable[[str], str]) -> 
 
 
 def completion_rows(
-    step: int, groups: list[Group], advantages: np.ndarray, metric_name: Callable[[str], str]
+    step: int,
+    groups: list[Group],
+    advantages: np.ndarray,
+    metric_name: Callable[[str], str],
+    tokens: bool = False,
 ) -> list[dict[str, Any]]:
     """`completions.jsonl` lines for `groups`, trained at `step`: one per completion, with
-    what a user needs to judge it (docs/run-directory.md)."""
-    size = len(groups[0].completion_ids)
-    rows = []
-    for gi, g in enumerate(groups):
+    what a user needs to judge it (docs/run-directory.md); with `tokens`, the prompt's and
+    the completion's token ids, the loss mask and the behavior logprobs as trained."""
+    rows, first = [], 0  # first: the group's first completion's place in `advantages`
+    for g in groups:
         assert g.rewards is not None  # a batch's groups are scored
         for i, text in enumerate(g.texts):
             rows.append(
@@ -153,10 +159,22 @@ def completion_rows(
                     **({} if g.turns is None else {"turns": g.turns[i]}),
                     "reward": None if np.isnan(g.rewards[i]) else float(g.rewards[i]),  # NaN: unscored
                     "rewards": {metric_name(k): v[i] for k, v in g.rewards_by_function.items()},
-                    "advantage": float(advantages[gi * size + i]),
+                    "advantage": float(advantages[first + i]),
+                    **(token_fields(g, i) if tokens else {}),
                 }
             )
+        first += len(g.texts)
     return rows
+
+
+def token_fields(g: Group, i: int) -> dict[str, Any]:
+    mask = g.loss_masks[i] if g.loss_masks is not None else np.ones(len(g.completion_ids[i]), dtype=np.uint8)
+    return {
+        "prompt_ids": g.prompt_ids.tolist(),
+        "completion_ids": g.completion_ids[i].tolist(),
+        "loss_mask": mask.tolist(),
+        "logprobs": g.logprobs[i].tolist(),
+    }
 
 
 class MetricsFile:
@@ -187,9 +205,11 @@ class CompletionsFile(MetricsFile):
     """`completions.jsonl`: the first `groups` groups of a batch, when one of the steps it
     trains is a multiple of `every` (log.completions_every)."""
 
-    def __init__(self, path: Path, every: int, groups: int, resume_at: int | None = None) -> None:
+    def __init__(
+        self, path: Path, every: int, groups: int, resume_at: int | None = None, tokens: bool = False
+    ) -> None:
         super().__init__(path, resume_at)
-        self.every, self.groups = every, groups
+        self.every, self.groups, self.tokens = every, groups, tokens
 
     def write_batch(
         self,
@@ -200,7 +220,8 @@ class CompletionsFile(MetricsFile):
         metric_name: Callable[[str], str],
     ) -> None:
         if any(s % self.every == 0 for s in range(first_step, first_step + iterations)):
-            for row in completion_rows(first_step, groups[: self.groups], advantages, metric_name):
+            rows = completion_rows(first_step, groups[: self.groups], advantages, metric_name, self.tokens)
+            for row in rows:
                 self.write(row)
 
 

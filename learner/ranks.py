@@ -94,24 +94,28 @@ class Ranks:
             )
         return tree_unflatten(list(zip(names, self.from_rank0([leaves[n] for n in names]))))
 
-    def broadcast(self, command: Command = Command.STOP, a: int = 0, b: int = 0) -> tuple[Command, int, int]:
-        """Rank 0's command and its two numbers (a batch's rows and length, or a count) on
-        every rank; the others pass nothing."""
-        got = self.from_rank0(mx.array([command, a, b], dtype=mx.int32))
-        code, a, b = (int(v) for v in np.array(got))
-        return Command(code), a, b
+    def broadcast(
+        self, command: Command = Command.STOP, a: int = 0, b: int = 0, c: int = 0
+    ) -> tuple[Command, int, int, int]:
+        """Rank 0's command and its three numbers (a batch's rows, length and advantages'
+        rank, or a count) on every rank; the others pass nothing."""
+        got = self.from_rank0(mx.array([command, a, b, c], dtype=mx.int32))
+        code, a, b, c = (int(v) for v in np.array(got))
+        return Command(code), a, b, c
 
     def share_batch(self, batch: Batch, advantages: np.ndarray) -> None:
-        """Rank 0: send the batch to the other ranks."""
+        """Rank 0: send the batch to the other ranks (advantages [B], or [B, T] per token
+        laid out as the batch's mask)."""
         if self.group is not None:
-            self.broadcast(Command.GO, *batch.tokens.shape)
+            rows, length = batch.tokens.shape
+            self.broadcast(Command.GO, rows, length, advantages.ndim)
             adv = mx.array(advantages.astype(np.float32))
             lengths = [mx.array(batch.lengths, mx.int32), mx.array(batch.prompt_lengths, mx.int32)]
             self.from_rank0([batch.tokens, batch.mask, batch.behavior, adv, *lengths])
 
     def receive_batch(self) -> tuple[Batch, np.ndarray] | None:
         """A rank above 0: the next batch from rank 0, or None when it says stop."""
-        command, rows, length = self.broadcast()
+        command, rows, length, adv_ndim = self.broadcast()
         if command == Command.STOP:
             return None
         tokens, mask, behavior, adv, lengths, prompt_lengths = self.from_rank0(
@@ -119,7 +123,7 @@ class Ranks:
                 mx.zeros((rows, length), mx.int32),
                 mx.zeros((rows, length - 1)),
                 mx.zeros((rows, length - 1)),
-                mx.zeros((rows,)),
+                mx.zeros((rows,) if adv_ndim == 1 else (rows, length - 1)),
                 mx.zeros((rows,), mx.int32),
                 mx.zeros((rows,), mx.int32),
             ]
@@ -158,6 +162,9 @@ class Part:
     """This rank's rows of a batch, ready for its optimizer steps."""
 
     def __init__(self, trainer: Trainer, ranks: Ranks, batch: Batch, advantages: np.ndarray) -> None:
+        """`advantages`: [B], or [B, T] per token laid out as the batch's mask: its rows
+        are this rank's as the batch's are (the part's batch may be shorter: a row's
+        positions keep their columns)."""
         n = batch.tokens.shape[0]
         rows = np.arange(ranks.rank * n // ranks.size, (ranks.rank + 1) * n // ranks.size)
         self.trainer, self.ranks = trainer, ranks

@@ -24,6 +24,7 @@ import protocol
 from learner.batching import make_batch
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.evaluation import Evaluator
+from learner.gigpo import batch_advantages
 from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
@@ -86,6 +87,7 @@ class Learner:
                 cfg.log.completions_every,
                 cfg.log.completions_groups,
                 self.step if resume else None,
+                cfg.log.completions_tokens,
             )
             if cfg.log.completions_every
             else None
@@ -162,13 +164,25 @@ class Learner:
         t0, started = time.perf_counter(), time.time()
         train = self.cfg.train
         self.write_status(Phase.STEPPING, since=time.time())  # a stop signal now waits for the step
-        rewards = np.stack([cast(np.ndarray, g.rewards) for g in groups])  # a batch's groups are scored
-        advantages = self.trainer.algorithm.advantages(rewards)
+        size = self.cfg.sampling.group_size
+        rewards = np.stack([g.session_rewards(size) for g in groups])  # a batch's groups are scored
+        by_session = self.trainer.algorithm.advantages(rewards).reshape(len(groups), size)
+        advantages = np.concatenate([g.row_advantages(a) for g, a in zip(groups, by_session)])
         samples = [sample for g in groups for sample in g.samples()]
         batch = make_batch(samples, self.pad_id)
-        self.ranks.share_batch(batch, advantages)
+        trained, gigpo_stats = advantages, cast(dict[str, float], {})  # [B]; with GiGPO, [B, T] per token
+        if (algorithm := self.cfg.algorithm).gigpo_omega > 0:
+            trained, gigpo_stats = batch_advantages(
+                groups,
+                samples,
+                advantages,
+                gamma=algorithm.gigpo_gamma,
+                omega=algorithm.gigpo_omega,
+                scale_rewards=self.trainer.algorithm.scale_rewards,
+            )
+        self.ranks.share_batch(batch, trained)
         with timeline.span("old and reference logprobs", groups=len(groups)):
-            part = Part(self.trainer, self.ranks, batch, advantages)  # this rank's rows: all, alone
+            part = Part(self.trainer, self.ranks, batch, trained)  # this rank's rows: all, alone
         self.num_tokens += batch_tokens(samples)
         if self.completions is not None:
             self.completions.write_batch(
@@ -177,6 +191,7 @@ class Learner:
         shared = {
             **batch_metrics(groups, samples, rewards, advantages, self.step, self.scorer.metric_name),
             **part.stats,
+            **gigpo_stats,
             "num_tokens": self.num_tokens,
         }
         for iteration in range(self.trainer.num_iterations):

@@ -213,14 +213,14 @@ class Trainer:
         Each micro-batch's loss is its rows' summed terms over the whole batch's normaliser,
         so the accumulated gradient equals the full batch's exactly (up to float rounding).
         A learner rank (learner.ranks) passes `all_sum`, which adds every rank's gradients
-        before the clip and the update."""
-        adv = mx.array(advantages.astype(np.float32))
+        before the clip and the update. `advantages`: [B], or [B, T] per token laid out as
+        the batch's mask (GiGPO), which each micro-batch lays out as its own (Micro.per_token)."""
+        adv = mx.array(advantages.astype(np.float32)) if advantages.ndim == 1 else None
         grads, loss, parts = None, 0.0, []
         for m in prepared.micro:
+            rows_adv = adv[mx.array(m.index.astype(np.int32))] if adv is not None else m.per_token(advantages)
             with timeline.span("forward and backward", rows=len(m.index), positions=m.positions):
-                (part_loss, diag), part_grads = self._value_and_grad(
-                    m, adv[mx.array(m.index.astype(np.int32))], prepared.norm
-                )
+                (part_loss, diag), part_grads = self._value_and_grad(m, rows_adv, prepared.norm)
                 grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
                 mx.eval(part_loss, diag, grads)
             loss += scalar(part_loss)

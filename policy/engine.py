@@ -84,6 +84,7 @@ class _Group:
     seed: int = 0  # of its rows' noise
     keep: bool = False  # leave its row's KV cache behind when it ends (an episode's turn)
     kept: _Kept | None = None  # the cache it continues
+    max_tokens: int = 0  # its rows end at this many tokens (the sampling settings' by default)
 
 
 @dataclass
@@ -143,12 +144,14 @@ class Engine:
         noise_ids: list[int],
         seed: int | None = None,
         keep: bool = False,
+        max_tokens: int | None = None,
     ) -> None:
         """A group to decode: one row per noise id, all continuing `prompt_ids`, with the
         noise of `seed` (default: the engine's). `keep` (one row only): when it ends, keep
         its KV cache for the next `add` of `key`, which then prefills only what its prompt
         adds to that cache's tokens (a prompt that does not continue them starts afresh).
-        A static engine keeps nothing."""
+        A static engine keeps nothing. `max_tokens`: where its rows end, at most the
+        sampling settings' (an agent's call asks for fewer)."""
         rows = [_Row(n) for n in noise_ids]
         if keep and len(rows) != 1:
             raise ValueError("only a single-row group can keep its KV cache")
@@ -157,7 +160,13 @@ class Engine:
         if kept is not None and prompt_ids[: len(kept.tokens)] != kept.tokens:
             kept = None
         seed = self.seed if seed is None else seed
-        self.waiting.append(_Group(key, list(prompt_ids), rows, len(rows), seed, keep, kept))
+        cap = self.params.max_tokens if max_tokens is None else min(max_tokens, self.params.max_tokens)
+        self.waiting.append(_Group(key, list(prompt_ids), rows, len(rows), seed, keep, kept, cap))
+
+    def tokens(self) -> dict[Hashable, list[int]]:
+        """The tokens sampled so far by each decoding single-row group, by key (what a
+        streamed response sends as it goes)."""
+        return {entry[0].key: entry[1].tokens for entry in self.live if entry is not None}
 
     def release(self, key: Hashable) -> None:
         """Drop the KV cache kept for `key` (its episode ended)."""
@@ -201,7 +210,7 @@ class Engine:
             row.logprobs.append(logprob)
             row.versions.append(made_by[k])
             row.stopped = token in self.eos_ids
-            if row.stopped or len(row.tokens) == self.params.max_tokens:
+            if row.stopped or len(row.tokens) >= group.max_tokens:
                 group.left -= 1
                 if group.left == 0:
                     done.append(group)

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from protocol.config_sections import ALGORITHM_NAMES as ALGORITHM_NAMES
 from protocol.config_sections import (
     ActorConfig,
+    AgentConfig,
     AlgorithmConfig,
     DataConfig,
     EnvConfig,
@@ -101,6 +102,7 @@ class Config:
     learner: LearnerConfig = LearnerConfig()
     reward: RewardConfig
     env: EnvConfig = EnvConfig()
+    agent: AgentConfig = AgentConfig()
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
@@ -115,14 +117,21 @@ class Config:
     @property
     def max_completion_tokens(self) -> int:
         """The longest completion: `sampling.max_tokens`, or for episodes (model and
-        environment tokens together) `env.max_episode_tokens`."""
+        environment tokens together) `env.max_episode_tokens`, for agent sessions
+        `agent.max_episode_tokens`."""
+        if self.agent.enabled:
+            return self.agent.max_episode_tokens
         return self.env.max_episode_tokens if self.env.environment else self.sampling.max_tokens
 
     @property
     def rollout_array_bytes(self) -> int:
         """The largest array frame a rollout of this run carries: 4 bytes (int32, float32)
         per token of the group's completions, or of the prompt. The rollout socket refuses
-        larger frames (protocol.sockets)."""
+        larger frames (protocol.sockets). An agent session's traces carry the part of their
+        first prompts the group does not share, within the session's budget."""
+        if self.agent.enabled:  # a session's traces: the rest of its first prompt, and its budget
+            row = self.sampling.max_prompt_tokens + self.agent.max_episode_tokens
+            return 4 * self.sampling.group_size * row
         return 4 * max(self.sampling.group_size * self.max_completion_tokens, self.sampling.max_prompt_tokens)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -203,7 +212,11 @@ def validate(raw: dict[str, Any]) -> Config:
         for name in table:
             if name not in known:
                 raise ConfigError(f"unknown key {section}.{name}; known: {', '.join(known)}")
+    agent = raw.get("agent", {})
+    if "reward" not in raw and (agent.get("function") or agent.get("command")):
+        raw = {**raw, "reward": {"functions": ["env"]}}  # an agent's sessions bring their rewards
     cfg = Config(**{name: _section(name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()})
+    _check_agent(cfg)
     reward = cfg.reward
     if reward.weights and len(reward.weights) != len(reward.functions):
         raise ConfigError(
@@ -211,8 +224,8 @@ def validate(raw: dict[str, Any]) -> Config:
         )
     if (cfg.env.environment == "openenv") != (cfg.env.openenv_url is not None):
         raise ConfigError('env.openenv_url goes with env.environment = "openenv", and only with it')
-    if "env" in reward.functions and cfg.env.environment is None:
-        raise ConfigError("reward.functions names 'env', but no env.environment is set")
+    if "env" in reward.functions and cfg.env.environment is None and not cfg.agent.enabled:
+        raise ConfigError("reward.functions names 'env', but no env.environment or [agent] is set")
     if cfg.eval.prompts and cfg.env.environment:
         raise ConfigError(
             "eval.prompts: evaluating episodes with an environment is not supported yet; "
@@ -240,9 +253,25 @@ def validate(raw: dict[str, Any]) -> Config:
             f"{cfg.train.batch_size * cfg.sampling.group_size} completions of a batch "
             "(train.batch_size * sampling.group_size): every rank needs rows to train"
         )
+    if cfg.algorithm.gigpo_omega > 0 and not cfg.env.environment and not cfg.agent.enabled:
+        raise ConfigError(
+            "algorithm.gigpo_omega: GiGPO's step-level advantage needs multi-turn episodes "
+            "(env.environment or an [agent]); set it to 0 for single-turn completions"
+        )
     if cfg.eval.every and not cfg.eval.prompts:
         raise ConfigError("eval.every needs eval.prompts (the held-out prompt rows)")
     return cfg
+
+
+def _check_agent(cfg: Config) -> None:
+    agent = cfg.agent
+    if agent.function is not None and agent.command:
+        raise ConfigError("agent.function and agent.command: name your agent one way, not both")
+    if agent.enabled and cfg.env.environment:
+        raise ConfigError(
+            "[agent] and env.environment: a run's rollouts are agent sessions or environment "
+            "episodes, not both"
+        )
 
 
 # --------------------------------------------------------------------------- files and overrides

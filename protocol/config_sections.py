@@ -236,6 +236,13 @@ class AlgorithmConfig:
         1.0, "SAPO's gate temperature where the advantage is positive", _range(0, lo_open=True)
     )
     sapo_temperature_neg: float = key(1.05, "SAPO's gate temperature elsewhere", _range(0, lo_open=True))
+    gigpo_omega: float = key(
+        0.0,
+        "GiGPO: weight of the step-level advantage added to the episode's, for multi-turn "
+        "episodes (env.environment or an [agent]); 0 = off (see below)",
+        _range(0),
+    )
+    gigpo_gamma: float = key(0.95, "GiGPO: discount of the step rewards' returns", _range(0, 1))
 
 
 @dataclass(frozen=True)
@@ -308,6 +315,11 @@ class LogConfig:
         ),
     )
     project: str = key("mlx-rl-ipc", "the trackio / W&B project; the run is named after its directory")
+    completions_tokens: bool = key(
+        False,
+        "`completions.jsonl` also holds each completion's token ids, loss mask and behavior "
+        "logprobs: exactly what was trained",
+    )
     timeline: bool = key(
         True,
         "every process records its spans (busy, waiting) in RUN/timeline/; "
@@ -376,6 +388,48 @@ class EnvConfig:
     )
 
 
+def _agent_function(v: str) -> str | None:
+    module, _, fn = v.partition(":")
+    return None if module and fn else "must be 'module:function'"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    function: str | None = key(
+        None,
+        "your agent as a Python function `module:function` (beside the config; sync or async), "
+        "called once per session with `row`, `base_url` and `api_key`; it returns the reward",
+        _agent_function,
+        shown="unset",
+    )
+    command: tuple[str, ...] = key(
+        (),
+        "your agent as a program in any language: gets OPENAI_BASE_URL, OPENAI_API_KEY and the "
+        "row as JSON on stdin; prints its reward last (or POSTs it to `/v1/session/reward`)",
+        shown="unset",
+    )
+    timeout_s: float = key(
+        300.0, "a session's deadline, from its start to its reward", _range(0, lo_open=True)
+    )
+    max_attempts: int = key(
+        3, "times a session is started (again after its agent failed) before its group is dropped", _range(1)
+    )
+    max_episode_tokens: int = key(
+        1024,
+        "tokens a session may add after its first prompt, the model's and the agent's together "
+        "(each call is also capped by `sampling.max_tokens`); a call past it ends with `length`",
+        _range(1),
+    )
+    host: str = key(
+        "127.0.0.1", "where the actor serves the sessions' OpenAI API (loopback unless told otherwise)"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run's rollouts are agent sessions."""
+        return self.function is not None or bool(self.command)
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     functions: tuple[str, ...] = key(
@@ -389,7 +443,7 @@ class RewardConfig:
     max_attempts: int = key(5, "dispatches of one request before its group is dropped", _range(1))
     search_path: str | None = key(
         None,
-        "directory searched first for reward and environment modules (relative to the config file)",
+        "directory searched first for reward, environment and agent modules (relative to the config file)",
         shown="the config file's directory",
     )
 

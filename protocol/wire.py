@@ -339,5 +339,17 @@ def _check_episode_fields(msg: Message, g: int) -> None:
         )
     ):
         raise ProtocolError(f"rollout: turns must be {g} lists of {{'role': str, 'content': str}} messages")
+    turn_rewards = h.get("turn_rewards")
+    if turn_rewards is not None and not (
+        isinstance(turn_rewards, list)
+        and len(turn_rewards) == g
+        and all(isinstance(r, list) and all(v is not None and _is_reward(v) for v in r) for r in turn_rewards)
+    ):
+        raise ProtocolError(f"rollout: turn_rewards must be {g} lists of finite numbers")
+    sessions = h.get("sessions")
+    if sessions is not None and not (
+        isinstance(sessions, list) and len(sessions) == g and all(type(v) is int and v >= 0 for v in sessions)
+    ):
+        raise ProtocolError(f"rollout: sessions must be {g} integers >= 0, one per completion")
     if h.get("error") is not None and not isinstance(h["error"], str):
         raise ProtocolError("rollout: field 'error' must be a string")

@@ -169,10 +169,10 @@ def merge_toml(base: str, extra: str) -> str:
     return "\n".join(f"{s}\n" + "\n".join(lines.values()) for s, lines in sections.items()) + "\n"
 
 
-def orchestrator(*args: str, **kw) -> subprocess.Popen:
+def orchestrator(*args: str, cwd: Path = ROOT, **kw) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "orchestrator", *args],
-        cwd=ROOT,
+        cwd=cwd,
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -180,8 +180,8 @@ def orchestrator(*args: str, **kw) -> subprocess.Popen:
     )
 
 
-def run_up(cfg: Path, *args: str, timeout: float = 300) -> tuple[int, str]:
-    proc = orchestrator("up", "--config", str(cfg), *args)
+def run_up(cfg: Path, *args: str, timeout: float = 300, cwd: Path = ROOT) -> tuple[int, str]:
+    proc = orchestrator("up", "--config", str(cfg), *args, cwd=cwd)
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out
 
@@ -362,3 +362,97 @@ def check_chaos(tmp_path: Path, scenario: str) -> None:
         "no process left",
     ):
         assert f"| {check} | PASS |" in out, out
+
+
+TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|end|>"
+    "{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+    "<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}"
+    "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a + b",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            },
+        },
+    }
+]
+
+
+def make_tool_model(out: Path) -> Path:
+    """A tiny random model in `out` whose tokenizer has JSON's characters and a Qwen-style
+    `<tool_call>` template (mlx-lm's `json_tools` format)."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    from policy.tiny import CHARS, EOS, MODEL_CONFIG, SPECIAL_TOKENS, save_model
+
+    chars = CHARS + [c for c in '<>|{}[]"_' if c not in CHARS]
+    config = dict(
+        MODEL_CONFIG, vocab_size=len(SPECIAL_TOKENS) + len(chars), eos_token_id=SPECIAL_TOKENS.index(EOS)
+    )
+    mx.random.seed(0)
+    save_model(out, llama.Model(llama.ModelArgs.from_dict(config)), config, chars)
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    tokenizer_config.update(chat_template=TEMPLATE, tool_parser_type="json_tools")
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return out
+
+
+TOOL_CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+TOOL_PROMPT = [{"role": "user", "content": "add 1 and 2"}]
+
+
+def teach_tool_calls(model_dir: Path, steps: int = 400) -> None:
+    """Train the tool model (all its weights) until it answers `TOOL_PROMPT` with `TOOL_CALL`
+    and the tool's result `3` with `3`: a model that calls a tool, for tests of what
+    happens around the call. Saves the weights in place."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    model, tokenizer = load(str(model_dir))
+    call = {"type": "function", "id": "call_0", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    after = [
+        *TOOL_PROMPT,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "3"},
+    ]
+    pairs = [(TOOL_PROMPT, TOOL_CALL), (after, "3")]
+    rows = []
+    for messages, answer in pairs:
+        prompt = tokenizer.apply_chat_template(
+            messages, tools=TOOLS, add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer.encode(prompt + answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append((ids, len(tokenizer.encode(prompt, add_special_tokens=False))))
+    width = max(len(ids) for ids, _ in rows)
+    tokens = mx.array([ids + [0] * (width - len(ids)) for ids, _ in rows])
+    mask = mx.array([[1.0 if p <= i + 1 < len(ids) else 0.0 for i in range(width - 1)] for ids, p in rows])
+
+    def loss_fn(m):
+        logits = m(tokens[:, :-1])
+        ce = nn.losses.cross_entropy(logits, tokens[:, 1:], reduction="none")
+        return (ce * mask).sum() / mask.sum()
+
+    optimizer = optim.Adam(learning_rate=3e-3)
+    step = nn.value_and_grad(model, loss_fn)
+    for _ in range(steps):
+        loss, grads = step(model)
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), optimizer.state, loss)
+    assert loss.item() < 0.01, f"the tool model did not learn its tool call (loss {loss.item():.3f})"
+    mx.save_safetensors(
+        str(model_dir / "model.safetensors"),
+        dict(tree_flatten(model.parameters())),
+        metadata={"format": "mlx"},
+    )

@@ -95,6 +95,7 @@ def test_example_config_loads_and_resolves():
             "learner",
             "reward",
             "env",
+            "agent",
             "log",
             "eval",
             "run",
@@ -643,7 +644,9 @@ def test_load_run_config_applies_overrides_to_the_saved_config(tmp_path, monkeyp
 
 def test_env_section_is_checked():
     raw = {"model": {"path": "m"}, "data": {"prompts": "p"}, "reward": {"functions": ["env"]}}
-    with pytest.raises(ConfigError, match="reward.functions names 'env', but no env.environment is set"):
+    with pytest.raises(
+        ConfigError, match=r"reward.functions names 'env', but no env.environment or \[agent\] is set"
+    ):
         validate(raw)
     cfg = validate({**raw, "env": {"environment": "digits_env:DigitsEnv"}})
     assert (cfg.env.max_turns, cfg.env.max_episode_tokens, cfg.env.max_attempts) == (4, 256, 3)

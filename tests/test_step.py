@@ -464,7 +464,9 @@ def test_micro_batches_by_length_and_shared_prompts_give_the_padded_update(
     assert ratio < 1.0 or micro > 0  # a row limit may cut a group's rows apart: its prompt runs again
     for label in MODES:
         stats, weights, _, _ = results[label]
-        assert_same_update(padded, w_padded, stats, weights, start, 1e-5)
+        # 2e-5: a sequence-level weight exponentiates a sum over the whole completion, and an
+        # optimized BLAS (OpenBLAS) sums micro-batches in another order than the padded batch.
+        assert_same_update(padded, w_padded, stats, weights, start, 2e-5)
 
 
 def test_gspo_clip_fractions_are_merged_per_completion():

@@ -5,61 +5,24 @@ tokenizer can write JSON and whose template renders tools (mlx-lm's `json_tools`
 
 from __future__ import annotations
 
-import json
 import signal
 
-import mlx.core as mx
 import pytest
 
 from actor.completions import Policy, chat_message
 from policy.model import load_policy
 from policy.sampler import Completion
-from policy.tiny import CHARS, EOS, MODEL_CONFIG, SPECIAL_TOKENS, save_model
 from protocol.config import LoraConfig, SamplingConfig
-from tests.helpers import EXAMPLES, start_server, stop
+from tests.helpers import EXAMPLES, TOOLS, make_tool_model, start_server, stop
 
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
 
 openai = pytest.importorskip("openai")
 
-TEMPLATE = (
-    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|end|>"
-    "{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
-    "<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}"
-    "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "a + b",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-            },
-        },
-    }
-]
-
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory):
-    """A tiny random model whose tokenizer has JSON's characters and a tool-calling template."""
-    from mlx_lm.models import llama
-
-    out = tmp_path_factory.mktemp("tool-model")
-    chars = CHARS + [c for c in '<>|{}[]"_' if c not in CHARS]
-    config = dict(
-        MODEL_CONFIG, vocab_size=len(SPECIAL_TOKENS) + len(chars), eos_token_id=SPECIAL_TOKENS.index(EOS)
-    )
-    mx.random.seed(0)
-    save_model(out, llama.Model(llama.ModelArgs.from_dict(config)), config, chars)
-    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
-    tokenizer_config.update(chat_template=TEMPLATE, tool_parser_type="json_tools")
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return out
+    return make_tool_model(tmp_path_factory.mktemp("tool-model"))
 
 
 def completion_of(tokenizer, text: str) -> Completion:

@@ -1,0 +1,588 @@
+"""Agent sessions: the user's own agent loop, trained through the served API.
+
+An agent is the user's loop around an OpenAI client (`[agent]`): a Python function or a
+program in any language. Each data row runs as G *sessions*, one group. A session is one
+run of the agent with a base URL and an API key of its own (actor/gateway.py serves them);
+its calls decode in the actor's continuous engine beside every other session's, and when
+the agent ends it reports the session's reward.
+
+Token-in, token-out. Every completion keeps the token ids it sampled, their behavior
+logprobs and policy versions; nothing is decoded and encoded again. A chat call whose
+messages are the session's last call's messages plus the reply it got, plus new ones, is
+rendered as the last call's tokens (its prompt and its completion, as sampled) followed by
+the chat template's tokens for the new messages: the model sees its own tokens, its KV
+cache is continued, and the session stays one token sequence (one *trace*) whose model
+tokens are trained and whose other tokens (template, tools, user) are context, masked out
+of the loss. A call that does not continue the last one (the agent rewrote its history) is
+rendered from its messages and starts a new trace of the session, with the session's
+reward (`agent/splits` counts them).
+
+A session that fails (its agent raises, exits non-zero, passes `agent.timeout_s`, or
+never reports a reward) is started again whole with a new key, up to
+`agent.max_attempts`; then its group is sent with `error` and the learner counts it as
+dropped with the reason. Its old key answers 401 from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+from actor.episodes import Renderer
+from actor.rollout import Drawn
+from policy.data import encode_prompt
+from policy.engine import Engine
+from policy.sampler import Completion
+from protocol.config import AgentConfig, SamplingConfig
+from protocol.lifecycle import Lifeline, python_module
+from rewards.functions import import_spec
+
+log = logging.getLogger("actor")
+
+KEY_PREFIX = "sk-session-"
+# A turn's noise differs from the last turn's: its seed is the run's plus this times the call.
+CALL_SEED_STRIDE = 1_000_003
+
+
+class AgentError(ValueError):
+    """The `[agent]` cannot be loaded or started."""
+
+
+class CallRefused(Exception):
+    """A call the gateway answers with an error: its HTTP status and message."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+@dataclass
+class Trace:
+    """One token sequence of a session: the first call's prompt, then context (mask 0) and
+    completions (mask 1)."""
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    calls: int = 0
+    turns: list[dict] = field(default_factory=list)  # chat: the messages after its first prompt's
+    first_messages: int = 0  # chat: how many messages its first call's prompt had
+
+    def add(self, ids: list[int], logprobs: list[float] | None = None, versions: list[int] | None = None):
+        self.ids += ids
+        self.mask += [0 if logprobs is None else 1] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.versions += versions if versions is not None else [0] * len(ids)
+
+
+@dataclass
+class Session:
+    key: str
+    group: AgentGroup
+    index: int  # its place in the group
+    attempt: int
+    deadline: float
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time
+    traces: list[Trace] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)  # the last call's prompt and completion
+    messages: list[dict] | None = None  # the last chat call's messages and its reply
+    tools: Any = None  # the last chat call's tools
+    ended_with_eos: bool = False
+    used: int = 0  # tokens added after the first call's prompt (the budget)
+    finish: str = "stop"
+    reward: float | None = None
+    reported: bool = False
+    failed: str | None = None  # why this attempt failed
+    done: bool = False  # ended (reward reported, or failed)
+    calls: int = 0
+    proc: subprocess.Popen | None = None
+
+    @property
+    def noise(self) -> int:
+        return self.group.drawn.first_noise + self.index
+
+    @property
+    def trace(self) -> Trace:
+        return self.traces[-1]
+
+
+@dataclass
+class AgentGroup:
+    drawn: Drawn
+    sessions: list[Session]
+    started: float
+    lost: str | None = None  # why it cannot be trained: sent with `error`
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def complete(self) -> bool:
+        return self.lost is not None or all(s.done and s.failed is None for s in self.sessions)
+
+
+@dataclass
+class Call:
+    """A call on its way from a gateway thread to the engine and back."""
+
+    session: Session
+    prompt_ids: list[int]
+    max_tokens: int
+    stream: bool
+    events: queue.Queue = field(default_factory=queue.Queue)  # ("tokens", ids), ("done", c), ("error", e)
+    sent: int = 0
+
+
+def load_agent_function(cfg: AgentConfig, search_path: str | None) -> Callable[..., Any]:
+    spec = cast(str, cfg.function)
+    _, name, fn = import_spec(spec, search_path, AgentError, "agent.function")
+    if not callable(fn):
+        raise AgentError(f"agent.function {spec!r}: the module has no function {name!r}")
+    return fn
+
+
+def parse_reward(value: Any) -> float:
+    """A reward as an agent reports it: a number, or a map with `reward`."""
+    if isinstance(value, dict):
+        value = value.get("reward")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"a reward must be a finite number or {{'reward': number}}, got {value!r}")
+    return float(value)
+
+
+def normal_message(m: dict) -> dict:
+    """What makes two messages the same turn: role, text, tool calls and their results."""
+    calls = [
+        (c.get("function", {}).get("name"), _arguments(c.get("function", {}).get("arguments")))
+        for c in m.get("tool_calls") or []
+        if isinstance(c, dict)
+    ]
+    return {
+        "role": m.get("role"),
+        "content": m.get("content") or "",
+        "tool_calls": calls,
+        "tool_call_id": m.get("tool_call_id"),
+    }
+
+
+def _arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+class AgentRunner:
+    """Sessions of agent runs: started per group, their calls decoded in the actor's
+    engine, their traces gathered into rollout groups."""
+
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        search_path: str | None,
+        engine: Engine,
+        tokenizer: Any,
+        eos_ids: set[int],
+        sampling: SamplingConfig,
+        context_limit: int | None,
+    ) -> None:
+        self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+        self.sampling, self.eos_ids, self.context_limit = sampling, eos_ids, context_limit
+        self.search_path = search_path
+        self.function = load_agent_function(cfg, search_path) if cfg.function else None
+        self.renderer = Renderer(tokenizer, eos_ids)
+        self.lock = threading.Lock()  # the sessions' keys and ends, shared with gateway threads
+        self.sessions: dict[str, Session] = {}  # live sessions by key
+        self.groups: list[AgentGroup] = []  # in flight
+        self.inbox: queue.Queue[Call] = queue.Queue()  # calls from the gateway
+        self.decoding: dict[str, Call] = {}  # by session key
+        self.base_url = ""  # set once the gateway listens
+        self.lifeline = Lifeline() if cfg.command else None
+        self.restarted: set[str | None] = set()  # keys of sessions the actor gave up to start over
+        self.retries = 0
+        self.splits = 0
+        self.calls = 0
+
+    # -- the gateway's side (its threads) ---------------------------------------------
+
+    def session(self, key: str | None) -> Session:
+        """The live session of an API key; 401 for any other key."""
+        with self.lock:
+            s = self.sessions.get(key or "")
+            if key in self.restarted:
+                raise CallRefused(503, "the actor started over: this session will start again, whole")
+        if s is None or s.done:
+            raise CallRefused(
+                401, "unknown or expired API key: each session has its own key, valid while it runs"
+            )
+        return s
+
+    def chat_prompt(self, s: Session, messages: list[dict], tools: list | None) -> list[int]:
+        """A chat call's prompt: the session's last call's tokens and the template's for
+        the new messages when it continues that call, else its messages rendered anew
+        (a new trace). Under the session's lock."""
+        normal = [normal_message(m) for m in messages]
+        last = s.messages
+        if last is not None and tools == s.tools and len(normal) > len(last) and normal[: len(last)] == last:
+            try:
+                ids = s.context + self.renderer.continuation(
+                    messages[: len(last)], messages[len(last) :], s.ended_with_eos, tools
+                )
+                return ids
+            except ValueError:
+                pass  # the template renders this history otherwise: a new trace
+        return encode_prompt(self.tokenizer, messages, tools)
+
+    def submit(self, s: Session, prompt_ids: list[int], max_tokens: int | None, stream: bool) -> Call:
+        """Check the call against the session's budget and the model's context, then hand
+        it to the actor's loop."""
+        new_trace = not s.traces or prompt_ids[: len(s.context)] != s.context
+        if not s.traces and len(prompt_ids) > self.sampling.max_prompt_tokens:
+            raise CallRefused(
+                400,
+                f"the session's first prompt is {len(prompt_ids)} tokens, over "
+                f"sampling.max_prompt_tokens = {self.sampling.max_prompt_tokens}",
+                "messages",
+            )
+        added = len(prompt_ids) if new_trace and s.traces else len(prompt_ids) - len(s.context or prompt_ids)
+        room = self.cfg.max_episode_tokens - s.used - added
+        cap = min(self.sampling.max_tokens, max_tokens or self.sampling.max_tokens, max(room, 0))
+        if self.context_limit is not None:
+            cap = min(cap, self.context_limit - len(prompt_ids))
+        if new_trace and s.traces:
+            s.traces.append(Trace(list(prompt_ids)))
+            with self.lock:
+                self.splits += 1
+        elif new_trace:
+            s.traces.append(Trace(list(prompt_ids)))
+        else:
+            s.trace.add(prompt_ids[len(s.context) :])
+        s.used += added
+        call = Call(s, list(prompt_ids), cap, stream)
+        if cap <= 0:
+            s.finish = "length"
+            call.events.put(("done", Completion([], [], "length")))
+            return call
+        self.inbox.put(call)
+        return call
+
+    def record(
+        self, call: Call, c: Completion, messages: list[dict] | None, reply: dict | None, tools
+    ) -> None:
+        """The call's completion (cut at its stop) joins the session's trace. Under the
+        session's lock, before the response goes out."""
+        s, t = call.session, call.session.trace
+        versions = c.versions or [0] * len(c.token_ids)
+        t.add(c.token_ids, c.logprobs, versions[: len(c.token_ids)])
+        if messages is not None and reply is not None:
+            if t.calls == 0:
+                t.first_messages = len(messages)
+            t.turns = [_turn(m) for m in messages[t.first_messages :]] + [_turn(reply)]
+        t.calls += 1
+        s.calls += 1
+        s.used += len(c.token_ids)
+        s.context = call.prompt_ids + c.token_ids
+        s.ended_with_eos = bool(c.token_ids) and c.token_ids[-1] in self.eos_ids
+        if c.finish_reason == "length" and s.used >= self.cfg.max_episode_tokens:
+            s.finish = "length"
+        if messages is not None and reply is not None:
+            s.messages = [normal_message(m) for m in messages] + [normal_message(reply)]
+            s.tools = tools
+        else:
+            s.messages = None
+
+    def report(self, s: Session, value: Any) -> None:
+        """A reward POSTed by the agent (`/v1/session/reward`)."""
+        reward = parse_reward(value)
+        with self.lock:
+            s.reward, s.reported = reward, True
+
+    # -- the actor's side (its loop) ----------------------------------------------------
+
+    def start_group(self, drawn: Drawn) -> None:
+        group = AgentGroup(drawn, [], time.monotonic())
+        for j in range(self.sampling.group_size):
+            group.sessions.append(self.new_session(group, j, 1))
+        self.groups.append(group)
+        for s in group.sessions:
+            self.launch(s)
+
+    def new_session(self, group: AgentGroup, index: int, attempt: int) -> Session:
+        key = KEY_PREFIX + secrets.token_urlsafe(24)
+        s = Session(key, group, index, attempt, time.monotonic() + self.cfg.timeout_s)
+        with self.lock:
+            self.sessions[key] = s
+        return s
+
+    def launch(self, s: Session) -> None:
+        row = {"prompt": s.group.drawn.prompt.prompt, **s.group.drawn.prompt.columns}
+        if self.function is not None:
+            threading.Thread(target=self.run_function, args=(s, row), name="agent", daemon=True).start()
+        else:
+            threading.Thread(target=self.run_command, args=(s, row), name="agent", daemon=True).start()
+
+    def run_function(self, s: Session, row: dict) -> None:
+        fn = cast(Callable[..., Any], self.function)
+        try:
+            result = fn(row=row, base_url=self.base_url, api_key=s.key)
+            if inspect.isawaitable(result):
+                result = asyncio.run(_awaited(result))
+            if result is not None:
+                self.report(s, result)
+            self.end(s, None)
+        except Exception as e:
+            self.end(s, f"the agent raised {type(e).__name__}: {e}")
+
+    def run_command(self, s: Session, row: dict) -> None:
+        env = {**os.environ, "OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": s.key}
+        lifeline = cast(Lifeline, self.lifeline)
+        try:
+            # Its own process group, which the shim ends when we die (by any signal) and
+            # we end when the session is over.
+            proc = subprocess.Popen(
+                [*python_module("actor.agent_shim", str(lifeline.read_fd), "--"), *self.cfg.command],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=self.search_path or None,
+                env=env,
+                pass_fds=(lifeline.read_fd,),
+                start_new_session=True,
+                text=True,
+            )
+        except OSError as e:
+            self.end(s, f"agent.command cannot start: {e}")
+            return
+        s.proc = proc
+        out, err = proc.communicate(json.dumps(row) + "\n")
+        if proc.returncode != 0:
+            tail = " | ".join(err.strip().splitlines()[-3:])
+            self.end(s, f"the agent exited with code {proc.returncode}{': ' + tail if tail else ''}")
+            return
+        lines = [line for line in out.splitlines() if line.strip()]
+        if not s.reported and lines:
+            try:
+                self.report(s, json.loads(lines[-1]))
+            except ValueError:
+                pass  # not a reward: the end says so
+        self.end(s, None)
+
+    def end(self, s: Session, failure: str | None) -> None:
+        with self.lock:
+            if s.done:
+                return
+            if failure is None and not s.reported:
+                failure = "the agent ended without reporting a reward"
+            s.failed, s.done = failure, True
+
+    def fail_overdue(self) -> None:
+        now = time.monotonic()
+        for g in self.groups:
+            for s in g.sessions:
+                if not s.done and now > s.deadline:
+                    self.end(s, f"the session passed agent.timeout_s = {self.cfg.timeout_s:g} s")
+                    _kill(s.proc)
+
+    def pump(self, version: int) -> list[AgentGroup]:
+        """Take the calls that arrived, decode one step, answer the calls that ended;
+        start failed sessions again; return the groups whose every session ended."""
+        engine = self.engine
+        while True:
+            try:
+                call = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            s = call.session
+            if s.done:
+                why = (
+                    (503, "the actor started over")
+                    if s.key in self.restarted
+                    else (401, "the session has ended")
+                )
+                call.events.put(("error", CallRefused(*why)))
+                continue
+            seed = self.sampling.seed + CALL_SEED_STRIDE * s.calls
+            engine.add(s.key, call.prompt_ids, [s.noise], seed, keep=True, max_tokens=call.max_tokens)
+            self.decoding[s.key] = call
+            self.calls += 1
+        if engine.busy:
+            for key, (c,) in engine.step(version):
+                self.decoding.pop(cast(str, key)).events.put(("done", c))
+            for key, tokens in engine.tokens().items():
+                streamed = self.decoding.get(cast(str, key))
+                if streamed is not None and streamed.stream and len(tokens) > streamed.sent:
+                    streamed.events.put(("tokens", tokens[streamed.sent :]))
+                    streamed.sent = len(tokens)
+        self.fail_overdue()
+        return self.collect()
+
+    def collect(self) -> list[AgentGroup]:
+        done = []
+        for g in self.groups:
+            for s in list(g.sessions):
+                if s.done and s.failed is not None and g.lost is None:
+                    self.retry(g, s)
+            if g.complete:
+                done.append(g)
+        for g in done:
+            self.groups.remove(g)
+            for s in g.sessions:
+                self.forget(s)
+        return done
+
+    def retry(self, g: AgentGroup, s: Session) -> None:
+        self.forget(s)
+        if s.attempt >= self.cfg.max_attempts:
+            log.error(
+                "session %d of data row %s: %s; %d attempts used, its group is dropped",
+                s.index,
+                g.drawn.prompt.index,
+                s.failed,
+                s.attempt,
+            )
+            g.lost = f"agent: {s.failed} ({s.attempt} attempts)"
+            return
+        log.warning(
+            "session %d of data row %s: %s; starting it again", s.index, g.drawn.prompt.index, s.failed
+        )
+        self.retries += 1
+        again = self.new_session(g, s.index, s.attempt + 1)
+        g.sessions[s.index] = again
+        self.launch(again)
+
+    def forget(self, s: Session) -> None:
+        """The session's key expires, and its kept KV cache goes."""
+        with self.lock:
+            s.done = True
+            self.sessions.pop(s.key, None)
+        self.engine.release(s.key)
+        _kill(s.proc)
+
+    def clear(self) -> None:
+        """Forget every group in flight (the learner's data cursor moved): their sessions'
+        keys expire, and their agents' calls fail from now on."""
+        for g in self.groups:
+            for s in g.sessions:
+                self.forget(s)
+                with self.lock:
+                    self.restarted.add(s.key)
+        self.groups.clear()
+        for call in self.decoding.values():
+            call.events.put(
+                ("error", CallRefused(503, "the actor started over: this session will start again, whole"))
+            )
+        self.decoding.clear()
+        self.engine.clear()
+
+    def close(self) -> None:
+        self.clear()
+        if self.lifeline is not None:
+            self.lifeline.close()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.groups)
+
+    def fields(self, g: AgentGroup, decode: Callable[[list[int]], str]) -> tuple[dict, dict]:
+        """The rollout's fields and arrays of a group: one completion per trace, each with
+        its session's reward (`sessions` maps them when a session split). The group's
+        prompt is what every trace starts with; the rest of a trace's first prompt is
+        context, as its later calls' new tokens are."""
+        rows = [(j, t) for j, s in enumerate(g.sessions) for t in s.traces] if g.lost is None else []
+        if not rows:  # lost, or a session without a call: nothing to train
+            rows = [(j, Trace([0])) for j in range(len(g.sessions))]
+        traces = [t for _, t in rows]
+        prompt = _common_prefix([t.prompt_ids for t in traces])
+        heads = [t.prompt_ids[len(prompt) :] for t in traces]
+        last = {j: t for j, t in rows}  # each session's last trace ends as the session did
+        header: dict[str, Any] = {
+            "texts": [decode([i for i, m in zip(t.ids, t.mask) if m]) for t in traces],
+            "finish_reasons": [g.sessions[j].finish if last[j] is t else "stop" for j, t in rows],
+            "turns": [t.turns for t in traces],
+            "env_rewards": [g.sessions[j].reward for j, _ in rows],
+            "agent_splits": self.splits,
+        }
+        if len(rows) != len(g.sessions):
+            header["sessions"] = [j for j, _ in rows]
+        if g.lost is not None:
+            header["error"] = g.lost
+        elif not all(any(t.mask) for t in traces):
+            header["error"] = "a session ended before the model's first completion"
+        elif not prompt:  # the learner would read a token the model never saw
+            header["error"] = "the sessions' first prompts do not start with the same token"
+        arrays: dict[str, np.ndarray] = {
+            "prompt_ids": np.array(prompt or [0], dtype=np.int32),
+            "completion_ids": np.array(sum((h + t.ids for h, t in zip(heads, traces)), []), dtype=np.int32),
+            "completion_lens": np.array([len(h) + len(t.ids) for h, t in zip(heads, traces)], dtype=np.int32),
+            "logprobs": np.array(
+                sum(([0.0] * len(h) + t.logprobs for h, t in zip(heads, traces)), []), np.float32
+            ),
+            "loss_mask": np.array(sum(([0] * len(h) + t.mask for h, t in zip(heads, traces)), []), np.uint8),
+            "policy_versions": np.array(
+                sum(([_oldest(t)] * len(h) + _fill(t) for h, t in zip(heads, traces)), []), np.int32
+            ),
+        }
+        if not arrays["completion_ids"].size:  # a group lost before any call: nothing sampled
+            del arrays["policy_versions"]
+        return header, arrays
+
+
+def _oldest(t: Trace) -> int:
+    return min((v for v, m in zip(t.versions, t.mask) if m), default=0)
+
+
+def _fill(t: Trace) -> list[int]:
+    """A trace's versions, its context tokens given its oldest sampled token's (the learner
+    counts only sampled tokens' versions)."""
+    oldest = _oldest(t)
+    return [v if m else oldest for v, m in zip(t.versions, t.mask)]
+
+
+def _common_prefix(seqs: list[list[int]]) -> list[int]:
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    for i in range(n):
+        if any(s[i] != first[i] for s in seqs):
+            return first[:i]
+    return first[:n]
+
+
+def _turn(m: dict) -> dict:
+    out = {"role": str(m.get("role")), "content": m.get("content") or ""}
+    if m.get("tool_calls"):
+        out["tool_calls"] = m["tool_calls"]
+    return out
+
+
+async def _awaited(result: Any) -> Any:
+    return await result
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    """End an agent program and whatever it started (its process group)."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
