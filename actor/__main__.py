@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
+from typing import cast
 
 import typer
 
@@ -83,26 +86,43 @@ def sample(
 
 @app.command("eval")
 def eval_(
-    config: str = typer.Option(..., "--config", "-c", help="TOML run config with an [eval] section."),
+    config: str | None = typer.Option(None, "--config", "-c", help="TOML run config with an eval section."),
     adapter: str | None = typer.Option(None, help="mlx-lm adapter directory; default: the base model."),
     set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value."),
+    run_dir: str | None = typer.Option(
+        None, help="Evaluate for a run (`up` does, with an agent): its config, its metrics."
+    ),
+    metrics_step: int | None = typer.Option(
+        None, help="With --run-dir: append the figures to RUN/metrics.jsonl as this step's."
+    ),
 ) -> None:
     """Evaluate on the held-out prompts: the eval/* numbers a training run logs. With an
-    agent, each prompt row runs as eval.num_samples sessions of it."""
-    from protocol.config import ConfigError, load_config
+    agent or an environment, each prompt row runs as eval.num_samples sessions or
+    episodes."""
+    from protocol.config import ConfigError, load_config, load_run_config
 
     with config_errors():
-        cfg = load_config(config, set_)
+        if (config is None) == (run_dir is None):
+            raise ConfigError("give --config, or --run-dir for a run's own")
+        if run_dir is not None:
+            lifecycle.watch_lifeline()  # started by `up`: it ends with it
+        cfg = load_config(config, set_) if config else load_run_config(cast(str, run_dir), set_)
         if not cfg.eval.prompts:
             raise ConfigError("eval.prompts is not set (the held-out prompt rows)")
-    from actor.sample import run_agent_eval, run_eval
+    from actor.sample import run_agent_eval, run_env_eval, run_eval
     from policy.data import DataError
 
+    evaluate = run_agent_eval if cfg.agent.enabled else run_env_eval if cfg.env.environment else run_eval
     try:
-        summary = run_agent_eval(cfg, adapter) if cfg.agent.enabled else run_eval(cfg, adapter)
+        summary = evaluate(cfg, adapter)
     except (DataError, FileNotFoundError) as e:
         lifecycle.fail(f"error: {e}")
     show_summary(summary)
+    if run_dir is not None and metrics_step is not None:
+        figures = {("eval/tokens_per_s" if k == "tokens_per_s" else k): v for k, v in summary.items()}
+        line = {"step": metrics_step, "policy_version": metrics_step, **figures}
+        with open(Path(run_dir) / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 @app.command()

@@ -26,10 +26,12 @@ dropped with the reason. Its old key answers 401 from then on.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import logging
 import math
+import numbers
 import os
 import queue
 import secrets
@@ -44,7 +46,7 @@ from typing import Any, cast
 import numpy as np
 
 from actor.episodes import Renderer
-from actor.rollout import Drawn
+from actor.rollout import Drawn, rewards_per_run
 from policy.data import encode_prompt
 from policy.engine import Engine
 from policy.sampler import Completion
@@ -57,6 +59,7 @@ log = logging.getLogger("actor")
 KEY_PREFIX = "sk-session-"
 # A turn's noise differs from the last turn's: its seed is the run's plus this times the call.
 CALL_SEED_STRIDE = 1_000_003
+CALLS_PER_ATTEMPT = 1_000  # an attempt's calls draw apart from the attempt before
 
 
 class AgentError(ValueError):
@@ -84,6 +87,8 @@ class Trace:
     calls: int = 0
     turns: list[dict] = field(default_factory=list)  # chat: the messages after its first prompt's
     first_messages: int = 0  # chat: how many messages its first call's prompt had
+    call_starts: list[int] = field(default_factory=list)  # where each call's completion starts in `ids`
+    call_numbers: list[int] = field(default_factory=list)  # and which of the session's calls it is
 
     def add(self, ids: list[int], logprobs: list[float] | None = None, versions: list[int] | None = None):
         self.ids += ids
@@ -108,6 +113,7 @@ class Session:
     used: int = 0  # tokens added after the first call's prompt (the budget)
     finish: str = "stop"
     reward: float | None = None
+    turn_rewards: list[float] | None = None  # one per call, if the agent gave them (GiGPO)
     reported: bool = False
     failed: str | None = None  # why this attempt failed
     done: bool = False  # ended (reward reported, or failed)
@@ -156,16 +162,34 @@ def load_agent_function(cfg: AgentConfig, search_path: str | None) -> Callable[.
     _, name, fn = import_spec(spec, search_path, AgentError, "agent.function")
     if not callable(fn):
         raise AgentError(f"agent.function {spec!r}: the module has no function {name!r}")
+    try:
+        inspect.signature(fn).bind(row={}, base_url="", api_key="")
+    except TypeError as e:
+        raise AgentError(
+            f"agent.function {spec!r} must take the keyword arguments row, base_url and api_key ({e})"
+        ) from None
+    except ValueError:
+        pass  # no signature to read (a builtin): its first call will tell
     return fn
 
 
-def parse_reward(value: Any) -> float:
-    """A reward as an agent reports it: a number, or a map with `reward`."""
-    if isinstance(value, dict):
-        value = value.get("reward")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"a reward must be a finite number or {{'reward': number}}, got {value!r}")
-    return float(value)
+def _number(value: Any) -> bool:
+    """A finite real number (NumPy's too), not a bool."""
+    return (
+        isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value)
+    )
+
+
+def parse_reward(value: Any) -> tuple[float, list[float] | None]:
+    """A reward as an agent reports it: a number, or a map with `reward` (and, for GiGPO,
+    `turn_rewards`: one number per call of the session)."""
+    turns = value.get("turn_rewards") if isinstance(value, dict) else None
+    reward = value.get("reward") if isinstance(value, dict) else value
+    if not _number(reward):
+        raise ValueError(f"a reward must be a finite number or {{'reward': number}}, got {reward!r}")
+    if turns is not None and not (isinstance(turns, list) and all(_number(v) for v in turns)):
+        raise ValueError(f"turn_rewards must be a list of finite numbers, one per call, got {turns!r}")
+    return float(cast(float, reward)), None if turns is None else [float(v) for v in turns]
 
 
 def normal_message(m: dict) -> dict:
@@ -210,6 +234,8 @@ class AgentRunner:
         self.sampling, self.eos_ids, self.context_limit = sampling, eos_ids, context_limit
         self.search_path = search_path
         self.function = load_agent_function(cfg, search_path) if cfg.function else None
+        for name in ("httpx", "openai"):  # a Python agent's client: a log line per call otherwise
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.renderer = Renderer(tokenizer, eos_ids)
         self.lock = threading.Lock()  # the sessions' keys and ends, shared with gateway threads
         self.sessions: dict[str, Session] = {}  # live sessions by key
@@ -255,8 +281,10 @@ class AgentRunner:
 
     def submit(self, s: Session, prompt_ids: list[int], max_tokens: int | None, stream: bool) -> Call:
         """Check the call against the session's budget and the model's context, then hand
-        it to the actor's loop."""
-        new_trace = not s.traces or prompt_ids[: len(s.context)] != s.context
+        it to the actor's loop. Nothing of the session changes until `record`: a call that
+        fails leaves no trace."""
+        if s.done:
+            raise CallRefused(401, "the session has ended")
         if not s.traces and len(prompt_ids) > self.sampling.max_prompt_tokens:
             raise CallRefused(
                 400,
@@ -264,34 +292,50 @@ class AgentRunner:
                 f"sampling.max_prompt_tokens = {self.sampling.max_prompt_tokens}",
                 "messages",
             )
-        added = len(prompt_ids) if new_trace and s.traces else len(prompt_ids) - len(s.context or prompt_ids)
-        room = self.cfg.max_episode_tokens - s.used - added
-        cap = min(self.sampling.max_tokens, max_tokens or self.sampling.max_tokens, max(room, 0))
+        room = self.cfg.max_episode_tokens - s.used - self.added(s, prompt_ids)
+        cap = min(max_tokens or self.sampling.max_tokens, self.sampling.max_tokens, max(room, 0))
         if self.context_limit is not None:
             cap = min(cap, self.context_limit - len(prompt_ids))
-        if new_trace and s.traces:
-            s.traces.append(Trace(list(prompt_ids)))
-            with self.lock:
-                self.splits += 1
-        elif new_trace:
-            s.traces.append(Trace(list(prompt_ids)))
-        else:
-            s.trace.add(prompt_ids[len(s.context) :])
-        s.used += added
         call = Call(s, list(prompt_ids), cap, stream)
-        if cap <= 0:
+        if cap <= 0:  # the budget is spent: an empty reply, and the session's trace ends
             s.finish = "length"
             call.events.put(("done", Completion([], [], "length")))
             return call
         self.inbox.put(call)
         return call
 
+    def added(self, s: Session, prompt_ids: list[int]) -> int:
+        """What a call's prompt adds to the session's budget: the tokens after its last
+        call's, or a new trace's whole prompt (a session's first prompt is free)."""
+        if not s.traces:
+            return 0
+        return len(prompt_ids) - len(s.context) if self.continues(s, prompt_ids) else len(prompt_ids)
+
+    @staticmethod
+    def continues(s: Session, prompt_ids: list[int]) -> bool:
+        return bool(s.traces) and prompt_ids[: len(s.context)] == s.context
+
     def record(
         self, call: Call, c: Completion, messages: list[dict] | None, reply: dict | None, tools
     ) -> None:
-        """The call's completion (cut at its stop) joins the session's trace. Under the
-        session's lock, before the response goes out."""
-        s, t = call.session, call.session.trace
+        """The call joins the session: its prompt's new tokens as context (or a new trace)
+        and its completion (cut at its stop) as sampled. Under the session's lock, before
+        the response goes out; a call that sampled nothing (the budget was spent) adds
+        nothing."""
+        s = call.session
+        if not c.token_ids:
+            return
+        s.used += self.added(s, call.prompt_ids) + len(c.token_ids)
+        if self.continues(s, call.prompt_ids):
+            s.trace.add(call.prompt_ids[len(s.context) :])
+        else:
+            if s.traces:
+                with self.lock:
+                    self.splits += 1
+            s.traces.append(Trace(list(call.prompt_ids)))
+        t = s.trace
+        t.call_starts.append(len(t.ids))
+        t.call_numbers.append(s.calls)
         versions = c.versions or [0] * len(c.token_ids)
         t.add(c.token_ids, c.logprobs, versions[: len(c.token_ids)])
         if messages is not None and reply is not None:
@@ -300,9 +344,8 @@ class AgentRunner:
             t.turns = [_turn(m) for m in messages[t.first_messages :]] + [_turn(reply)]
         t.calls += 1
         s.calls += 1
-        s.used += len(c.token_ids)
         s.context = call.prompt_ids + c.token_ids
-        s.ended_with_eos = bool(c.token_ids) and c.token_ids[-1] in self.eos_ids
+        s.ended_with_eos = c.token_ids[-1] in self.eos_ids
         if c.finish_reason == "length" and s.used >= self.cfg.max_episode_tokens:
             s.finish = "length"
         if messages is not None and reply is not None:
@@ -313,9 +356,9 @@ class AgentRunner:
 
     def report(self, s: Session, value: Any) -> None:
         """A reward POSTed by the agent (`/v1/session/reward`)."""
-        reward = parse_reward(value)
+        reward, turns = parse_reward(value)
         with self.lock:
-            s.reward, s.reported = reward, True
+            s.reward, s.turn_rewards, s.reported = reward, turns, True
 
     # -- the actor's side (its loop) ----------------------------------------------------
 
@@ -335,7 +378,8 @@ class AgentRunner:
         return s
 
     def launch(self, s: Session) -> None:
-        row = {"prompt": s.group.drawn.prompt.prompt, **s.group.drawn.prompt.columns}
+        # A copy per session: an agent that appends to row["prompt"] changes only its own.
+        row = copy.deepcopy({"prompt": s.group.drawn.prompt.prompt, **s.group.drawn.prompt.columns})
         if self.function is not None:
             threading.Thread(target=self.run_function, args=(s, row), name="agent", daemon=True).start()
         else:
@@ -374,9 +418,16 @@ class AgentRunner:
             self.end(s, f"agent.command cannot start: {e}")
             return
         s.proc = proc
-        out, err = proc.communicate(json.dumps(row) + "\n")
+        if s.done:  # it ended (timed out) while the program started
+            _kill(proc)
+        try:
+            out, err = proc.communicate(json.dumps(row, allow_nan=False) + "\n")
+        except (ValueError, OSError) as e:  # a row JSON cannot carry; a program gone
+            _kill(proc)
+            self.end(s, f"the row could not be given to the agent: {e}")
+            return
         if proc.returncode != 0:
-            tail = " | ".join(err.strip().splitlines()[-3:])
+            tail = " | ".join(err.strip().splitlines()[-5:])
             self.end(s, f"the agent exited with code {proc.returncode}{': ' + tail if tail else ''}")
             return
         lines = [line for line in out.splitlines() if line.strip()]
@@ -384,7 +435,8 @@ class AgentRunner:
             try:
                 self.report(s, json.loads(lines[-1]))
             except ValueError:
-                pass  # not a reward: the end says so
+                self.end(s, f"the agent's last line is no reward: {lines[-1][:200]!r}")
+                return
         self.end(s, None)
 
     def end(self, s: Session, failure: str | None) -> None:
@@ -393,6 +445,8 @@ class AgentRunner:
                 return
             if failure is None and not s.reported:
                 failure = "the agent ended without reporting a reward"
+            if failure is None and s.turn_rewards is not None and len(s.turn_rewards) != s.calls:
+                failure = f"the agent gave {len(s.turn_rewards)} turn_rewards for its {s.calls} calls"
             s.failed, s.done = failure, True
 
     def fail_overdue(self) -> None:
@@ -421,13 +475,20 @@ class AgentRunner:
                 )
                 call.events.put(("error", CallRefused(*why)))
                 continue
-            seed = self.sampling.seed + CALL_SEED_STRIDE * s.calls
+            # A session started again draws anew: a failure of the model's own doing would repeat.
+            if s.key in self.decoding:  # the gateway holds the session's lock: a bug if so
+                call.events.put(("error", CallRefused(409, "a call of this session is still decoding")))
+                continue
+            seed = self.sampling.seed + CALL_SEED_STRIDE * (s.calls + CALLS_PER_ATTEMPT * (s.attempt - 1))
             engine.add(s.key, call.prompt_ids, [s.noise], seed, keep=True, max_tokens=call.max_tokens)
             self.decoding[s.key] = call
             self.calls += 1
         if engine.busy:
             for key, (c,) in engine.step(version):
-                self.decoding.pop(cast(str, key)).events.put(("done", c))
+                call = self.decoding.pop(cast(str, key))
+                call.events.put(("done", c))
+                if call.session.done:  # it ended while this call decoded: no cache to keep
+                    engine.release(key)
             for key, tokens in engine.tokens().items():
                 streamed = self.decoding.get(cast(str, key))
                 if streamed is not None and streamed.stream and len(tokens) > streamed.sent:
@@ -524,6 +585,15 @@ class AgentRunner:
         }
         if len(rows) != len(g.sessions):
             header["sessions"] = [j for j, _ in rows]
+        if g.lost is None and all(s.turn_rewards is not None for s in g.sessions):
+            header["turn_rewards"] = [
+                rewards_per_run(
+                    [0] * len(h) + t.mask,
+                    [len(h) + at for at in t.call_starts],
+                    [cast(list, g.sessions[j].turn_rewards)[n] for n in t.call_numbers],
+                )
+                for (j, t), h in zip(rows, heads)
+            ]
         if g.lost is not None:
             header["error"] = g.lost
         elif not all(any(t.mask) for t in traces):

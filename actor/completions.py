@@ -137,7 +137,8 @@ class Policy:
         for k in range(len(c.token_ids) + 1):  # the fewest tokens whose text reaches the stop
             if len(self.tokenizer.decode(c.token_ids[:k], skip_special_tokens=True)) >= at:
                 break
-        return Completion(c.token_ids[:k], c.logprobs[:k], "stop"), text[:at]
+        versions = c.versions[:k] if c.versions is not None else None
+        return Completion(c.token_ids[:k], c.logprobs[:k], "stop", versions), text[:at]
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -42,6 +42,7 @@ import mlx.nn as nn
 import numpy as np
 
 import protocol
+from actor.rollout import rewards_per_run
 from policy.data import DataError, Prompt
 from policy.engine import Engine
 from protocol.config import EnvConfig, SamplingConfig
@@ -155,6 +156,8 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # behavior logprobs, 0 for the environment's
     turns: list[dict] = field(default_factory=list)  # {"role", "content"} per turn after the prompt
     rewards: list[float] = field(default_factory=list)  # what the environment returned
+    turn_starts: list[int] = field(default_factory=list)  # where each model turn starts in `ids`
+    turn_rewards: list[float] = field(default_factory=list)  # the environment's, per model turn
     finish: str | None = None
     model_turns: int = 0
     worker: Holder | None = None  # the env worker (its attachment) that holds the episode
@@ -171,6 +174,7 @@ class Episode:
     def restart(self) -> None:
         """Back to before `reset` (only between turns: never while its turn is in the engine)."""
         self.ids, self.mask, self.logprobs, self.turns, self.rewards = [], [], [], [], []
+        self.turn_starts, self.turn_rewards = [], []
         self.finish, self.model_turns, self.worker, self.waiting = None, 0, None, False
 
     def add(self, ids: list[int], logprobs: list[float] | None = None) -> None:
@@ -206,6 +210,12 @@ class EpisodeGroup:
             "turns": [e.turns for e in eps],
             "env_rewards": [sum(e.rewards) if e.rewards else None for e in eps],
         }
+        if all(e.rewards and any(e.mask) for e in eps):  # GiGPO's step rewards
+            reset = [sum(e.rewards) - sum(e.turn_rewards) for e in eps]  # what `reset` returned
+            header["turn_rewards"] = [
+                rewards_per_run(e.mask, e.turn_starts, [e.turn_rewards[0] + r, *e.turn_rewards[1:]])
+                for e, r in zip(eps, reset)
+            ]
         if self.error:
             header["error"] = self.error
         arrays = {
@@ -323,6 +333,8 @@ class EpisodeRunner:
         environment judges it); one cut by the episode's budget ends the episode."""
         room = self.env.max_episode_tokens - len(e.ids)
         ids, logprobs = ids[:room], logprobs[:room]
+        e.turn_starts.append(len(e.ids))
+        e.turn_rewards.append(0.0)  # until the environment's answer to it
         e.add(ids, logprobs)
         e.model_turns += 1
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -367,6 +379,8 @@ class EpisodeRunner:
     def observe(self, e: Episode, reply: dict, first: bool) -> None:
         if reply.get("reward") is not None:
             e.rewards.append(float(reply["reward"]))
+            if e.turn_rewards:  # the answer to a model turn (one at reset counts for the first)
+                e.turn_rewards[-1] += float(reply["reward"])
         if reply.get("error") is not None:
             log.warning("episode %s: the environment says: %s", e.episode_id, reply["error"])
             if first:  # nothing to train on: the group is dropped, with the environment's words

@@ -172,16 +172,21 @@ class Handler(BaseHTTPRequestHandler):
             call = runner.submit(s, prompt_ids, max_tokens, stream)
             chunks = Chunks(self, chat, policy.name, stops, tools) if stream else None
             try:
+                # The lock is held until the call has ended, even if the agent hung up:
+                # a session's calls never decode side by side.
                 c = self.wait(call, chunks)
-            except CallRefused as e:
+                cut, text = policy.cut(c, stops)
+                reply, finish = chat_message(policy, cut, text, tools) if chat else (None, cut.finish_reason)
+                runner.record(call, cut, messages, reply, tools)
+            except Exception as e:
                 if chunks is None or not chunks.started:
                     raise
-                chunks.fail(e.status, str(e))  # the 200 is sent: the error goes in the stream
+                status = e.status if isinstance(e, CallRefused) else 500
+                if status == 500:
+                    log.exception("a streamed call failed")
+                chunks.fail(status, str(e))  # the 200 is sent: the error goes in the stream
                 return
-            cut, text = policy.cut(c, stops)
-            reply, finish = chat_message(policy, cut, text, tools) if chat else (None, cut.finish_reason)
-            runner.record(call, cut, messages, reply, tools)
-        version = min(cut.versions or [0], default=0) if cut.versions else policy.policy_version
+        version = min(cut.versions) if cut.versions else policy.policy_version
         if chunks is not None:
             chunks.finish(cut, text, reply, finish, prompt_ids, version)
             return
@@ -218,14 +223,19 @@ class Chunks:
         self.sent = ""  # the text sent so far
         self.held = bool(tools)  # no more text until the end: with tools, or past a stop
         self.started = False  # the 200 and the headers are sent (with the first event)
+        self.gone = False  # the agent hung up
 
     def start(self) -> None:
         h, self.started = self.h, True
-        h.send_response(200)
-        h.send_header("Content-Type", "text/event-stream")
-        h.send_header("Cache-Control", "no-cache")
-        h.send_header("Transfer-Encoding", "chunked")
-        h.end_headers()
+        try:
+            h.send_response(200)
+            h.send_header("Content-Type", "text/event-stream")
+            h.send_header("Cache-Control", "no-cache")
+            h.send_header("Transfer-Encoding", "chunked")
+            h.end_headers()
+        except OSError:
+            self.gone = True
+            return
         if self.chat:
             self.event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
 
@@ -236,8 +246,13 @@ class Chunks:
 
     def end(self) -> None:
         self.write("data: [DONE]\n\n")
-        self.h.wfile.write(b"0\r\n\r\n")
-        self.h.wfile.flush()
+        if self.gone:
+            return
+        try:
+            self.h.wfile.write(b"0\r\n\r\n")
+            self.h.wfile.flush()
+        except OSError:
+            self.gone = True
 
     def event(self, choices: list[dict], **extra: Any) -> None:
         if not self.started:
@@ -253,9 +268,17 @@ class Chunks:
         self.write(f"data: {json.dumps({**body, **extra})}\n\n")
 
     def write(self, text: str) -> None:
+        """One chunk; once the agent has hung up, nothing (the call still ends, and is kept:
+        its tokens were sampled)."""
+        if self.gone:
+            return
         data = text.encode()
-        self.h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        self.h.wfile.flush()
+        try:
+            self.h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.h.wfile.flush()
+        except OSError:  # BrokenPipeError, ConnectionResetError
+            self.gone = True
+            self.h.close_connection = True
 
     def text(self, delta: str, finish: str | None = None, **more: Any) -> dict:
         if self.chat:

@@ -53,6 +53,20 @@ def completion_fields(
     return fields, arrays
 
 
+def rewards_per_run(mask: list[int], starts: list[int], rewards: list[float]) -> list[float]:
+    """A completion's `turn_rewards` (PROTOCOL.md): one per run of `loss_mask` 1, which is
+    what the learner counts as a model turn. Each model turn (its first token's place in
+    the completion, and its reward) adds to the run it starts in; a turn that sampled
+    nothing, or that joined its neighbour (no context between them), adds to the run
+    before it."""
+    runs = [k for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1])]
+    out = [0.0] * len(runs)
+    for start, reward in zip(starts, rewards):
+        at = sum(r <= start for r in runs) - 1  # the last run that starts at or before it
+        out[max(at, 0)] += reward
+    return out
+
+
 def rollout_header(
     drawn: Drawn,
     group_id: str,

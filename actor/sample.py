@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
+import numpy as np
 import zmq
 
+import protocol
 from actor.agents import AgentError, AgentRunner
 from actor.completions import Policy
+from actor.env_workers import env_worker_args
+from actor.episodes import EpisodeRunner
 from actor.gateway import Gateway
 from actor.rollout import Drawn
 from policy.data import DataError, load_prompts
@@ -32,8 +37,11 @@ from policy.evaluation import (
     sample_prompts,
     summarize,
 )
+from policy.logprobs import plain_caches
 from policy.model import dequantizes, load_policy
 from protocol.config import Config, LoraConfig
+from protocol.lifecycle import Lifeline, child_env, python_module
+from protocol.workers import WorkerPool
 from rewards.functions import RewardError
 from rewards.scorer import Scored, Scorer
 
@@ -151,8 +159,8 @@ def run_agent_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.s
     """`actor eval` of a config with an [agent]: each held-out row runs as
     `eval.num_samples` sessions of the agent, served from one continuous engine (at most
     MAX_EVAL_ROWS sessions at once); a session passes when its reward is at least
-    `eval.pass_threshold`. A row whose sessions all failed `agent.max_attempts` times is
-    counted unscored (and fails)."""
+    `eval.pass_threshold`. A session that failed `agent.max_attempts` times fails; a row
+    none of whose sessions could report is counted unscored."""
     model, tok = load_model(cfg, adapter)
     n = cfg.eval.num_samples
     params = dataclasses.replace(eval_sampling(cfg), group_size=n)
@@ -174,10 +182,10 @@ def run_agent_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.s
                 p = waiting.popleft()
                 runner.start_group(Drawn(p, [0, 0], [0, 1], p.index * n))
             for g in runner.pump(0):
-                lost = g.lost is not None
-                if lost:
+                if g.lost is not None:  # its other sessions' rewards still count
                     print(f"\nrow {g.drawn.prompt.index}: {g.lost}", file=err)
-                results[g.drawn.prompt.index] = [None if lost else s.reward for s in g.sessions]
+                reported = [s.reward if s.done and s.failed is None else None for s in g.sessions]
+                results[g.drawn.prompt.index] = reported
                 lengths += [sum(t.mask) for s in g.sessions for t in s.traces]
                 progress.show(len(results), sum(lengths) / (time.perf_counter() - t0))
             if not engine.busy:
@@ -192,7 +200,100 @@ def run_agent_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.s
     return {
         **eval_metrics(rewards, lengths, cfg.eval.pass_threshold, "eval/"),
         "eval/unscored_prompts": unscored,
+        "eval/runtime_s": elapsed,
         "tokens_per_s": sum(lengths) / elapsed if elapsed else 0.0,
+    }
+
+
+def run_env_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.stderr) -> dict:
+    """`actor eval` of a config with an environment: each held-out row plays as
+    `eval.num_samples` episodes (actor/episodes.py) against env workers of our own, on a
+    private socket (`env.environment = "socket"`: the ones you attach to the endpoint
+    said), scored with the run's rewards as training scores them."""
+    model, tok = load_model(cfg, adapter)
+    n = cfg.eval.num_samples
+    params = dataclasses.replace(eval_sampling(cfg), group_size=n)
+    prompts = load_eval_prompts(cfg, tok)
+    eos = set(tok.eos_token_ids)
+    engine = Engine(model, params, eos, params.seed, max(MAX_EVAL_ROWS, n), static=not plain_caches(model))
+    ctx, lifeline = zmq.Context(), Lifeline()
+    with tempfile.TemporaryDirectory(prefix="mlxrl-eval-") as tmp:
+        endpoint = f"ipc://{tmp}/env.sock"
+        pool = WorkerPool(
+            ctx, endpoint, "env_worker", protocol.OBSERVATION, cfg.env.timeout_s, 1, owner_role="actor"
+        )
+        workers = start_env_workers(cfg, endpoint, lifeline)
+        if not workers:
+            print(f"waiting for env workers: attach them to {endpoint}", file=err, flush=True)
+        try:
+            runner = EpisodeRunner(pool, model, tok, eos, params, cfg.env, engine)
+            runner.renderer.check(prompts[0].prompt)
+            groups, progress, t0 = [], Progress(err, len(prompts)), time.perf_counter()
+            per_batch = max(1, MAX_EVAL_ROWS // n)
+            for start in range(0, len(prompts), per_batch):
+                batch = prompts[start : start + per_batch]
+                groups += cast(list, runner.run(batch, [p.index * n for p in batch]))
+                tokens = sum(sum(e.mask) for g in groups for e in g.episodes)
+                progress.show(len(groups), tokens / (time.perf_counter() - t0))
+            progress.close()
+            return score_episodes(cfg, ctx, tmp, groups, tok, err, time.perf_counter() - t0)
+        finally:
+            pool.close("the evaluation is over", final=True)
+            for w in workers:
+                w.terminate()
+                w.wait()
+            ctx.term()
+            lifeline.close()
+
+
+def start_env_workers(cfg: Config, endpoint: str, lifeline: Lifeline) -> list[subprocess.Popen]:
+    """`env.num_workers` env workers on `endpoint`, ending with us; none for "socket"."""
+    if cfg.env.environment == "socket":
+        return []
+    args = [*python_module(*env_worker_args(cfg)), "--connect", endpoint]
+    env = child_env(**lifeline.child_env())
+    return [
+        subprocess.Popen(args, env=env, pass_fds=(lifeline.read_fd,), stdout=subprocess.DEVNULL)
+        for _ in range(cfg.env.num_workers)
+    ]
+
+
+def score_episodes(
+    cfg: Config, ctx: zmq.Context, tmp: str, groups: list, tok, err: IO[str], seconds: float
+) -> dict:
+    """eval/* of played episodes, scored as training scores them (their turns, and what the
+    environment returned as the "env" reward). A group whose episodes were lost is unscored."""
+    scorer = Scorer(cfg.reward, ctx, f"ipc://{tmp}/reward.sock")
+    try:
+        scores, waiting = {}, 0
+        for i, g in enumerate(groups):
+            if g.error is not None:
+                print(f"row {g.prompt.index}: {g.error}", file=err)
+                continue
+            fields, arrays = g.fields(lambda ids: tok.decode(ids, skip_special_tokens=True))
+            lens = arrays["completion_lens"].tolist()
+            ids = np.split(arrays["completion_ids"], np.cumsum(lens)[:-1])
+            p = g.prompt
+            scored = scorer.submit(
+                str(i), p.prompt, fields["texts"], ids, p.columns, fields["turns"], fields["env_rewards"]
+            )
+            if scored is None:
+                waiting += 1
+            else:
+                scores[str(i)] = scored
+        if waiting:
+            scores.update(
+                {k: v for k, v in wait_for_scores(scorer, waiting, err).items() if isinstance(v, Scored)}
+            )
+    finally:
+        scorer.close()
+    rewards = [r for i in range(len(groups)) if (r := rewards_of(scores.get(str(i)))) is not None]
+    lengths = [sum(e.mask) for g in groups for e in g.episodes]
+    return {
+        **eval_metrics(rewards, lengths, cfg.eval.pass_threshold, "eval/"),
+        "eval/unscored_prompts": len(groups) - len(rewards),
+        "eval/runtime_s": seconds,
+        "tokens_per_s": sum(lengths) / seconds if seconds else 0.0,
     }
 
 

@@ -67,7 +67,9 @@ class Learner:
         keys = run_key_dir(run_dir, endpoints["learner"], cfg.run.insecure)  # TCP: CURVE
         self.scorer = Scorer(cfg.reward, self.ctx, endpoints["reward"], instance, keys)
         self.model, tokenizer, self.adapter_config, self.trainer = load_trainer(cfg)
-        self.evaluator = Evaluator(cfg, tokenizer) if cfg.eval.prompts else None
+        # Episodes and agent sessions are evaluated by `up`, before and after (actor eval).
+        multi_turn = cfg.agent.enabled or cfg.env.environment is not None
+        self.evaluator = Evaluator(cfg, tokenizer) if cfg.eval.prompts and not multi_turn else None
         vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else len(tokenizer.get_vocab())
         self.pad_id = tokenizer.pad_token_id or 0
         self.step = 0  # optimizer steps taken: also the version of the weights (policy_version)

@@ -48,12 +48,6 @@ def up(
         else:
             assert config is not None  # one of the two, checked above
             cfg = load_config(config, set_, run_dir=run_dir, steps=steps)
-        if cfg.agent.enabled and cfg.eval.prompts:
-            raise ConfigError(
-                "eval.prompts with an [agent]: evaluating agent sessions during training is not "
-                "supported yet; leave [eval] out of the run, and evaluate with `actor eval "
-                "--config CONFIG [--adapter RUN/adapters]` before and after"
-            )
     from learner.reporters import missing_backends
 
     for problem in missing_backends(cfg.log.report_to):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import protocol
+from actor.env_workers import env_worker_args
 from orchestrator.plan import thread_count
 from protocol import lifecycle
 from protocol.config import MEMORY_SHARE_ENV, Config, write_run_config
@@ -149,22 +150,3 @@ def child_specs(cfg: Config) -> dict[str, ChildSpec]:
         for i in range(env.num_workers):
             specs[f"env-worker-{i}"] = ChildSpec("env-worker", env_worker_args(cfg), f"env-worker-{i}", 1)
     return specs
-
-
-def env_worker_args(cfg: Config) -> list[str]:
-    env = cfg.env
-    if env.environment == "openenv":
-        assert env.openenv_url is not None  # validate() requires it
-        field = env.openenv_observation_field
-        observation = ["--observation-field", field] if field else []
-        return [
-            "orchestrator",
-            "env-worker",
-            "--openenv",
-            env.openenv_url,
-            "--action-field",
-            env.openenv_action_field,
-            *observation,
-        ]
-    assert env.environment is not None and cfg.reward.search_path is not None  # resolved paths
-    return ["orchestrator", "env-worker", env.environment, "--search-path", cfg.reward.search_path]

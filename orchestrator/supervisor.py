@@ -322,10 +322,42 @@ class Supervisor:
                 proc.kill()
                 proc.wait()
 
+    def evaluate_held_out(self, step: int, adapter: Path | None) -> None:
+        """[eval] of an agent's or an environment's run, before the first step and after
+        the last: `actor eval` runs the held-out sessions or episodes (actor/sample.py) and
+        appends the figures to the metrics as step `step`'s. Between the processes' lives,
+        so it has their memory."""
+        what = "agent" if self.cfg.agent.enabled else "environment"
+        log = self.run_dir / "evaluation.log"
+        self.say(f"evaluating the {what} on the held-out rows (step {step}); log: {log}")
+        args = [
+            "actor",
+            "eval",
+            "--metrics-step",
+            str(step),
+            *(["--adapter", str(adapter)] if adapter else []),
+        ]
+        child = spawn("evaluation", args, self.run_dir, self.lifeline, self.lock_fd)
+        while child.proc.poll() is None:
+            if self.signals.requested:
+                child.proc.terminate()
+                child.proc.wait()
+                return
+            time.sleep(0.2)
+        if child.proc.returncode != 0:
+            self.say(f"the evaluation failed (exit code {child.proc.returncode}); see {child.log_path}")
+        self.poll_progress()
+
     def run(self) -> int:
         """Start, watch and stop the run; returns the exit code (see up()). Every way out is
         the end of the run, so the processes tell their workers to exit."""
+        multi_turn = self.cfg.agent.enabled or self.cfg.env.environment is not None
+        held_out_eval = multi_turn and self.cfg.eval.prompts is not None
         try:
+            if held_out_eval and not self.resume:
+                self.evaluate_held_out(0, None)
+            if self.signals.requested:
+                return self.signals.exit_code()
             self.start()
             self.watch()
         except RunFailed as e:
@@ -344,6 +376,8 @@ class Supervisor:
             self.say(f"stopped; resume with `orchestrator up --resume {self.run_dir}`")
             return self.signals.exit_code()
         self.stop()
+        if held_out_eval:
+            self.evaluate_held_out(self.cfg.train.steps, self.run_dir / "adapters")
         self.say(
             f"done: adapters in {self.run_dir / 'adapters'}, metrics in {self.run_dir / 'metrics.jsonl'}"
         )

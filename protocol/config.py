@@ -213,8 +213,9 @@ def validate(raw: dict[str, Any]) -> Config:
             if name not in known:
                 raise ConfigError(f"unknown key {section}.{name}; known: {', '.join(known)}")
     agent = raw.get("agent", {})
-    if "reward" not in raw and (agent.get("function") or agent.get("command")):
-        raw = {**raw, "reward": {"functions": ["env"]}}  # an agent's sessions bring their rewards
+    if (agent.get("function") or agent.get("command")) and "functions" not in raw.get("reward", {}):
+        # An agent's sessions bring their rewards: "env", unless reward.functions says more.
+        raw = {**raw, "reward": {**raw.get("reward", {}), "functions": ["env"]}}
     cfg = Config(**{name: _section(name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()})
     _check_agent(cfg)
     reward = cfg.reward
@@ -226,10 +227,10 @@ def validate(raw: dict[str, Any]) -> Config:
         raise ConfigError('env.openenv_url goes with env.environment = "openenv", and only with it')
     if "env" in reward.functions and cfg.env.environment is None and not cfg.agent.enabled:
         raise ConfigError("reward.functions names 'env', but no env.environment or [agent] is set")
-    if cfg.eval.prompts and cfg.env.environment:
+    if cfg.eval.every and (cfg.env.environment or cfg.agent.enabled):
         raise ConfigError(
-            "eval.prompts: evaluating episodes with an environment is not supported yet; "
-            "leave [eval] out of a run with env.environment"
+            "eval.every with an environment or an [agent]: its held-out episodes are evaluated "
+            "before the first step and after the last (set eval.every = 0)"
         )
     if cfg.env.environment and cfg.actor.count > 1:
         # Each actor would bind the one env socket of the run directory.
@@ -267,6 +268,11 @@ def _check_agent(cfg: Config) -> None:
     agent = cfg.agent
     if agent.function is not None and agent.command:
         raise ConfigError("agent.function and agent.command: name your agent one way, not both")
+    if agent.enabled and "env" not in cfg.reward.functions:
+        raise ConfigError(
+            "reward.functions must name 'env' with an [agent]: the reward the agent reports "
+            "(other functions may add to it)"
+        )
     if agent.enabled and cfg.env.environment:
         raise ConfigError(
             "[agent] and env.environment: a run's rollouts are agent sessions or environment "

@@ -155,6 +155,55 @@ def test_a_key_is_its_session_s_only_credential(served):
     assert other.traces and not s.traces  # nothing of one session reached the other
 
 
+def test_a_call_that_fails_on_its_way_leaves_no_trace(served):
+    """A call that fails after the gateway handed it on (here the actor answers it with a
+    503) changes nothing of its session: the same call again is trained once."""
+    from actor.agents import CallRefused
+
+    s = served.session()
+    served.paused.set()
+    failed: list = []
+
+    def call() -> None:
+        try:
+            served.client(s).chat.completions.create(model="tiny", messages=PROMPT, max_tokens=3)
+        except openai.APIStatusError as e:
+            failed.append(e.status_code)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    waiting = served.runner.inbox.get(timeout=10)
+    waiting.events.put(("error", CallRefused(503, "the actor started over")))
+    thread.join(10)
+    assert failed == [503] and s.traces == [] and s.used == 0
+    served.paused.clear()
+    r = served.client(s).chat.completions.create(model="tiny", messages=PROMPT, max_tokens=3)
+    (trace,) = s.traces
+    assert trace.prompt_ids == r.model_extra["prompt_token_ids"]
+    assert trace.ids == r.choices[0].model_extra["token_ids"] and all(trace.mask)
+
+
+def test_an_agent_that_hangs_up_mid_stream_does_not_break_its_session(served):
+    """The agent closes a streamed call after its first chunk: the call still ends (its
+    tokens were sampled, and are kept), and the session's next call is served."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    s = served.session()
+    body = json.dumps({"model": "tiny", "messages": PROMPT, "max_tokens": 8, "stream": True})
+    url = urlsplit(served.runner.base_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    connection.request("POST", "/v1/chat/completions", body, {"Authorization": f"Bearer {s.key}"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline()  # the first chunk, then hang up
+    connection.sock.close()
+    connection.close()
+    again = served.client(s).chat.completions.create(model="tiny", messages=PROMPT, max_tokens=4)
+    assert again.choices[0].model_extra["token_ids"]
+    assert served.thread.is_alive()
+    assert len(s.traces) == 2 and served.runner.splits == 1  # the agent never saw the first reply
+
+
 def test_a_call_after_the_actor_started_over_is_a_503_with_retry_after(served):
     """The learner moved the data cursor (it restarted): the sessions in flight are given
     up and their rows run again as new sessions; their agents' calls get a 503."""
@@ -645,3 +694,54 @@ def test_actor_eval_runs_the_agent_on_held_out_rows_and_reports_pass_at_k(tmp_pa
         assert float(shown[f"eval/pass@{k}"]) == pytest.approx(expected, abs=1e-4)
     assert float(shown["eval/reward_mean"]) == pytest.approx(sum(s["reward"] for s in saved) / 24, abs=1e-4)
     assert shown["eval/prompts"] == "6" and shown["eval/unscored_prompts"] == "0"
+
+
+@pytest.mark.slow
+def test_up_evaluates_an_agent_before_the_first_step_and_after_the_last(tmp_path):
+    every = [json.loads(line) for line in (EXAMPLES / "tiny_chat_prompts.jsonl").read_text().splitlines()]
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in every[:4]))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in every[4:]))
+    (tmp_path / "eval_agent.py").write_text(EVAL_AGENT)
+    extra = '[agent]\nfunction = "eval_agent:run"\n[eval]\nprompts = "held_out.jsonl"\nnum_samples = 2'
+    code, out = run_up(agent_config(tmp_path, TINY_MODEL, "train.jsonl", extra), cwd=tmp_path)
+    assert code == 0, out
+    assert "eval at step 0: pass@1" in out and "eval at step 2: pass@1" in out, out
+    evals = [m for m in read_metrics(tmp_path / "runs/agent") if "eval/pass@1" in m]
+    assert [m["step"] for m in evals] == [0, 2]
+    assert all(m["eval/prompts"] == 4 and 0 <= m["eval/pass@2"] <= 1 for m in evals)
+    log = (tmp_path / "runs/agent/evaluation.log").read_text()
+    assert log.count("eval/pass@1") == 2  # the base model's, then the trained adapters'
+
+
+def test_an_agent_s_reward_is_checked(served):
+    """A reward that is no number, or turn_rewards that are not one per call, fail the
+    session with the reason (it is started again, then its group dropped)."""
+    from actor.agents import parse_reward
+
+    assert parse_reward(0.5) == (0.5, None)
+    assert parse_reward({"reward": 1, "turn_rewards": [0, 1]}) == (1.0, [0.0, 1.0])
+    for bad in ("1", None, float("nan"), True, {"reward": 1, "turn_rewards": [1, "x"]}):
+        with pytest.raises(ValueError):
+            parse_reward(bad)
+    s = served.session()
+    served.client(s).chat.completions.create(model="tiny", messages=PROMPT, max_tokens=2)
+    served.runner.report(s, {"reward": 1.0, "turn_rewards": [0.5, 0.5]})
+    served.runner.end(s, None)
+    assert s.failed == "the agent gave 2 turn_rewards for its 1 calls"
+
+
+@pytest.mark.slow
+def test_a_run_s_64_sessions_share_decode_steps_on_its_timeline(tmp_path):
+    """8 rows x 8 sessions a batch: the actor's timeline shows decode steps whose rows are
+    the calls of many sessions at once."""
+    from orchestrator.timeline import read_events
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text((EXAMPLES / "tiny_chat_prompts.jsonl").read_text())
+    extra = "[sampling]\ngroup_size = 8\n[train]\nsteps = 1\nbatch_size = 8"
+    code, out = run_up(agent_config(tmp_path, TINY_MODEL, prompts.name, extra), cwd=tmp_path)
+    assert code == 0, out
+    events = read_events(tmp_path / "runs/agent")
+    actor = next(rows for name, rows in events.items() if name.startswith("actor"))
+    rows = [e["args"]["rows"] for e in actor if e.get("name") == "decode step" and "args" in e]
+    assert max(rows) >= 32, max(rows)

@@ -659,8 +659,10 @@ def test_env_section_is_checked():
         validate({**raw, "env": {"environment": "socket", "openenv_url": "http://127.0.0.1:8000"}})
     openenv = validate({**raw, "env": {"environment": "openenv", "openenv_url": "http://127.0.0.1:8000"}}).env
     assert (openenv.openenv_action_field, openenv.openenv_observation_field) == ("message", None)
-    with pytest.raises(ConfigError, match="evaluating episodes with an environment is not supported yet"):
-        validate({**raw, "env": {"environment": "socket"}, "eval": {"prompts": "held.jsonl"}})
+    held = {"prompts": "held.jsonl"}
+    assert validate({**raw, "env": {"environment": "socket"}, "eval": held}).eval.prompts == "held.jsonl"
+    with pytest.raises(ConfigError, match="are evaluated before the first step and after the last"):
+        validate({**raw, "env": {"environment": "socket"}, "eval": {**held, "every": 5}})
 
 
 def test_several_actors_with_an_environment_are_refused():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from tests.helpers import (
     Lines,
     assert_nothing_lost,
     finish,
+    merge_toml,
     orchestrator,
     pid_of,
     raw_worker,
@@ -466,3 +468,86 @@ def test_an_env_worker_waits_through_an_actor_restart(tmp_path):
     lines = [line for _, line in said.lines]
     assert any(line.startswith("waiting: the actor stops; a new one will come") for line in lines), lines
     assert "reattached" in lines and lines[-1] == "stopped: the run is over"
+
+
+RECORDED_DIGITS = '''
+import json, os
+from pathlib import Path
+
+from digits_env import DigitsEnv
+
+
+class Recorded(DigitsEnv):
+    """The example's environment, writing each episode's total reward for the test."""
+
+    def reset(self, prompt, digits, **columns):
+        self.total = 0.0
+        return super().reset(prompt, digits, **columns)
+
+    def step(self, action):
+        observation, reward, done = super().step(action)
+        self.total += reward
+        if done:
+            out = Path(__file__).parent / "episodes"
+            out.mkdir(exist_ok=True)
+            (out / f"{os.getpid()}-{id(self)}").write_text(json.dumps([self.digits, self.total]))
+        return observation, reward, done
+'''
+
+
+def digits_eval_config(tmp_path, extra: str = "") -> Path:
+    shutil.copy(EXAMPLES / "digits_env.py", tmp_path / "digits_env.py")
+    (tmp_path / "recorded.py").write_text(RECORDED_DIGITS)
+    rows = (EXAMPLES / "digits_prompts.jsonl").read_text().splitlines()
+    (tmp_path / "train.jsonl").write_text("\n".join(rows[6:]) + "\n")
+    (tmp_path / "held_out.jsonl").write_text("\n".join(rows[:6]) + "\n")
+    text = "\n".join(
+        line for line in (EXAMPLES / "digits.toml").read_text().splitlines() if not line.startswith("#")
+    )
+    text = text.replace('"tiny-model"', f'"{EXAMPLES / "tiny-model"}"').replace(
+        "digits_prompts.jsonl", "train.jsonl"
+    )
+    text = text.replace('"digits_env:DigitsEnv"', '"recorded:Recorded"')
+    cfg = tmp_path / "digits.toml"
+    cfg.write_text(
+        merge_toml(
+            text, '[eval]\nprompts = "held_out.jsonl"\nnum_samples = 4\npass_threshold = 0.5\n' + extra
+        )
+    )
+    return cfg
+
+
+def test_actor_eval_plays_an_environment_s_held_out_episodes(tmp_path):
+    """pass@k and the mean reward of the environment's episodes, as recorded by the
+    environment itself."""
+    from policy.evaluation import pass_at_k
+
+    cfg = digits_eval_config(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "actor", "eval", "--config", str(cfg)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    shown = dict(line.split() for line in out.stdout.splitlines())
+    episodes = [json.loads(p.read_text()) for p in (tmp_path / "episodes").iterdir()]
+    assert len(episodes) == 6 * 4
+    by_row: dict[str, list[float]] = {}
+    for digits, total in episodes:
+        by_row.setdefault(digits, []).append(total)
+    assert len(by_row) == 6
+    for k in (1, 2, 4):
+        expected = np.mean([pass_at_k(4, sum(r >= 0.5 for r in rs), k) for rs in by_row.values()])
+        assert float(shown[f"eval/pass@{k}"]) == pytest.approx(expected, abs=1e-4)
+    mean = np.mean([t for _, t in episodes])
+    assert float(shown["eval/reward_mean"]) == pytest.approx(mean, abs=1e-4)
+
+
+def test_up_evaluates_an_environment_before_the_first_step_and_after_the_last(tmp_path):
+    cfg = digits_eval_config(tmp_path, "")
+    code, out = run_up(cfg, "--run-dir", str(tmp_path / "run"), "--steps", "2")
+    assert code == 0, out
+    assert "evaluating the environment" in out and "eval at step 2: pass@1" in out, out
+    evals = [m for m in read_metrics(tmp_path / "run") if "eval/pass@1" in m]
+    assert [m["step"] for m in evals] == [0, 2] and all(m["eval/prompts"] == 6 for m in evals)

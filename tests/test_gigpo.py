@@ -388,3 +388,91 @@ def test_a_step_with_constant_per_token_advantages_is_the_step_with_per_completi
     for k in deltas[0]:
         np.testing.assert_allclose(deltas[1][k], deltas[0][k], rtol=1e-5, atol=1e-7)
     assert any(np.abs(d).max() > 0 for d in deltas[0].values())
+
+
+# -- the actor's rollouts: agent sessions and env episodes, as the learner reads them -----
+
+
+def hand_values() -> list[list[float]]:
+    """Two episodes of two model turns; both start from the prompt and both get the same
+    feedback, so each turn k is one step group of two. Rewards: 1 (step rewards [0, 1])
+    and 0 ([0, 0]); gamma 0.5, omega 1, std-scaled (sample std, ddof 1).
+      episode: R = [1, 0], mean 0.5, std sqrt(0.5) = 0.70711: A = +-0.5 / (0.70711 + EPS)
+      returns: E0 [0 + 0.5 * 1, 1] = [0.5, 1], E1 [0, 0]
+      step 0:  [0.5, 0], mean 0.25, std 0.35355: +-0.25 / (0.35355 + EPS)
+      step 1:  [1, 0],   mean 0.5,  std 0.70711: +-0.5 / (0.70711 + EPS)"""
+    a_ep = 0.5 / (math.sqrt(0.5) + EPS)
+    a0, a1 = 0.25 / (math.sqrt(0.125) + EPS), 0.5 / (math.sqrt(0.5) + EPS)
+    return [[a_ep + a0, a_ep + a1], [-a_ep - a0, -a_ep - a1]]
+
+
+def gigpo_of(header: dict, arrays: dict) -> list[np.ndarray]:
+    """The rollout through the wire and the learner's group check, scored with its
+    env_rewards, into GiGPO (gamma 0.5, omega 1)."""
+    base = {"group_id": "0", "policy_version": 0, "prompt": "p", "columns": {}, "gen_s": 0.0}
+    msg = protocol.decode(protocol.encode(protocol.ROLLOUT, {**base, **header}, arrays))
+    g = group_from_message(b"a", msg, 100, 2)
+    rewards = np.array(g.env_rewards, dtype=np.float64)
+    masks = g.loss_masks or []
+    anchors = [anchor_states(g.prompt_ids, ids, m) for ids, m in zip(g.completion_ids, masks)]
+    assert anchors[0] == anchors[1]  # the same observations
+    return gigpo_group(rewards, g.turn_rewards, anchors, gamma=0.5, omega=1.0).combined
+
+
+def test_gigpo_of_agent_sessions_as_the_actor_sends_them(tiny):
+    """Sessions whose agent reports per-call rewards: each call is a model turn, the
+    feedback between calls its anchor."""
+    from actor.agents import AgentGroup, AgentRunner, Session, Trace
+    from actor.rollout import Drawn
+    from policy.data import Prompt
+    from protocol.config import AgentConfig, SamplingConfig
+
+    _, tok = tiny
+    runner = AgentRunner(AgentConfig(), None, None, tok, {1}, SamplingConfig(group_size=2), 512)  # type: ignore[arg-type]
+    g = AgentGroup(Drawn(Prompt(0, "p", [], {}), [0, 0], [0, 1], 0), [], 0.0)
+    for j, (reward, turns) in enumerate([(1.0, [0.0, 1.0]), (0.0, [0.0, 0.0])]):
+        t = Trace([5, 6, 7], ids=[10 + j, 11, 1, 20, 21, 30 + j, 1], mask=[1, 1, 1, 0, 0, 1, 1])
+        t.logprobs, t.versions = [-0.1] * 7, [0] * 7
+        t.call_starts, t.call_numbers = [0, 5], [0, 1]
+        s = Session(f"k{j}", g, j, 1, 0.0, traces=[t], reward=reward, turn_rewards=turns, reported=True)
+        s.done = True
+        g.sessions.append(s)
+    header, arrays = runner.fields(g, lambda ids: "x")
+    assert header["turn_rewards"] == [[0.0, 1.0], [0.0, 0.0]]
+    for got, want in zip(gigpo_of(header, arrays), hand_values()):
+        assert got == pytest.approx(want, abs=1e-6)
+
+
+def test_gigpo_of_env_episodes_as_the_actor_sends_them():
+    """Episodes whose environment rewards its answers: the reward of the answer to turn k
+    is turn k's step reward."""
+    from actor.episodes import Episode, EpisodeGroup
+    from policy.data import Prompt
+
+    prompt = Prompt(0, "p", [5, 6, 7], {})
+    episodes = []
+    for j, answers in enumerate([(0.0, 1.0), (0.0, 0.0)]):
+        e = Episode(f"e{j}", 0, prompt, j, [5, 6, 7])
+        for k, reward in enumerate(answers):  # a model turn, then the environment's answer
+            e.turn_starts.append(len(e.ids))
+            e.turn_rewards.append(0.0)
+            e.add([10 + j + k, 1], [-0.1, -0.1])
+            e.rewards.append(reward)
+            e.turn_rewards[-1] += reward
+            if k == 0:
+                e.add([20, 21])  # the observation: the same for both
+        e.finish = "env_done"
+        episodes.append(e)
+    header, arrays = EpisodeGroup(prompt, [5, 6, 7], episodes).fields(lambda ids: "x")
+    assert header["turn_rewards"] == [[0.0, 1.0], [0.0, 0.0]]
+    for got, want in zip(gigpo_of(header, arrays), hand_values()):
+        assert got == pytest.approx(want, abs=1e-6)
+
+
+def test_rewards_per_run_follow_the_loss_mask():
+    from actor.rollout import rewards_per_run
+
+    # Turns at 0 and 4; a third that sampled nothing (at 7, after the last run's end) adds to
+    # the run before it; two turns with no context between them are one run.
+    assert rewards_per_run([1, 1, 0, 0, 1, 1, 0], [0, 4, 7], [1.0, 2.0, 4.0]) == [1.0, 6.0]
+    assert rewards_per_run([0, 1, 1, 1], [1, 2], [1.0, 2.0]) == [3.0]

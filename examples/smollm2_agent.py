@@ -1,0 +1,34 @@
+"""An agent that trains through the served API: it asks SmolLM2 an arithmetic fact and,
+when the answer is wrong, says so and lets it try again, up to three times.
+
+    orchestrator up --config examples/smollm2_agent.toml     (README: "Your own agent")
+
+The run calls `run` once per session with the data row, a base URL and a key of the
+session's own. The reward is 1 for the right number at the first try, 1/2 at the second,
+1/3 at the third, and 0 if no try gets it: the model is paid most for getting it right at
+once, and still learns from the feedback. The rows are examples/smollm2_task.py's.
+"""
+
+import re
+
+from openai import OpenAI
+
+TRIES = 3
+FEEDBACK = "No, that is not right. Try again. Answer with just the number."
+
+
+def final_number(text: str) -> str | None:
+    numbers = re.findall(r"-?\d+", text or "")
+    return numbers[-1] if numbers else None
+
+
+def run(row: dict, base_url: str, api_key: str) -> float:
+    client = OpenAI(base_url=base_url, api_key=api_key)
+    messages = list(row["prompt"])
+    for attempt in range(1, TRIES + 1):
+        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=16)
+        text = reply.choices[0].message.content
+        if final_number(text) == row["answer"]:
+            return 1.0 / attempt
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": FEEDBACK}]
+    return 0.0
