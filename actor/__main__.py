@@ -90,7 +90,7 @@ def eval_(
     adapter: str | None = typer.Option(None, help="mlx-lm adapter directory; default: the base model."),
     set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value."),
     run_dir: str | None = typer.Option(
-        None, help="Evaluate for a run (`up` does, with an agent): its config, its metrics."
+        None, help="Evaluate for a run (`up` does, with an agent or an environment): its config, its metrics."
     ),
     metrics_step: int | None = typer.Option(
         None, help="With --run-dir: append the figures to RUN/metrics.jsonl as this step's."

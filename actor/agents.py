@@ -137,10 +137,6 @@ class AgentGroup:
     lost: str | None = None  # why it cannot be trained: sent with `error`
 
     @property
-    def seconds(self) -> float:
-        return time.monotonic() - self.started
-
-    @property
     def complete(self) -> bool:
         return self.lost is not None or all(s.done and s.failed is None for s in self.sessions)
 

@@ -360,12 +360,19 @@ class Actor:
         if self.pending is None or in_flight:
             for _ in range(room):
                 agents.start_group(self.next_prompt())
+        t0 = time.perf_counter()
         done = agents.pump(self.policy_version)
+        self.decode_s += time.perf_counter() - t0
         if not self.engine.busy:
             self.receive(5)  # the sessions' agents are at work: wait a little, not spin
         for g in done:
             fields, arrays = agents.fields(g, self.decode)
-            self.send_group(g.drawn, {**fields, "env_retries": agents.retries}, arrays, g.seconds)
+            # Each group's share of the decoding time since groups last went out, as
+            # `stream_groups` counts it (not the agents' own time).
+            gen_s = self.decode_s / len(done)
+            self.send_group(g.drawn, {**fields, "env_retries": agents.retries}, arrays, gen_s)
+        if done:
+            self.decode_s = 0.0
 
     def batch_share(self) -> int:
         """The groups a batch at a time takes (static, episodes): our window's share of one

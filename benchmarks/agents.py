@@ -126,7 +126,7 @@ def run_once(config: Path, folder: Path, steps: int) -> dict:
     start, end = window(read_events(run_dir), (2, steps))
     summary = timeline_summary(run_dir, steps)
     return {
-        "sessions_per_s": (steps - 1) * BATCH * GROUP / (end - start),
+        "sessions_per_s": (steps - 1) * BATCH * GROUP / ((end - start) / 1e6),  # the timeline's µs
         "learner_busy": of_process(summary, "learner")["busy"],
         "rows_per_decode_step": of_process(summary, "actor").get("rows_per_decode_step"),
         "wall_s": time.perf_counter() - t0,

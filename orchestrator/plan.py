@@ -184,6 +184,7 @@ class Shape:
     dequantize: bool = False  # quantized weights are held as float32 (policy.model.dequantizes)
     episodes: bool = False  # an environment: every episode of a batch keeps its KV cache while it waits
     staleness: int = 1  # train.max_staleness: above 0, groups join a running batch
+    agents: bool = False  # agent sessions: every session of the credit window keeps its KV cache
 
     @property
     def actor_batch(self) -> int:
@@ -242,9 +243,11 @@ def activation_bytes(m: ModelShape, tokens: int, seq: int) -> float:
 
 def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
     # The engine's live rows; with episodes, every episode of a batch holds its KV cache,
-    # decoding or waiting for its environment.
+    # decoding or waiting for its environment; with agents, every session in flight.
     share = s.actor_batch * s.group_size
-    rows = max(s.decode_rows, share) if s.episodes else (s.decode_rows or share)
+    if s.agents:  # the sessions of (max_staleness + 1) batches run at once, each with its cache
+        share *= s.staleness + 1
+    rows = max(s.decode_rows, share) if s.episodes or s.agents else (s.decode_rows or share)
     ctx = math.ceil(s.tokens / KV_STEP) * KV_STEP
     kv = rows * ctx * m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes
     terms = {
@@ -373,6 +376,7 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
         dequantizes(cfg.model.dequantize_on_cpu),
         bool(cfg.env.environment),
         t.max_staleness,
+        cfg.agent.enabled,
     )
 
 

@@ -456,3 +456,30 @@ def teach_tool_calls(model_dir: Path, steps: int = 400) -> None:
         dict(tree_flatten(model.parameters())),
         metadata={"format": "mlx"},
     )
+
+
+def actor_eval_matches(cfg: Path, folder: Path, recorded, threshold: float) -> dict:
+    """Run `actor eval --config CFG` from `folder`; check its pass@k and mean reward against
+    `recorded()` (each held-out row's rewards, as the agent or the environment recorded
+    them while it ran), computed here with the unbiased estimator. Returns what it printed."""
+    import numpy as np
+    import pytest
+
+    from policy.evaluation import pass_at_k
+
+    out = subprocess.run(
+        [sys.executable, "-m", "actor", "eval", "--config", str(cfg)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    shown = dict(line.split() for line in out.stdout.splitlines())
+    rewards: dict[str, list[float]] = recorded()
+    n = len(next(iter(rewards.values())))
+    for k in (1, 2, 4):
+        expected = np.mean([pass_at_k(n, sum(r >= threshold for r in rs), k) for rs in rewards.values()])
+        assert float(shown[f"eval/pass@{k}"]) == pytest.approx(expected, abs=1e-4)
+    mean = np.mean([r for rs in rewards.values() for r in rs])
+    assert float(shown["eval/reward_mean"]) == pytest.approx(mean, abs=1e-4)
+    return shown

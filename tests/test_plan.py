@@ -470,8 +470,14 @@ def test_the_actor_s_decode_rows_are_planned(tmp_path):
     assert wide.actor["sampling"] == 4 * share.actor["sampling"]
     assert narrow.actor["kv_cache"] == share.actor["kv_cache"] / 4
     assert episodes.actor == share.actor
+    # Agent sessions: every session of the credit window, (max_staleness + 1) batches' worth,
+    # keeps its cache while its agent works.
+    agents = make_plan(m, shape(batch_size=4, decode_rows=rows // 4, agents=True, staleness=1), 1e9, "")
+    assert agents.actor["kv_cache"] == 2 * share.actor["kv_cache"]
     cfg = load_config(write_config(tmp_path, "[actor]\nmax_rows = 40"))
     assert shape_from_config(cfg, 16).decode_rows == 40
+    agent = load_config(write_config(tmp_path, '[agent]\nfunction = "a:b"\n[reward]\nfunctions = ["env"]'))
+    assert shape_from_config(agent, 16).agents
 
 
 def test_fit_picks_micro_batches_then_checkpointing_then_fewer_decode_rows():
