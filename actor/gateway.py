@@ -26,7 +26,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
-from actor.agents import AgentRunner, Call, CallRefused, Session
+from actor.agents import AgentRunner
 from actor.completions import (
     BadRequest,
     Policy,
@@ -37,6 +37,7 @@ from actor.completions import (
     text_prompt,
 )
 from actor.serve import read_json
+from actor.sessions import Call, CallRefused, Session
 from policy.sampler import Completion
 
 log = logging.getLogger("actor.gateway")

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from actor.agents import AgentGroup, AgentRunner, Session
+from actor.agents import AgentRunner
 from actor.completions import Policy
 from actor.gateway import Gateway
 from actor.rollout import Drawn
+from actor.sessions import AgentGroup, Session
 from policy.data import Prompt
 from policy.engine import Engine
 from protocol.config import AgentConfig, SamplingConfig
@@ -158,7 +159,7 @@ def test_a_key_is_its_session_s_only_credential(served):
 def test_a_call_that_fails_on_its_way_leaves_no_trace(served):
     """A call that fails after the gateway handed it on (here the actor answers it with a
     503) changes nothing of its session: the same call again is trained once."""
-    from actor.agents import CallRefused
+    from actor.sessions import CallRefused
 
     s = served.session()
     served.paused.set()
@@ -732,7 +733,7 @@ def test_up_evaluates_an_agent_before_the_first_step_and_after_the_last(tmp_path
 def test_an_agent_s_reward_is_checked(served):
     """A reward that is no number, or turn_rewards that are not one per call, fail the
     session with the reason (it is started again, then its group dropped)."""
-    from actor.agents import parse_reward
+    from actor.sessions import parse_reward
 
     assert parse_reward(0.5) == (0.5, None)
     assert parse_reward({"reward": 1, "turn_rewards": [0, 1]}) == (1.0, [0.0, 1.0])
@@ -766,7 +767,8 @@ def test_a_run_s_64_sessions_share_decode_steps_on_its_timeline(tmp_path):
 def test_the_smollm2_agent_example_loads_as_written():
     """examples/smollm2_agent.toml validates, its agent imports with the right arguments,
     and it reports a reward per try (its GiGPO step rewards)."""
-    from actor.agents import load_agent_function, parse_reward
+    from actor.agents import load_agent_function
+    from actor.sessions import parse_reward
     from protocol.config import load_config
 
     cfg = load_config(EXAMPLES / "smollm2_agent.toml")

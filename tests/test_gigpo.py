@@ -422,8 +422,9 @@ def gigpo_of(header: dict, arrays: dict) -> list[np.ndarray]:
 def test_gigpo_of_agent_sessions_as_the_actor_sends_them(tiny):
     """Sessions whose agent reports per-call rewards: each call is a model turn, the
     feedback between calls its anchor."""
-    from actor.agents import AgentGroup, AgentRunner, Session, Trace
+    from actor.agents import AgentRunner
     from actor.rollout import Drawn
+    from actor.sessions import AgentGroup, Session, Trace
     from policy.data import Prompt
     from protocol.config import AgentConfig, SamplingConfig
 
