@@ -20,24 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from learner.algorithms import nanmean_rows, scale
 from learner.batching import Sample, token_rows
-
-if TYPE_CHECKING:
-    from learner.groups import Group  # which checks turn_rewards with model_turns
-
-
-def model_turns(loss_mask: np.ndarray | None, length: int) -> list[tuple[int, int]]:
-    """[start, end) of each run of 1s in a completion's loss mask (None: one turn, all of
-    the `length` tokens)."""
-    if loss_mask is None:
-        return [(0, length)] if length else []
-    edges = np.diff(np.concatenate([[0], (np.asarray(loss_mask) > 0).astype(np.int8), [0]]))
-    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+from learner.groups import Group, model_turns
 
 
 def anchor_states(

@@ -8,7 +8,6 @@ from typing import Any, cast
 import numpy as np
 
 from learner.batching import Sample
-from learner.gigpo import model_turns
 from protocol import Message, is_data_cursor
 
 
@@ -61,6 +60,15 @@ class Group:
             Sample(self.prompt_ids, ids, lp, fr, mask)
             for ids, lp, fr, mask in zip(self.completion_ids, self.logprobs, self.finish_reasons, masks)
         ]
+
+
+def model_turns(loss_mask: np.ndarray | None, length: int) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s in a completion's loss mask (None: one turn, all of
+    the `length` tokens)."""
+    if loss_mask is None:
+        return [(0, length)] if length else []
+    edges = np.diff(np.concatenate([[0], (np.asarray(loss_mask) > 0).astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
 
 
 def oldest_version(msg: Message) -> int:
