@@ -376,7 +376,7 @@ def plot(
 def timeline(
     run_dir: str = typer.Option(..., "--run-dir", help="The run's directory."),
     steps: str | None = typer.Option(
-        None, help="A:B: only steps A to B (from step A-1's end); default: all."
+        None, help="A:B, only steps A to B (from step A-1's end); default: all."
     ),
     out: str | None = typer.Option(None, help="Trace to write; default: RUN_DIR/timeline.json."),
     png: str | None = typer.Option(None, help="Also draw it to this PNG (the `plot` extra)."),
