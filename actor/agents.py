@@ -66,6 +66,7 @@ log = logging.getLogger("actor")
 # A turn's noise differs from the last turn's: its seed is the run's plus this times the call.
 CALL_SEED_STRIDE = 1_000_003
 CALLS_PER_ATTEMPT = 1_000  # an attempt's calls draw apart from the attempt before
+STARTED_OVER = "the actor started over: this session will start again, whole"  # a 503
 
 
 class AgentError(ValueError):
@@ -119,7 +120,6 @@ class AgentRunner:
         self.restarted: set[str | None] = set()  # keys of sessions the actor gave up to start over
         self.retries = 0
         self.splits = 0
-        self.calls = 0
 
     # -- the gateway's side (its threads) ---------------------------------------------
 
@@ -128,7 +128,7 @@ class AgentRunner:
         with self.lock:
             s = self.sessions.get(key or "")
             if key in self.restarted:
-                raise CallRefused(503, "the actor started over: this session will start again, whole")
+                raise CallRefused(503, STARTED_OVER)
         if s is None or s.done:
             raise CallRefused(
                 401, "unknown or expired API key: each session has its own key, valid while it runs"
@@ -210,21 +210,19 @@ class AgentRunner:
         t.call_numbers.append(s.calls)
         versions = c.versions or [0] * len(c.token_ids)
         t.add(c.token_ids, c.logprobs, versions[: len(c.token_ids)])
+        s.messages = None  # a text call: the next continues it by its token ids alone
         if messages is not None and reply is not None:
             if t.calls == 0:
                 t.first_messages = len(messages)
             t.turns = [turn_message(m) for m in messages[t.first_messages :]] + [turn_message(reply)]
+            s.messages = [normal_message(m) for m in messages] + [normal_message(reply)]
+            s.tools = tools
         t.calls += 1
         s.calls += 1
         s.context = call.prompt_ids + c.token_ids
         s.ended_with_eos = c.token_ids[-1] in self.eos_ids
         if c.finish_reason == "length" and s.used >= self.cfg.max_episode_tokens:
             s.finish = "length"
-        if messages is not None and reply is not None:
-            s.messages = [normal_message(m) for m in messages] + [normal_message(reply)]
-            s.tools = tools
-        else:
-            s.messages = None
 
     def report(self, s: Session, value: Any) -> None:
         """A reward POSTed by the agent (`/v1/session/reward`)."""
@@ -235,7 +233,7 @@ class AgentRunner:
     # -- the actor's side (its loop) ----------------------------------------------------
 
     def start_group(self, drawn: Drawn) -> None:
-        group = AgentGroup(drawn, [], time.monotonic())
+        group = AgentGroup(drawn)
         for j in range(self.sampling.group_size):
             group.sessions.append(self.new_session(group, j, 1))
         self.groups.append(group)
@@ -252,10 +250,8 @@ class AgentRunner:
     def launch(self, s: Session) -> None:
         # A copy per session: an agent that appends to row["prompt"] changes only its own.
         row = copy.deepcopy({"prompt": s.group.drawn.prompt.prompt, **s.group.drawn.prompt.columns})
-        if self.function is not None:
-            threading.Thread(target=self.run_function, args=(s, row), name="agent", daemon=True).start()
-        else:
-            threading.Thread(target=self.run_command, args=(s, row), name="agent", daemon=True).start()
+        run = self.run_function if self.function is not None else self.run_command
+        threading.Thread(target=run, args=(s, row), name="agent", daemon=True).start()
 
     def run_function(self, s: Session, row: dict) -> None:
         fn = cast(Callable[..., Any], self.function)
@@ -340,21 +336,19 @@ class AgentRunner:
                 break
             s = call.session
             if s.done:
-                why = (
-                    (503, "the actor started over")
-                    if s.key in self.restarted
-                    else (401, "the session has ended")
+                restarted = s.key in self.restarted
+                refused = (
+                    CallRefused(503, STARTED_OVER) if restarted else CallRefused(401, "the session has ended")
                 )
-                call.events.put(("error", CallRefused(*why)))
+                call.events.put(("error", refused))
                 continue
-            # A session started again draws anew: a failure of the model's own doing would repeat.
             if s.key in self.decoding:  # the gateway holds the session's lock: a bug if so
                 call.events.put(("error", CallRefused(409, "a call of this session is still decoding")))
                 continue
+            # A session started again draws anew: a failure of the model's own doing would repeat.
             seed = self.sampling.seed + CALL_SEED_STRIDE * (s.calls + CALLS_PER_ATTEMPT * (s.attempt - 1))
             engine.add(s.key, call.prompt_ids, [s.noise], seed, keep=True, max_tokens=call.max_tokens)
             self.decoding[s.key] = call
-            self.calls += 1
         if engine.busy:
             for key, (c,) in engine.step(version):
                 call = self.decoding.pop(cast(str, key))
@@ -421,9 +415,7 @@ class AgentRunner:
                     self.restarted.add(s.key)
         self.groups.clear()
         for call in self.decoding.values():
-            call.events.put(
-                ("error", CallRefused(503, "the actor started over: this session will start again, whole"))
-            )
+            call.events.put(("error", CallRefused(503, STARTED_OVER)))
         self.decoding.clear()
         self.engine.clear()
 

@@ -91,8 +91,7 @@ class Session:
 @dataclass
 class AgentGroup:
     drawn: Drawn
-    sessions: list[Session]
-    started: float
+    sessions: list[Session] = field(default_factory=list)
     lost: str | None = None  # why it cannot be trained: sent with `error`
 
     @property

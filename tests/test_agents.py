@@ -62,7 +62,7 @@ class Served:
 
     def session(self, first_noise: int = 0) -> Session:
         drawn = Drawn(Prompt(0, PROMPT, [], {}), [0, 0], [0, 1], first_noise)
-        group = AgentGroup(drawn, [], time.monotonic())
+        group = AgentGroup(drawn)
         group.sessions.append(session := self.runner.new_session(group, 0, 1))
         self.runner.groups.append(group)  # in flight: no agent runs, the test calls
         return session

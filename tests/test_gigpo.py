@@ -430,7 +430,7 @@ def test_gigpo_of_agent_sessions_as_the_actor_sends_them(tiny):
 
     _, tok = tiny
     runner = AgentRunner(AgentConfig(), None, None, tok, {1}, SamplingConfig(group_size=2), 512)  # type: ignore[arg-type]
-    g = AgentGroup(Drawn(Prompt(0, "p", [], {}), [0, 0], [0, 1], 0), [], 0.0)
+    g = AgentGroup(Drawn(Prompt(0, "p", [], {}), [0, 0], [0, 1], 0))
     for j, (reward, turns) in enumerate([(1.0, [0.0, 1.0]), (0.0, [0.0, 0.0])]):
         t = Trace([5, 6, 7], ids=[10 + j, 11, 1, 20, 21, 30 + j, 1], mask=[1, 1, 1, 0, 0, 1, 1])
         t.logprobs, t.versions = [-0.1] * 7, [0] * 7
