@@ -30,6 +30,13 @@ DEFAULT_MAX_TOKENS = 256  # or what the model's context leaves after the prompt,
 MAX_SEED = 2**31 - 1
 
 
+def openai_error(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code=None
+) -> dict:
+    """OpenAI's error body, as both servers answer (`actor serve`, the agents' gateway)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 class BadRequest(ValueError):
     """A request that cannot be served; the message names the field."""
 

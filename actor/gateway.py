@@ -32,6 +32,7 @@ from actor.completions import (
     Policy,
     chat_message,
     chat_request,
+    openai_error,
     response_body,
     stop_strings,
     text_prompt,
@@ -47,12 +48,11 @@ CALL_TIMEOUT_S = 3600.0  # a call that the engine never answers (a bug) fails af
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    """OpenAI's error object."""
+    """OpenAI's error object, its type and code by the status."""
     kind = {401: "authentication_error", 503: "service_unavailable"}.get(
         status, "invalid_request_error" if status < 500 else "server_error"
     )
-    code = "invalid_api_key" if status == 401 else None
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return openai_error(message, kind, param, "invalid_api_key" if status == 401 else None)
 
 
 class Gateway(ThreadingHTTPServer):

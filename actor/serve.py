@@ -29,7 +29,7 @@ from pathlib import Path
 import zmq
 
 import protocol
-from actor.completions import BadRequest, Policy, TooLarge, TooSlow, respond
+from actor.completions import BadRequest, Policy, TooLarge, TooSlow, openai_error, respond
 from policy.model import load_arrays, tokenizer_fingerprint, weights_frame_bytes
 from protocol import lifecycle, sockets
 from protocol.config import Config, as_dict
@@ -54,19 +54,8 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
             try:
                 data = json.dumps(body, allow_nan=False).encode()  # NaN is not JSON
             except ValueError as e:
-                status, data = (
-                    500,
-                    json.dumps(
-                        {
-                            "error": {
-                                "message": f"the response holds a number JSON cannot carry ({e})",
-                                "type": "server_error",
-                                "param": None,
-                                "code": None,
-                            }
-                        }
-                    ).encode(),
-                )
+                message = f"the response holds a number JSON cannot carry ({e})"
+                status, data = 500, json.dumps(openai_error(message, "server_error")).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -74,17 +63,7 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def error(self, status: int, message: str, param: str | None = None) -> None:
-            self.reply(
-                status,
-                {
-                    "error": {
-                        "message": message,
-                        "type": "invalid_request_error",
-                        "param": param,
-                        "code": None,
-                    }
-                },
-            )
+            self.reply(status, openai_error(message, param=param))
 
         def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
             """http.server's own errors (a request line or headers it cannot parse), as
@@ -131,17 +110,7 @@ def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
                 self.error(e.status, str(e), e.param)
             except Exception as e:  # a bug or an MLX error: this request fails, the server goes on
                 log.exception("request failed")
-                self.reply(
-                    500,
-                    {
-                        "error": {
-                            "message": f"{type(e).__name__}: {e}",
-                            "type": "server_error",
-                            "param": None,
-                            "code": None,
-                        }
-                    },
-                )
+                self.reply(500, openai_error(f"{type(e).__name__}: {e}", "server_error"))
 
         def body(self) -> dict:
             return read_json(self)
