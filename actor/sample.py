@@ -155,18 +155,38 @@ def run_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.stderr)
     return {**summarize(rows, scores, cfg.eval.pass_threshold, "eval/"), "tokens_per_s": rate}
 
 
+def eval_engine(cfg: Config, adapter: str | None, lockstep_ok: bool = False):
+    """What an evaluation of sessions or episodes decodes with: the model (and adapter),
+    its tokenizer, [eval]'s sampling with one group per row of `eval.num_samples`, the
+    held-out rows, the EOS ids, and an engine of up to MAX_EVAL_ROWS rows (static for a
+    model whose caches are not plain KVCache, where `lockstep_ok`: episodes)."""
+    model, tok = load_model(cfg, adapter)
+    static = lockstep_ok and not plain_caches(model)
+    n = cfg.eval.num_samples
+    params = dataclasses.replace(eval_sampling(cfg), group_size=n)
+    eos = set(tok.eos_token_ids)
+    engine = Engine(model, params, eos, params.seed, max(MAX_EVAL_ROWS, n), static=static)
+    return model, tok, params, load_eval_prompts(cfg, tok), eos, engine
+
+
+def eval_summary(cfg: Config, rewards: list, lengths: list[int], unscored: int, seconds: float) -> dict:
+    """The eval/* figures of scored sessions or episodes (`rewards`: per row, per sample)."""
+    return {
+        **eval_metrics(rewards, lengths, cfg.eval.pass_threshold, "eval/"),
+        "eval/unscored_prompts": unscored,
+        "eval/runtime_s": seconds,
+        "tokens_per_s": sum(lengths) / seconds if seconds else 0.0,
+    }
+
+
 def run_agent_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.stderr) -> dict:
     """`actor eval` of a config with an [agent]: each held-out row runs as
     `eval.num_samples` sessions of the agent, served from one continuous engine (at most
     MAX_EVAL_ROWS sessions at once); a session passes when its reward is at least
     `eval.pass_threshold`. A session that failed `agent.max_attempts` times fails; a row
     none of whose sessions could report is counted unscored."""
-    model, tok = load_model(cfg, adapter)
-    n = cfg.eval.num_samples
-    params = dataclasses.replace(eval_sampling(cfg), group_size=n)
-    prompts = load_eval_prompts(cfg, tok)
-    eos = set(tok.eos_token_ids)
-    engine = Engine(model, params, eos, params.seed, max(MAX_EVAL_ROWS, n))
+    model, tok, params, prompts, eos, engine = eval_engine(cfg, adapter)
+    n = params.group_size
     context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     try:
         runner = AgentRunner(cfg.agent, cfg.reward.search_path, engine, tok, eos, params, context)
@@ -196,13 +216,7 @@ def run_agent_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.s
         runner.close()
     rewards = [results[p.index] for p in prompts]
     unscored = sum(all(r is None for r in row) for row in rewards)
-    elapsed = time.perf_counter() - t0
-    return {
-        **eval_metrics(rewards, lengths, cfg.eval.pass_threshold, "eval/"),
-        "eval/unscored_prompts": unscored,
-        "eval/runtime_s": elapsed,
-        "tokens_per_s": sum(lengths) / elapsed if elapsed else 0.0,
-    }
+    return eval_summary(cfg, rewards, lengths, unscored, time.perf_counter() - t0)
 
 
 def run_env_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.stderr) -> dict:
@@ -210,12 +224,8 @@ def run_env_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.std
     `eval.num_samples` episodes (actor/episodes.py) against env workers of our own, on a
     private socket (`env.environment = "socket"`: the ones you attach to the endpoint
     said), scored with the run's rewards as training scores them."""
-    model, tok = load_model(cfg, adapter)
-    n = cfg.eval.num_samples
-    params = dataclasses.replace(eval_sampling(cfg), group_size=n)
-    prompts = load_eval_prompts(cfg, tok)
-    eos = set(tok.eos_token_ids)
-    engine = Engine(model, params, eos, params.seed, max(MAX_EVAL_ROWS, n), static=not plain_caches(model))
+    model, tok, params, prompts, eos, engine = eval_engine(cfg, adapter, lockstep_ok=True)
+    n = params.group_size
     ctx, lifeline = zmq.Context(), Lifeline()
     with tempfile.TemporaryDirectory(prefix="mlxrl-eval-") as tmp:
         endpoint = f"ipc://{tmp}/env.sock"
@@ -289,12 +299,7 @@ def score_episodes(
         scorer.close()
     rewards = [r for i in range(len(groups)) if (r := rewards_of(scores.get(str(i)))) is not None]
     lengths = [sum(e.mask) for g in groups for e in g.episodes]
-    return {
-        **eval_metrics(rewards, lengths, cfg.eval.pass_threshold, "eval/"),
-        "eval/unscored_prompts": len(groups) - len(rewards),
-        "eval/runtime_s": seconds,
-        "tokens_per_s": sum(lengths) / seconds if seconds else 0.0,
-    }
+    return eval_summary(cfg, rewards, lengths, len(groups) - len(rewards), seconds)
 
 
 def score_all(scorer: Scorer, rows: list[Sampled], err: IO[str]) -> dict[str, Scored]:
