@@ -355,7 +355,8 @@ class AgentRunner:
                 call.events.put(("done", c))
                 if call.session.done:  # it ended while this call decoded: no cache to keep
                     engine.release(key)
-            for key, tokens in engine.tokens().items():
+            streaming = any(c.stream for c in self.decoding.values())
+            for key, tokens in engine.tokens().items() if streaming else ():
                 streamed = self.decoding.get(cast(str, key))
                 if streamed is not None and streamed.stream and len(tokens) > streamed.sent:
                     streamed.events.put(("tokens", tokens[streamed.sent :]))
