@@ -9,8 +9,8 @@ from typing import cast
 
 import typer
 
-from protocol import lifecycle
-from protocol.config import config_errors
+from runtime import lifecycle
+from runtime.lifecycle import config_errors
 
 app = typer.Typer(
     add_completion=False,
@@ -42,7 +42,7 @@ def run(
 ) -> None:
     """Connect to the run's learner and stream rollout groups until it says stop.
 
-    Exit codes (protocol.lifecycle): 0 told to stop by the learner, 4 a user error (the
+    Exit codes (runtime.lifecycle): 0 told to stop by the learner, 4 a user error (the
     data file does not parse, a prompt does not fit the model, the learner refused our
     model, LoRA config or key), 128 + N stopped by signal N, 1 anything unexpected."""
     from policy.data import DataError
@@ -70,7 +70,7 @@ def sample(
     set_: list[str] = typer.Option([], "--set", help="Override a config key: section.key=value."),
 ) -> None:
     """Sample and score without a learner, for evaluation."""
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     with config_errors():
         cfg = load_config(config, set_)
@@ -99,7 +99,7 @@ def eval_(
     """Evaluate on the held-out prompts: the eval/* numbers a training run logs. With an
     agent or an environment, each prompt row runs as eval.num_samples sessions or
     episodes."""
-    from protocol.config import ConfigError, load_config, load_run_config
+    from runtime.config import ConfigError, load_config, load_run_config
 
     with config_errors():
         if (config is None) == (run_dir is None):
@@ -143,7 +143,7 @@ def serve(
     /v1/models); every response also holds token ids, logprobs and the policy version."""
     from pathlib import Path
 
-    from protocol.config import load_config, read_run_config
+    from runtime.config import load_config, read_run_config
 
     if (config is None) == (run_dir is None):
         lifecycle.fail("error: give --config (a fixed adapter) or --run-dir (follow a training run)")

@@ -57,9 +57,9 @@ from actor.sessions import (
 from policy.data import encode_prompt
 from policy.engine import Engine
 from policy.sampler import Completion
-from protocol.config import AgentConfig, SamplingConfig
-from protocol.lifecycle import Lifeline, python_module
 from rewards.functions import import_spec
+from runtime.config import AgentConfig, SamplingConfig
+from runtime.lifecycle import Lifeline, python_module
 
 log = logging.getLogger("actor")
 

@@ -19,9 +19,10 @@ import uuid
 from typing import Any
 
 from policy.data import encode_prompt
+from policy.engine import sample_groups
 from policy.model import set_adapter_weights
-from policy.sampler import Completion, sample_groups
-from protocol.config import SamplingConfig
+from policy.sampler import Completion
+from runtime.config import SamplingConfig
 
 # The server's logger: what a request logs is the server's (`actor serve`'s) log.
 log = logging.getLogger("actor.serve")

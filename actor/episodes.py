@@ -45,8 +45,8 @@ import protocol
 from actor.rollout import rewards_per_run
 from policy.data import DataError, Prompt
 from policy.engine import Engine
-from protocol.config import EnvConfig, SamplingConfig
 from protocol.workers import Holder, WorkerPool
+from runtime.config import EnvConfig, SamplingConfig
 
 log = logging.getLogger("actor")
 

@@ -21,7 +21,6 @@ import zmq
 import protocol
 from actor.agents import AgentError, AgentRunner
 from actor.completions import Policy
-from actor.env_workers import env_worker_args
 from actor.episodes import EpisodeRunner
 from actor.gateway import Gateway
 from actor.rollout import Drawn
@@ -33,17 +32,17 @@ from policy.evaluation import (
     eval_metrics,
     eval_sampling,
     load_eval_prompts,
-    rewards_of,
     sample_prompts,
     summarize,
 )
 from policy.logprobs import plain_caches
 from policy.model import dequantizes, load_policy
-from protocol.config import Config, LoraConfig
-from protocol.lifecycle import Lifeline, child_env, python_module
 from protocol.workers import WorkerPool
 from rewards.functions import RewardError
-from rewards.scorer import Scored, Scorer
+from rewards.scorer import Scored, Scorer, rewards_by_prompt, rewards_of
+from runtime.config import Config, LoraConfig
+from runtime.env_workers import env_worker_args
+from runtime.lifecycle import Lifeline, child_env, python_module
 
 MAX_EVAL_ROWS = 64  # sessions an agent evaluation runs at once
 
@@ -139,7 +138,7 @@ def run_sample(
                 )
     return {
         "samples_per_prompt": num_samples,
-        **summarize(rows, scores, cfg.eval.pass_threshold, ""),
+        **summarize(rows, rewards_by_prompt(scores), cfg.eval.pass_threshold, ""),
         "tokens_per_s": rate,
     }
 
@@ -152,7 +151,10 @@ def run_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.stderr)
         model, tok, load_eval_prompts(cfg, tok), cfg.eval.num_samples, params, params.seed, err
     )
     scores = score_rows(cfg, rows, err)
-    return {**summarize(rows, scores, cfg.eval.pass_threshold, "eval/"), "tokens_per_s": rate}
+    return {
+        **summarize(rows, rewards_by_prompt(scores), cfg.eval.pass_threshold, "eval/"),
+        "tokens_per_s": rate,
+    }
 
 
 def eval_engine(cfg: Config, adapter: str | None, lockstep_ok: bool = False):

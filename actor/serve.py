@@ -31,11 +31,12 @@ import zmq
 import protocol
 from actor.completions import BadRequest, Policy, TooLarge, TooSlow, openai_error, respond
 from policy.model import load_arrays, tokenizer_fingerprint, weights_frame_bytes
-from protocol import lifecycle, sockets
-from protocol.config import Config, as_dict
+from protocol import sockets
 from protocol.connection import Link, State
 from protocol.keys import run_key_dir
-from protocol.rundir import checkpoint_step, latest_checkpoint
+from runtime import lifecycle
+from runtime.config import Config, as_dict
+from runtime.rundir import checkpoint_step, latest_checkpoint
 
 log = logging.getLogger("actor.serve")
 

@@ -54,12 +54,13 @@ from policy.model import (
     weights_frame_bytes,
 )
 from policy.sampler import Completion
-from protocol import lifecycle, sockets, timeline
-from protocol.config import as_dict, credit_window, read_run_config
+from protocol import sockets
 from protocol.connection import ENDED, HEARTBEAT_S, Link, State, heartbeat
-from protocol.heartbeat import actor_name, start_heartbeat
 from protocol.keys import key_dir_for, run_key_dir
 from protocol.workers import WorkerPool
+from runtime import lifecycle, spans
+from runtime.config import as_dict, credit_window, read_run_config
+from runtime.heartbeat import actor_name, start_heartbeat
 
 log = logging.getLogger("actor")
 
@@ -266,7 +267,7 @@ class Actor:
     def wait_for_learner(self) -> None:
         """Nothing to decode: wait (up to 200 ms) for the first weights, or for credit."""
         what = "wait for weights" if self.policy_version is None else "wait for credit"
-        with timeline.span(what, timeline.WAIT):
+        with spans.span(what, spans.WAIT):
             self.receive(200)
 
     def apply_pending(self) -> None:
@@ -275,7 +276,7 @@ class Actor:
         msg, self.pending = self.pending, None
         t0 = time.perf_counter()
         try:
-            with timeline.span("apply weights", version=msg["version"]):
+            with spans.span("apply weights", version=msg["version"]):
                 set_adapter_weights(self.model, msg.arrays)
         except ValueError as e:
             log.error("ignored weights of version %d: %s", msg["version"], e)
@@ -300,7 +301,7 @@ class Actor:
         episodes = cast(EpisodeRunner, self.episodes)
         drawn = [self.next_prompt() for _ in range(n)]
         t0 = time.perf_counter()
-        with timeline.span("play episodes", groups=n):
+        with spans.span("play episodes", groups=n):
             played = episodes.run([d.prompt for d in drawn], [d.first_noise for d in drawn], self.interrupted)
         if played is None:
             return  # stopping: the learner holds none of these; a restarted actor samples them
@@ -382,7 +383,7 @@ class Actor:
     def send_group(self, drawn: Drawn, fields: dict, arrays: dict, gen_s: float) -> None:
         group_id = str(self.groups_sent)
         header = rollout_header(drawn, group_id, self.policy_version, self.timings, fields, arrays, gen_s)
-        with timeline.span("send", group=group_id):
+        with spans.span("send", group=group_id):
             self.send_frames(rollout_frames(header, arrays))
         self.groups_sent += 1
 
@@ -484,13 +485,13 @@ class Actor:
 
 def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str | None = None) -> int:
     """Stream rollouts until the learner says stop or a stop signal arrives; returns the
-    exit code (protocol.lifecycle)."""
+    exit code (runtime.lifecycle)."""
     signals = lifecycle.StopSignals().install()
     lifecycle.watch_lifeline()
     start_heartbeat(run_dir, actor_name(slot, read_run_config(run_dir).actor.count))
     apply_memory_share()
     actor = Actor(Path(run_dir), signals, Path(key_dir) if key_dir else None, slot, connect)
-    timeline.start(run_dir, actor_name(slot, actor.cfg.actor.count), actor.cfg.log.timeline)
+    spans.start(run_dir, actor_name(slot, actor.cfg.actor.count), actor.cfg.log.timeline)
     try:
         actor.run()
     finally:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import EXAMPLES, ROOT, log
-from protocol.lifecycle import child_env
+from runtime.lifecycle import child_env
 
 RECOVERY_TIMEOUT_S = 180.0
 COMMON = {

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import ROOT, TINY_TOML, log
-from protocol.lifecycle import child_env
+from runtime.lifecycle import child_env
 
 POLL_S = 0.01  # resolution of the line arrival times; runs last tens of seconds
 

@@ -82,7 +82,7 @@ def measure(
     from learner.batching import make_batch
     from learner.trainer import Trainer
     from policy.model import load_policy
-    from protocol.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
+    from runtime.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
 
     mx.random.seed(0)
     model, _, _ = load_policy(str(model_path), LoraConfig(rank=8))

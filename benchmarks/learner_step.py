@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from benchmarks.common import log, median, timed, tiny_config
-from protocol.config import Config
+from runtime.config import Config
 
 
 @dataclass
@@ -31,9 +31,9 @@ class LearnerResult:
 def _real_batch(model, tokenizer, cfg: Config):
     """Sample batch_size groups with our sampler and score them: (samples, rewards)."""
 
-    import policy.sampler as sampler
     from learner.batching import Sample
     from policy.data import load_prompts
+    from policy.engine import sample_groups
     from rewards.scorer import Scorer
 
     s = cfg.sampling
@@ -42,7 +42,7 @@ def _real_batch(model, tokenizer, cfg: Config):
     prompts = prompts[: cfg.train.batch_size]
     scorer = Scorer(cfg.reward)  # the config's rewards, scored as the learner scores them
     eos_ids = set(tokenizer.eos_token_ids)
-    groups = sampler.sample_groups(model, [p.prompt_ids for p in prompts], s.group_size, s, eos_ids, s.seed)
+    groups = sample_groups(model, [p.prompt_ids for p in prompts], s.group_size, s, eos_ids, s.seed)
     samples, rewards = [], []
     for p, group in zip(prompts, groups):
         ids = [c.token_ids for c in group]

@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     from policy.data import Prompt
     from policy.engine import Engine
     from policy.model import load_policy
-    from protocol.config import EnvConfig, LoraConfig, SamplingConfig
-    from protocol.lifecycle import Lifeline
     from protocol.workers import WorkerPool
+    from runtime.config import EnvConfig, LoraConfig, SamplingConfig
+    from runtime.lifecycle import Lifeline
 
     model, tok, _ = load_policy(str(flat_model(a.models_dir, shape)), LoraConfig(rank=8))
     vocab = shape["vocab_size"]

@@ -58,7 +58,7 @@ def profile(model_path: Path, rows: int, tokens: int, repeats: int) -> dict[str,
     from learner.trainer import Trainer
     from policy.logprobs import output_head
     from policy.model import adapter_weights_numpy, load_policy
-    from protocol.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
+    from runtime.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
 
     mx.random.seed(0)
     model, _, _ = load_policy(str(model_path), LoraConfig(rank=8, scale=20.0))

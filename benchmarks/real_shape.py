@@ -36,8 +36,8 @@ from pathlib import Path
 
 from benchmarks.common import EXAMPLES, PROMPTS, ROOT, harness, log, timeline_summary, write_results
 from benchmarks.end_to_end import watch_up
-from protocol.config import QUANT_GROUP
-from protocol.lifecycle import child_env
+from runtime.config import QUANT_GROUP
+from runtime.lifecycle import child_env
 
 QWEN3_SHAPE = dict(
     hidden_size=768,
@@ -206,7 +206,7 @@ def planned(toml: Path) -> dict:
     """The memory plan's estimate per process (MB), as `orchestrator plan` computes it."""
     from orchestrator.fit import plan_for
     from orchestrator.plan import MB
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     plan = plan_for(load_config(toml), available_gb=1024)[0].plan
     return {"actor": sum(plan.actor.values()) / MB, "learner": sum(plan.learner.values()) / MB}
@@ -292,7 +292,7 @@ def rollout_alone(model: Path, a: argparse.Namespace) -> dict:
     from benchmarks.rollout import rates, sample_ours, sample_theirs
     from policy.data import load_prompts
     from policy.model import load_policy
-    from protocol.config import LoraConfig, SamplingConfig
+    from runtime.config import LoraConfig, SamplingConfig
 
     policy, tokenizer, _ = load_policy(str(model), LoraConfig())
     prompt_ids = [load_prompts(PROMPTS, tokenizer, 1024)[0].prompt_ids]

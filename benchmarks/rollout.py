@@ -38,7 +38,7 @@ def sample_ours(
     model, prompt_ids: list[list[int]], group_size: int, params, eos_ids: set[int], seed: int
 ) -> int:
     """Sample every prompt's group with our sampler, as the actor does; return the tokens produced."""
-    from policy.sampler import sample_groups
+    from policy.engine import sample_groups
 
     groups = sample_groups(model, prompt_ids, group_size, params, eos_ids, seed)
     return sum(len(c.token_ids) for group in groups for c in group)
@@ -93,7 +93,7 @@ def run(num_prompts: int, group_sizes: tuple[int, ...], max_tokens: int, reps: i
 
     from policy.data import load_prompts
     from policy.model import load_policy
-    from protocol.config import SamplingConfig
+    from runtime.config import SamplingConfig
 
     ours, tokenizer, _ = load_policy(str(MODEL_DIR), LORA)
     _, their_tokenizer = load(str(MODEL_DIR))

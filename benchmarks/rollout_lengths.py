@@ -49,9 +49,8 @@ def engines(
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_sampler
 
-    from policy.engine import Engine
-    from policy.sampler import sample_groups
-    from protocol.config import SamplingConfig
+    from policy.engine import Engine, sample_groups
+    from runtime.config import SamplingConfig
 
     params = SamplingConfig(temperature=1.0, max_tokens=max_tokens)
     per_batch = len(prompts) // batches
@@ -182,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from policy.model import load_policy
-    from protocol.config import LoraConfig
+    from runtime.config import LoraConfig
 
     model, _, _ = load_policy(str(flat_model(a.models_dir, shape)), LoraConfig(rank=8))
     vocab = shape["vocab_size"]

@@ -28,7 +28,7 @@ from pathlib import Path
 from benchmarks import end_to_end, learner_step, rollout, transport
 from benchmarks.common import ROOT, tiny_config
 from benchmarks.run_report import markdown, report, rows
-from protocol.config import Config
+from runtime.config import Config
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("rollout", "learner", "e2e", "transport")

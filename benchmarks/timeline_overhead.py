@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchmarks.common import TINY_TOML, harness, log, write_results
 from benchmarks.end_to_end import watch_up
-from protocol.timeline import Timeline
+from runtime.spans import Timeline
 
 
 def span_cost(n: int = 100_000) -> float:

@@ -33,7 +33,7 @@ import zmq
 
 import protocol
 from benchmarks.common import ROOT, log, median
-from protocol.lifecycle import child_env
+from runtime.lifecycle import child_env
 
 CTL = b"ctl"
 
@@ -238,7 +238,7 @@ def qwen3_0_6b_lora_shapes(rank: int = 8) -> dict[str, tuple]:
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     from policy.model import adapter_weights, lora_settings
-    from protocol.config import LoraConfig
+    from runtime.config import LoraConfig
 
     args = qwen3.ModelArgs(
         model_type="qwen3",

@@ -1,6 +1,6 @@
 """`python -m learner --run-dir RUN`: started by the orchestrator, reads RUN/config.json.
 
-Exit codes (protocol.lifecycle): 0 trained to the end, 4 a reward function failed, the
+Exit codes (runtime.lifecycle): 0 trained to the end, 4 a reward function failed, the
 eval prompts do not load or a TCP run has no keys (a restart would fail again), 5 the run
 directory belongs to another live run, 128 + N stopped by signal N after a checkpoint, 1 anything unexpected.
 """
@@ -8,9 +8,9 @@ directory belongs to another live run, 128 + N stopped by signal N after a check
 import argparse
 import logging
 
-from protocol import lifecycle
 from protocol.keys import KeysError
 from rewards.functions import RewardError
+from runtime import lifecycle
 
 
 def cli() -> None:

@@ -18,7 +18,7 @@ from typing import ClassVar, Protocol, get_args
 import mlx.core as mx
 import numpy as np
 
-from protocol.config import ALGORITHM_NAMES, AlgorithmName, ScaleRewards
+from runtime.config import ALGORITHM_NAMES, AlgorithmName, ScaleRewards
 
 STD_EPS = 1e-4
 SCALE_REWARDS: tuple[str, ...] = get_args(ScaleRewards)
@@ -297,7 +297,7 @@ ALGORITHMS: dict[AlgorithmName, type[GRPO]] = {
     "cispo": CISPO,
     "sapo": SAPO,
 }
-assert tuple(ALGORITHMS) == ALGORITHM_NAMES, "protocol/config_sections.py names the objectives"
+assert tuple(ALGORITHMS) == ALGORITHM_NAMES, "runtime/config_sections.py names the objectives"
 
 
 def make_algorithm(

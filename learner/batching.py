@@ -18,7 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from policy.logprobs import Rows, output_head, plain_caches
-from protocol.config import TrainConfig, logit_chunk_positions
+from runtime.config import TrainConfig, logit_chunk_positions
 
 log = logging.getLogger(__name__)
 

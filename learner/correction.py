@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from learner.algorithms import masked_mean, row_mean
-from protocol.config import CorrectionLevel, CorrectionMode
+from runtime.config import CorrectionLevel, CorrectionMode
 
 # exp() of a sequence's summed log-ratio overflows float32 beyond ~88.
 MAX_LOG_WEIGHT = 80.0

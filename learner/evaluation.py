@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 from policy.evaluation import Report, Sampled, eval_sampling, load_eval_prompts, sample_prompts, summarize
 from policy.sampler import Stopped
-from protocol.config import Config
 from rewards.functions import RewardError
-from rewards.scorer import Scored, Scorer
+from rewards.scorer import Scored, Scorer, rewards_by_prompt
+from runtime.config import Config
 
 log = logging.getLogger("learner")
 
@@ -78,7 +78,7 @@ class Evaluator:
         return {
             "step": step,
             "policy_version": step,
-            **summarize(rows, scores, self.cfg.eval.pass_threshold, "eval/"),
+            **summarize(rows, rewards_by_prompt(scores), self.cfg.eval.pass_threshold, "eval/"),
             "eval/tokens_per_s": rate,
             "eval/runtime_s": time.perf_counter() - t0,
         }

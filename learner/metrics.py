@@ -13,7 +13,7 @@ import numpy as np
 
 from learner.batching import Sample
 from learner.groups import Group
-from protocol.lifecycle import write_atomic
+from runtime.rundir import write_atomic
 
 log = logging.getLogger("learner")
 

@@ -32,9 +32,9 @@ from learner.batching import Batch, Prepared
 from learner.trainer import Trainer, combine_stats
 from policy.memory import apply_memory_share
 from policy.model import dequantizes, load_policy
-from protocol import lifecycle
-from protocol.config import Config, read_run_config
-from protocol.heartbeat import learner_name, start_heartbeat
+from runtime import lifecycle
+from runtime.config import Config, read_run_config
+from runtime.heartbeat import learner_name, start_heartbeat
 
 log = logging.getLogger("learner")
 

@@ -13,26 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from protocol.config import Config
-
-# report_to entry -> (module it needs, extra that installs it)
-BACKENDS = {
-    "tensorboard": ("tensorboardX", "tensorboard"),
-    "trackio": ("trackio", "trackio"),
-    "wandb": ("wandb", "wandb"),
-}
-
-
-def missing_backends(names: tuple[str, ...]) -> list[str]:
-    """The `pip install` hint for each named backend whose library is not installed."""
-    import importlib.util
-
-    hints = []
-    for name in names:
-        module, extra = BACKENDS[name]
-        if importlib.util.find_spec(module) is None:
-            hints.append(f"log.report_to {name!r} needs {module}: pip install 'mlx-rl-ipc[{extra}]'")
-    return hints
+from runtime.config import Config
+from runtime.config_sections import missing_backends
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:

@@ -31,9 +31,9 @@ import protocol
 from learner.groups import Group, data_span
 from learner.ledger import Ledger
 from protocol import sockets
-from protocol.config import credit_window
 from protocol.connection import ACTOR_TIMEOUT_S, Peers, owner_hello
 from protocol.wire import HELLO_MODEL_FIELDS
+from runtime.config import credit_window
 
 log = logging.getLogger("learner")
 

@@ -34,13 +34,14 @@ from learner.reporters import open_reporters
 from learner.rollouts import MB, RolloutSocket
 from policy.memory import apply_memory_share
 from policy.model import adapter_weights_numpy, tokenizer_fingerprint
-from protocol import lifecycle, sockets, timeline
-from protocol.config import as_dict, read_run_config
-from protocol.heartbeat import start_heartbeat
+from protocol import sockets
 from protocol.keys import run_key_dir
-from protocol.rundir import Phase, latest_checkpoint
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
+from runtime import lifecycle, spans
+from runtime.config import as_dict, read_run_config
+from runtime.heartbeat import start_heartbeat
+from runtime.rundir import Phase, latest_checkpoint
 
 log = logging.getLogger("learner")
 
@@ -140,9 +141,9 @@ class Learner:
             if self.step == 0:
                 self.evaluate()  # the base of comparison; a resumed run has it already
             while self.step < train.steps and not self.signals.requested:
-                with timeline.span("wait for groups", timeline.WAIT):
+                with spans.span("wait for groups", spans.WAIT):
                     arrived = self.rollouts.receive(100, self.step)
-                with timeline.span("score", groups=len(arrived)):
+                with spans.span("score", groups=len(arrived)):
                     self.intake.add(arrived)
                     self.intake.score()
                 batch = self.intake.next_batch(self.step, train.batch_size, train.max_staleness)
@@ -183,7 +184,7 @@ class Learner:
                 scale_rewards=self.trainer.algorithm.scale_rewards,
             )
         self.ranks.share_batch(batch, trained)
-        with timeline.span("old and reference logprobs", groups=len(groups)):
+        with spans.span("old and reference logprobs", groups=len(groups)):
             part = Part(self.trainer, self.ranks, batch, trained)  # this rank's rows: all, alone
         self.num_tokens += batch_tokens(samples)
         if self.completions is not None:
@@ -201,10 +202,10 @@ class Learner:
             self.ranks.broadcast(Command.GO if go else Command.STOP)  # the other ranks step (or not) with us
             if not go:
                 break
-            with timeline.span("optimizer step", iteration=iteration):
+            with spans.span("optimizer step", iteration=iteration):
                 stats = part.step()
             self.step += 1
-            with timeline.span("publish weights"):
+            with spans.span("publish weights"):
                 self.rollouts.publish(self.step)
             if iteration == 0:
                 self.ledger.train([(g.sender, g.cursor, g.start_cursor) for g in groups])
@@ -220,8 +221,8 @@ class Learner:
                 **self.shares,
                 **self.group_counts(),
             }
-            timeline.record("step", started, step_s, step=self.step)  # what step_s measures
-            timeline.mark("step", step=self.step)
+            spans.record("step", started, step_s, step=self.step)  # what step_s measures
+            spans.mark("step", step=self.step)
             self.metrics.write(line)
             self.ledger.say_drops(self.step)
             if train.checkpoint_every and self.step % train.checkpoint_every == 0:
@@ -234,7 +235,7 @@ class Learner:
         if self.evaluator is None or not self.evaluator.due(self.step):
             return
         self.write_status(Phase.EVALUATING)
-        with timeline.span("evaluation", timeline.WAIT, step=self.step):  # the actor samples it
+        with spans.span("evaluation", spans.WAIT, step=self.step):  # the actor samples it
             line = self.evaluator.run(
                 self.model,
                 self.step,
@@ -257,7 +258,7 @@ class Learner:
             "reward_stats": self.scorer.worker_stats(),
             "config": self.cfg.to_dict(),
         }
-        with timeline.span("checkpoint", step=self.step):
+        with spans.span("checkpoint", step=self.step):
             path = save_checkpoint(
                 self.run_dir,
                 self.model,
@@ -306,7 +307,7 @@ class Learner:
 
 
 def main(run_dir: str, resume: bool = False) -> int:
-    """Run the learner to the end; returns the exit code (protocol.lifecycle)."""
+    """Run the learner to the end; returns the exit code (runtime.lifecycle)."""
     ranks = Ranks.join()  # more than one under `mlx.launch` (learner/ranks.py)
     if ranks.rank > 0:
         return follower_main(run_dir, ranks)
@@ -316,7 +317,7 @@ def main(run_dir: str, resume: bool = False) -> int:
     start_heartbeat(run_dir, "learner")
     apply_memory_share()
     learner = Learner(Path(run_dir), resume, signals, ranks)
-    timeline.start(run_dir, "learner", learner.cfg.log.timeline)
+    spans.start(run_dir, "learner", learner.cfg.log.timeline)
     # A crash is restarted: the workers wait for the new learner; so they do when only this
     # process is stopped (a restart, or its orchestrator died: a resume comes).
     reason, final = "the learner failed", False

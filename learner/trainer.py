@@ -41,8 +41,8 @@ from policy.logprobs import (
     sequence_logprobs_and_entropy,
 )
 from policy.model import adapters_disabled
-from protocol import timeline
-from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig
+from runtime import spans
+from runtime.config import AlgorithmConfig, SamplingConfig, TrainConfig
 
 Head = Callable[[mx.array], mx.array] | None
 
@@ -219,7 +219,7 @@ class Trainer:
         grads, loss, parts = None, 0.0, []
         for m in prepared.micro:
             rows_adv = adv[mx.array(m.index.astype(np.int32))] if adv is not None else m.per_token(advantages)
-            with timeline.span("forward and backward", rows=len(m.index), positions=m.positions):
+            with spans.span("forward and backward", rows=len(m.index), positions=m.positions):
                 (part_loss, diag), part_grads = self._value_and_grad(m, rows_adv, prepared.norm)
                 grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
                 mx.eval(part_loss, diag, grads)
@@ -232,7 +232,7 @@ class Trainer:
             grads = all_sum(grads)
             mx.eval(grads)
             timing["allreduce_s"] = time.perf_counter() - t0  # with the wait for the slowest rank
-        with timeline.span("optimizer update"):
+        with spans.span("optimizer update"):
             grads, grad_norm = optim.clip_grad_norm(grads, self.max_grad_norm)
             self.optimizer.update(self.model, grads)
             mx.eval(self.model.parameters(), self.optimizer.state, grad_norm)

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import typer
 
-from protocol import lifecycle
-from protocol.config import Config, ConfigError, config_errors, load_config, load_run_config
 from protocol.connection import LEARNER_TIMEOUT_S
+from runtime import lifecycle
+from runtime.config import Config, ConfigError, load_config, load_run_config
+from runtime.config_sections import missing_backends
+from runtime.lifecycle import config_errors
 
 app = typer.Typer(
     add_completion=False,
@@ -48,8 +50,6 @@ def up(
         else:
             assert config is not None  # one of the two, checked above
             cfg = load_config(config, set_, run_dir=run_dir, steps=steps)
-    from learner.reporters import missing_backends
-
     for problem in missing_backends(cfg.log.report_to):
         lifecycle.fail(f"config error: {problem}")
     cfg, shares = check_plan(cfg, available_memory_gb)
@@ -124,7 +124,7 @@ def prepare(
         cfg = load_config(config, set_, run_dir=run_dir)
     cfg, _ = check_plan(cfg, None)
     from orchestrator.launch import prepare_run_dir
-    from protocol.rundir import RunExists
+    from runtime.rundir import RunExists
 
     try:
         run = prepare_run_dir(cfg, overwrite=overwrite)
@@ -273,7 +273,7 @@ def _worker_endpoint(
 
 
 def _run_is_insecure(run_dir: str) -> bool:
-    from protocol.config import read_run_config
+    from runtime.config import read_run_config
 
     try:
         return read_run_config(run_dir).run.insecure
@@ -287,8 +287,8 @@ def _serve(make_worker, user_error: type[Exception], run_dir: str | None) -> Non
     import os
 
     from orchestrator.workers import serve
-    from protocol import timeline
-    from protocol.config import read_run_config
+    from runtime import spans
+    from runtime.config import read_run_config
 
     signals = lifecycle.StopSignals().install()
     try:
@@ -296,7 +296,7 @@ def _serve(make_worker, user_error: type[Exception], run_dir: str | None) -> Non
         worker.run_dir = None if run_dir is None else Path(run_dir)
         if run_dir is not None:
             enabled = read_run_config(run_dir).log.timeline
-            timeline.start(run_dir, f"{worker.role.replace('_', '-')}-{os.getpid()}", enabled)
+            spans.start(run_dir, f"{worker.role.replace('_', '-')}-{os.getpid()}", enabled)
         code = serve(worker)
     except user_error as e:
         lifecycle.fail(f"error: {e}")

@@ -22,7 +22,7 @@ from orchestrator.plan import (
     read_shape,
     shape_from_config,
 )
-from protocol.config import Config
+from runtime.config import Config
 
 
 @dataclass

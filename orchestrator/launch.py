@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import protocol
-from actor.env_workers import env_worker_args
 from orchestrator.plan import thread_count
-from protocol import lifecycle
-from protocol.config import MEMORY_SHARE_ENV, Config, write_run_config
-from protocol.heartbeat import actor_name, learner_name
 from protocol.keys import create_run_keys
-from protocol.rundir import clear_results, refuse_to_overwrite
+from runtime import lifecycle
+from runtime.config import MEMORY_SHARE_ENV, Config, write_run_config
+from runtime.env_workers import env_worker_args
+from runtime.heartbeat import actor_name, learner_name
+from runtime.rundir import clear_results, refuse_to_overwrite
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from policy.model import dequantizes
-from protocol.config import QUANT_GROUP, Config, ConfigError, logit_chunk_positions
+from runtime.config import QUANT_GROUP, Config, ConfigError, logit_chunk_positions
 
 MB = 1 << 20
 GB = 1 << 30

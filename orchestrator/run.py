@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from orchestrator.show import MetricsFollower
-from protocol import lifecycle
-from protocol.config import ConfigError
+from runtime import lifecycle
+from runtime.config import ConfigError
 
 
 def start(
@@ -94,7 +94,7 @@ class Run:
     def dir(self) -> Path:
         """The run directory (from the config, unless given)."""
         if self._dir is None:
-            from protocol.config import load_config
+            from runtime.config import load_config
 
             overrides = [f"{k}={toml_value(k, v)}" for k, v in self._settings.items()]
             self._dir = Path(load_config(str(self._config), overrides).run.dir)

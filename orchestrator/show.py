@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from orchestrator.progress import is_eval
-from protocol.rundir import checkpoint_step, latest_checkpoint
+from runtime.rundir import checkpoint_step, latest_checkpoint
 
 
 def read_lines(path: Path) -> list[dict]:

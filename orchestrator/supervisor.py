@@ -3,7 +3,7 @@ of a module environment), watch them, show progress, stop them.
 
 The learner writes `status.json` and `metrics.jsonl`; the supervisor only reads those
 files and the processes' exit codes, so a slow terminal can never stall training.
-Every child holds the orchestrator's lifeline and run lock (`protocol.lifecycle`): it
+Every child holds the orchestrator's lifeline and run lock (`runtime.lifecycle`): it
 stops when the orchestrator dies, and no other run can take the directory while it lives.
 """
 
@@ -22,11 +22,12 @@ import protocol
 from orchestrator.launch import Child, child_specs, free_ports, prepare_run_dir, spawn
 from orchestrator.progress import display_for, is_eval
 from orchestrator.show import MetricsFollower
-from protocol import lifecycle, sockets
-from protocol.config import Config
-from protocol.heartbeat import heartbeat_path, seconds_since_beat
+from protocol import sockets
 from protocol.keys import AUTHORIZED, run_keys
-from protocol.rundir import Phase, RunExists
+from runtime import lifecycle
+from runtime.config import Config
+from runtime.heartbeat import heartbeat_path, seconds_since_beat
+from runtime.rundir import Phase, RunExists
 
 STOP_TIMEOUT_S = 30.0
 # How long a new run waits for the orphans of a killed orchestrator to stop (they get

@@ -1,6 +1,6 @@
 """`orchestrator timeline`: one trace of every process, and where each one's time went.
 
-Reads the spans each process recorded (protocol/timeline.py, RUN/timeline/*.jsonl) and
+Reads the spans each process recorded (runtime/spans.py, RUN/timeline/*.jsonl) and
 writes one Chrome trace (`{"traceEvents": [...]}`) that Perfetto (ui.perfetto.dev) and
 chrome://tracing open: a track per process, a row per thread, the learner's step ends as
 marks. Times start at 0 at the window's start. The summary gives each process's busy
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.timeline import BUSY, WAIT, timeline_dir
+from runtime.spans import BUSY, WAIT, timeline_dir
 
 # Tracks in this order, then by name: the learner on top, then the actors, then workers.
 ORDER = ("learner", "actor", "reward-worker", "env-worker")

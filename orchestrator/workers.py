@@ -28,9 +28,10 @@ from typing import Any
 import zmq
 
 import protocol
-from protocol import lifecycle, sockets, timeline
+from protocol import sockets
 from protocol.connection import HEARTBEAT_S, LEARNER_TIMEOUT_S, Link, State, heartbeat
 from rewards.functions import RewardError, call_reward, import_spec, load_reward_function
+from runtime import lifecycle, spans
 
 log = logging.getLogger("workers")
 
@@ -156,7 +157,7 @@ class SocketWorker:
                 self.notice(msg)
 
     def timed_answer(self, msg: protocol.Message) -> dict:
-        with timeline.span(msg.kind, request=msg["request_id"]):
+        with spans.span(msg.kind, request=msg["request_id"]):
             return self.answer(msg)
 
     def answer(self, msg: protocol.Message) -> dict:

@@ -55,9 +55,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from policy.logprobs import output_head, plain_caches
-from policy.sampler import Completion, _noise_keys, _sample, prefill_batch, prefill_logits
-from protocol import timeline
-from protocol.config import SamplingConfig
+from policy.sampler import Completion, Watch, noise_keys, prefill_batch, prefill_logits, sample_tokens
+from runtime import spans
+from runtime.config import SamplingConfig
 
 # A row that ends stays in the batch, dead (its compute wasted), until a waiting group
 # needs its place or the dead are this share of the batch: cutting rows out copies every
@@ -180,7 +180,7 @@ class Engine:
         """Admit the waiting groups that fit, sample one token for every live row, queue
         the next forward, and mark the rows that ended (EOS or max_tokens) dead. `version`:
         the policy version of the model's weights now."""
-        with timeline.span("decode step") as span:
+        with spans.span("decode step") as span:
             done = self._step(version)
             span["rows"] = len(self.live) - self.live.count(None)
             return done
@@ -190,7 +190,7 @@ class Engine:
         if not self.live:
             return []
         assert self.logits is not None and self.keys is not None and self.cache is not None  # rows are live
-        sampled, picked = self._sample()
+        sampled, picked = self.sample_tokens()
         self.decoded = len(self.live) - self.live.count(None)
         # The next forward is queued before this step's tokens are read back, so the
         # device never waits for Python; the rows that end now waste that one step.
@@ -238,7 +238,7 @@ class Engine:
         """Whether the batch's rows can be cut out (caches mlx-lm cannot merge cannot)."""
         return all(hasattr(c, "filter") for c in cast(list, self.cache))
 
-    def _sample(self) -> tuple[mx.array, mx.array]:
+    def sample_tokens(self) -> tuple[mx.array, mx.array]:
         """A token and its logprob for every row in the batch: the live rows' sampled, the
         dead rows' 0 (what they compute is not read). Dead rows are left out of the
         sampling: their logits (after an EOS) can be flat, which would push the whole
@@ -247,9 +247,9 @@ class Engine:
         alive = [k for k, entry in enumerate(self.live) if entry is not None]
         t = mx.array([len(cast(tuple, self.live[k])[1].tokens) for k in alive], dtype=mx.uint32)
         if len(alive) == len(self.live):
-            return _sample(logits, keys, t, self.params)
+            return sample_tokens(logits, keys, t, self.params)
         index = mx.array(alive)
-        tokens, logprobs = _sample(logits[index], keys[index], t, self.params)
+        tokens, logprobs = sample_tokens(logits[index], keys[index], t, self.params)
         sampled, picked = mx.zeros(len(self.live), dtype=tokens.dtype), mx.zeros(len(self.live))
         sampled[index], picked[index] = tokens, logprobs
         return sampled, picked
@@ -285,7 +285,7 @@ class Engine:
             free -= len(group.rows)
         if not joining:
             return
-        with timeline.span("prefill", groups=len(joining)):
+        with spans.span("prefill", groups=len(joining)):
             self._join(joining, alive, version)
 
     def _join(self, joining: list[_Group], alive: int, version: int) -> None:
@@ -298,7 +298,7 @@ class Engine:
         if continued:
             parts.append(self._continue(continued))
         joining = fresh + continued  # in the order of `parts`
-        keys = mx.concatenate([_noise_keys(g.seed, [r.noise for r in g.rows]) for g in joining])
+        keys = mx.concatenate([noise_keys(g.seed, [r.noise for r in g.rows]) for g in joining])
         for cache, logits in parts:
             if self.cache is None:
                 self.cache, self.logits = cache, logits
@@ -347,3 +347,39 @@ class Engine:
             logits.append(prefill_logits(self.model, self.head, mx.array([new]), kept.cache))
         layers = zip(*(cast(_Kept, g.kept).cache for g in groups))
         return [BatchKVCache.merge(list(layer)) for layer in layers], mx.concatenate(logits)
+
+
+def sample_groups(
+    model: nn.Module,
+    prompts: list[list[int]],
+    group_size: int,
+    params: SamplingConfig,
+    eos_ids: set[int],
+    seed: int,
+    noise_offset: int = 0,
+    noise_ids: list[int] | None = None,
+    watch: Watch | None = None,
+) -> list[list[Completion]]:
+    """`group_size` completions of each prompt, all rows decoding as one batch (a static
+    Engine, which takes every cache type). `watch` sees every decode
+    step (and may stop the batch by raising Stopped).
+
+    Row j of prompt i has the noise id noise_offset + i * group_size + j (or
+    noise_ids[i * group_size + j] when given): its tokens depend only on (seed, that id)
+    and the model, so callers that give each group stable ids get the same samples
+    whatever the batch holds.
+    """
+    if not prompts:
+        return []
+    rows = noise_ids or [noise_offset + r for r in range(len(prompts) * group_size)]
+    if len(rows) != len(prompts) * group_size:
+        raise ValueError(f"{len(rows)} noise ids for {len(prompts)} prompts of {group_size} rows")
+    engine = Engine(model, params, eos_ids, seed, max_rows=len(rows), static=True)
+    for i, p in enumerate(prompts):
+        engine.add(i, p, rows[i * group_size : (i + 1) * group_size])
+    done: dict[int, list[Completion]] = {}
+    while engine.busy:
+        done.update((cast(int, key), group) for key, group in engine.step())
+        if watch is not None:
+            watch(engine.decoded)
+    return [done[i] for i in range(len(prompts))]

@@ -9,16 +9,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO
 
 import numpy as np
 
 from policy.data import Prompt, load_prompts
-from policy.sampler import Completion, Stopped, sample_groups
-from protocol.config import Config, SamplingConfig
-from rewards.scorer import Scored
+from policy.engine import sample_groups
+from policy.sampler import Completion, Stopped
+from runtime.config import Config, SamplingConfig
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -181,16 +181,12 @@ def sample_prompts(
     return rows, tally.tokens / elapsed if elapsed > 0 else 0.0
 
 
-def rewards_of(scored: Scored | None) -> list[float | None] | None:
-    """A prompt's total rewards (None where unscored), or None when the prompt is unscored."""
-    if scored is None:
-        return None
-    return [None if np.isnan(r) else float(r) for r in scored.total]
-
-
-def summarize(rows: list[Sampled], scores: dict[str, Scored], threshold: float, prefix: str) -> dict:
-    """eval_metrics over the scored prompts, and how many could not be scored."""
-    rewards = [r for row in rows if (r := rewards_of(scores.get(str(row.prompt.index)))) is not None]
+def summarize(
+    rows: list[Sampled], rewards_by_prompt: Mapping[str, list[float | None]], threshold: float, prefix: str
+) -> dict:
+    """eval_metrics over the scored prompts (their rewards keyed by prompt index; the
+    caller scored them, rewards/scorer.py), and how many could not be scored."""
+    rewards = [r for row in rows if (r := rewards_by_prompt.get(str(row.prompt.index))) is not None]
     lengths = [len(c.token_ids) for row in rows for c in row.completions]
     unscored = len(rows) - len(rewards)
     return {**eval_metrics(rewards, lengths, threshold, prefix), f"{prefix}unscored_prompts": unscored}

@@ -12,7 +12,7 @@ import os
 
 import mlx.core as mx
 
-from protocol.config import MEMORY_SHARE_ENV
+from runtime.config import MEMORY_SHARE_ENV
 
 
 def apply_memory_share() -> int | None:

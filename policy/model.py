@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from protocol.config import QUANT_GROUP, LoraConfig
+from runtime.config import QUANT_GROUP, LoraConfig
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 log = logging.getLogger(__name__)

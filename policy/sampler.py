@@ -1,11 +1,10 @@
-"""Sampling a token, with its behavior logprob, reproducible by seed; and grouped sampling.
+"""Sampling a token, with its behavior logprob, reproducible by seed.
 
-`_sample` draws one token for every row of a batch; the decode loop around it is
-policy/engine.py's, the only one. `sample_groups` (serving, evaluation, benchmarks) runs
-that engine static, all rows as one batch, for every cache type mlx-lm has. The prefill
-the engine uses is here too: all prompts at once, left-padded and masked in mlx-lm's
-BatchKVCache (the machinery of its own batch_generate), each prompt's cache rows then
-repeated for its G samples.
+`sample_tokens` draws one token for every row of a batch; the decode loop around it is
+policy/engine.py's, the only one (its `sample_groups` runs that engine static, all rows as
+one batch, for serving, evaluation and benchmarks). The prefill the engine uses is here
+too: all prompts at once, left-padded and masked in mlx-lm's BatchKVCache (the machinery of
+its own batch_generate), each prompt's cache rows then repeated for its G samples.
 
 For every sampled token we keep its logprob under the temperature-scaled, untruncated
 distribution, computed as in policy/logprobs.py (which explains why untruncated).
@@ -37,9 +36,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from policy.logprobs import picked_logprobs, tempered
-from protocol.config import SamplingConfig
+from runtime.config import SamplingConfig
 
-# Tokens among which a truncated step looks for its cut (see _sample): a partition of the
+# Tokens among which a truncated step looks for its cut (see sample_tokens): a partition of the
 # vocabulary picks them in one pass; a trained model's top-p 0.95 set is far smaller.
 CANDIDATES = 1024
 
@@ -79,7 +78,7 @@ def threshold(desc: mx.array, p: SamplingConfig) -> mx.array:
 def truncate(logprobs: mx.array, p: SamplingConfig) -> mx.array:
     """Mask (to -inf) the tokens that top-k, top-p and min-p exclude from sampling: the
     definition, by a sort of the whole vocabulary. The sampler finds the same cut from a
-    few candidates (`_sample`)."""
+    few candidates (`sample_tokens`)."""
     cut = threshold(mx.sort(logprobs, axis=-1)[:, ::-1], p)
     return mx.where(logprobs >= cut[:, None], logprobs, -mx.inf)
 
@@ -97,7 +96,7 @@ def _fmix32(h: mx.array) -> mx.array:
     return h ^ (h >> 16)
 
 
-def _noise_keys(seed: int, rows: list[int]) -> mx.array:
+def noise_keys(seed: int, rows: list[int]) -> mx.array:
     """Each row's 32-bit stream id, from (seed, its noise id)."""
     u32 = mx.uint32
     return _fmix32(mx.array(rows, dtype=u32) ^ _fmix32(mx.array(seed & 0xFFFFFFFF, dtype=u32)))
@@ -120,7 +119,7 @@ def _noise(row_keys: mx.array, t: int | mx.array, token_ids: mx.array) -> mx.arr
     return -mx.log(-mx.log(u))
 
 
-def _sample(
+def sample_tokens(
     logits: mx.array, row_keys: mx.array, t: int | mx.array, p: SamplingConfig
 ) -> tuple[mx.array, mx.array]:
     """Gumbel-max over the truncated distribution; the logprob is of the untruncated one,
@@ -193,44 +192,6 @@ def prefill_batch(
     return cache, logits[repeat]
 
 
-def sample_groups(
-    model: nn.Module,
-    prompts: list[list[int]],
-    group_size: int,
-    params: SamplingConfig,
-    eos_ids: set[int],
-    seed: int,
-    noise_offset: int = 0,
-    noise_ids: list[int] | None = None,
-    watch: Watch | None = None,
-) -> list[list[Completion]]:
-    """`group_size` completions of each prompt, all rows decoding as one batch (a static
-    policy/engine.py::Engine, which takes every cache type). `watch` sees every decode
-    step (and may stop the batch by raising Stopped).
-
-    Row j of prompt i has the noise id noise_offset + i * group_size + j (or
-    noise_ids[i * group_size + j] when given): its tokens depend only on (seed, that id)
-    and the model, so callers that give each group stable ids get the same samples
-    whatever the batch holds.
-    """
-    from policy.engine import Engine  # which samples with this module's functions
-
-    if not prompts:
-        return []
-    rows = noise_ids or [noise_offset + r for r in range(len(prompts) * group_size)]
-    if len(rows) != len(prompts) * group_size:
-        raise ValueError(f"{len(rows)} noise ids for {len(prompts)} prompts of {group_size} rows")
-    engine = Engine(model, params, eos_ids, seed, max_rows=len(rows), static=True)
-    for i, p in enumerate(prompts):
-        engine.add(i, p, rows[i * group_size : (i + 1) * group_size])
-    done: dict[int, list[Completion]] = {}
-    while engine.busy:
-        done.update((cast(int, key), group) for key, group in engine.step())
-        if watch is not None:
-            watch(engine.decoded)
-    return [done[i] for i in range(len(prompts))]
-
-
 def reference_sample(
     model: nn.Module,
     prompt_ids: list[int],
@@ -248,7 +209,7 @@ def reference_sample(
         for t in range(params.max_tokens):
             logits = model(mx.array(ids)[None])[:, -1, :]
             scaled = tempered(logits, params.temperature)
-            keys = _noise_keys(seed, [noise_offset + j])
+            keys = noise_keys(seed, [noise_offset + j])
             tok, lp = _sample_all(scaled, mx.logsumexp(scaled, axis=-1), keys, t, params)
             ids.append(cast(int, tok.item()))
             lps.append(cast(float, lp.item()))

@@ -1,4 +1,6 @@
-"""The wire format shared by the actors, the learner and the workers (no MLX here)."""
+"""The wire: message kinds, the msgpack codec and its checks, endpoints, keys and the
+sockets every process opens (PROTOCOL.md). No MLX here; a run's config and files are in
+`runtime`."""
 
 from protocol.endpoints import make_endpoints, read_endpoints, write_endpoints
 from protocol.wire import (

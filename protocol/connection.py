@@ -171,7 +171,7 @@ class Link:
         if self.run_dir is None or down <= RUN_OVER_CHECK_S:
             return False
         # Here, not at the top: lifecycle imports this module's timeouts.
-        from protocol.lifecycle import run_is_over
+        from runtime.lifecycle import run_is_over
 
         if not run_is_over(self.run_dir):
             return False

@@ -8,7 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from protocol.lifecycle import write_atomic
+from runtime.rundir import write_atomic
 
 # sockaddr_un.sun_path is 108 bytes on Linux and 104 on macOS, including the NUL.
 _MAX_IPC_PATH = 100

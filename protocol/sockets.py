@@ -37,8 +37,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from protocol.connection import HEARTBEAT_S
 from protocol.keys import secure_client, secure_server, stop_authenticator
-from protocol.lifecycle import raise_fd_limit
 from protocol.wire import MAX_HEADER_BYTES, Message, ProtocolError, decode
+from runtime.lifecycle import raise_fd_limit
 
 log = logging.getLogger("sockets")
 

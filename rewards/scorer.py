@@ -17,9 +17,9 @@ import numpy as np
 import zmq
 
 import protocol
-from protocol.config import RewardConfig
 from protocol.workers import WorkerPool
 from rewards.functions import ENV, WORKER, RewardError, call_reward, load_reward_function, reward_inputs
+from runtime.config import RewardConfig
 
 
 @dataclass
@@ -27,6 +27,18 @@ class Scored:
     key: str
     total: np.ndarray  # [G] weighted sum; NaN where every function returned None
     by_function: dict[str, list[float | None]] = field(default_factory=dict)
+
+
+def rewards_of(scored: Scored | None) -> list[float | None] | None:
+    """A prompt's total rewards (None where unscored), or None when the prompt is unscored."""
+    if scored is None:
+        return None
+    return [None if np.isnan(r) else float(r) for r in scored.total]
+
+
+def rewards_by_prompt(scores: dict[str, Scored]) -> dict[str, list[float | None]]:
+    """Each scored prompt's total rewards, keyed as `scores` is (policy.evaluation.summarize)."""
+    return {key: rewards for key, scored in scores.items() if (rewards := rewards_of(scored)) is not None}
 
 
 WORKER_STATS = ("retries", "rejected_replies", "late_replies", "lost_workers")

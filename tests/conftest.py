@@ -128,7 +128,7 @@ def no_process_outlives_its_test(session_marker):
 def tiny():
     """(model, tokenizer) of the tiny model with rank-8 LoRA attached, in float32."""
     from policy.model import load_policy
-    from protocol.config import LoraConfig
+    from runtime.config import LoraConfig
 
     model, tokenizer, _ = load_policy(str(TINY_MODEL), LoraConfig())
     return model, tokenizer

@@ -59,7 +59,7 @@ def trainer_for(
     from learner.batching import WHOLE
     from learner.correction import Correction
     from learner.trainer import Trainer
-    from protocol.config import AlgorithmConfig, SamplingConfig, TrainConfig
+    from runtime.config import AlgorithmConfig, SamplingConfig, TrainConfig
 
     c = correction or Correction()
     algorithm = AlgorithmConfig(

@@ -17,8 +17,8 @@ import protocol
 from orchestrator.launch import prepare_run_dir
 from policy.logprobs import sequence_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights, tokenizer_fingerprint
-from protocol import lifecycle
-from protocol.config import as_dict, load_config
+from runtime import lifecycle
+from runtime.config import as_dict, load_config
 from tests.helpers import peer, write_config
 
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset

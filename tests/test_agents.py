@@ -21,7 +21,7 @@ from actor.rollout import Drawn
 from actor.sessions import AgentGroup, Session
 from policy.data import Prompt
 from policy.engine import Engine
-from protocol.config import AgentConfig, SamplingConfig
+from runtime.config import AgentConfig, SamplingConfig
 from tests.helpers import EXAMPLES, TINY_MODEL, actor_eval_matches, merge_toml, read_metrics, run_up
 
 openai = pytest.importorskip("openai")
@@ -769,7 +769,7 @@ def test_the_smollm2_agent_example_loads_as_written():
     and it reports a reward per try (its GiGPO step rewards)."""
     from actor.agents import load_agent_function
     from actor.sessions import parse_reward
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     cfg = load_config(EXAMPLES / "smollm2_agent.toml")
     assert cfg.agent.enabled and cfg.algorithm.gigpo_omega > 0 and cfg.reward.functions == ("env",)

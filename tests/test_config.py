@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.config import (
+from runtime.config import (
     SECTIONS,
     Config,
     ConfigError,
@@ -580,7 +580,7 @@ def test_cli_missing_config_file(tmp_path):
 def test_readme_reference_is_generated_from_the_dataclasses():
     page = (REPO / "docs" / "configuration.md").read_text()
     table = reference_table()
-    assert table in page, "docs/configuration.md's reference is stale: paste `python -m protocol.config`"
+    assert table in page, "docs/configuration.md's reference is stale: paste `python -m runtime.config`"
     rows = table.splitlines()[2:]
     assert len(rows) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
     for cls in SECTIONS.values():

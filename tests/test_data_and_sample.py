@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from policy.data import DataError, PromptStream, load_prompts
-from protocol.config import RewardConfig
 from rewards.functions import RewardError, reward_inputs
 from rewards.scorer import Scorer
+from runtime.config import RewardConfig
 from tests.helpers import EXAMPLES, ROOT, read_metrics, run_up, write_config
 
 

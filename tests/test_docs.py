@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.config import SECTIONS
+from runtime.config import SECTIONS
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

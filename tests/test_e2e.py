@@ -82,7 +82,7 @@ def test_default_run_raises_the_reward(default_run):
     assert np.mean(rewards[-5:]) - np.mean(rewards[:5]) >= 0.2, rewards
 
 
-SHADOWS = ("protocol", "policy", "learner", "actor", "orchestrator")
+SHADOWS = ("protocol", "runtime", "policy", "learner", "actor", "orchestrator")
 
 
 def a_user_s_folder(tmp_path: Path) -> Path:
@@ -299,7 +299,7 @@ def test_a_tcp_run_is_curve_encrypted_and_refuses_a_stranger_actor(tmp_path):
     logs the refusal, and the run is unaffected (every group trained, none dropped). The
     run's rewards come from a worker started only once the stranger is gone, so the run
     cannot end before the stranger has knocked, however the processes are scheduled."""
-    from protocol.config import load_config, write_run_config
+    from runtime.config import load_config, write_run_config
 
     port = free_ports(1)[0]
     cfg = write_config(tmp_path, f'[run]\ntransport = "tcp"\nport = {port}', steps=6, reward="worker")

@@ -9,7 +9,7 @@ import pytest
 from policy.engine import Engine
 from policy.model import adapter_weights_numpy, set_adapter_weights
 from policy.sampler import reference_sample
-from protocol.config import SamplingConfig
+from runtime.config import SamplingConfig
 from tests.test_sampler import TEXTS, assert_same, policy  # noqa: F401  (policy: a fixture)
 
 G = 3

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from policy.evaluation import eval_metrics, pass_at_k, pass_ks
-from protocol.config import ConfigError, load_config
+from runtime.config import ConfigError, load_config
 from tests.helpers import (
     EXAMPLES,
     ROOT,
@@ -59,7 +59,7 @@ def test_sampling_progress_is_rewritten_on_a_terminal_and_whole_lines_elsewhere(
     """`actor eval` into a file or a pipe: lines, no carriage returns."""
     from policy.data import load_prompts
     from policy.evaluation import sample_prompts
-    from protocol.config import SamplingConfig
+    from runtime.config import SamplingConfig
 
     model, tok = tiny
     prompts = load_prompts(EXAMPLES / "tiny_prompts.jsonl", tok, 32)[:40]

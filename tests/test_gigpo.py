@@ -26,7 +26,7 @@ from learner.gigpo import (
 from learner.groups import group_from_message
 from learner.ranks import Ranks
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
-from protocol.config import ALGORITHM_NAMES, ConfigError, LoraConfig, validate
+from runtime.config import ALGORITHM_NAMES, ConfigError, LoraConfig, validate
 from tests.helpers import TINY_MODEL, trainer_for
 
 EPS = 1e-4  # STD_EPS
@@ -426,7 +426,7 @@ def test_gigpo_of_agent_sessions_as_the_actor_sends_them(tiny):
     from actor.rollout import Drawn
     from actor.sessions import AgentGroup, Session, Trace
     from policy.data import Prompt
-    from protocol.config import AgentConfig, SamplingConfig
+    from runtime.config import AgentConfig, SamplingConfig
 
     _, tok = tiny
     runner = AgentRunner(AgentConfig(), None, None, tok, {1}, SamplingConfig(group_size=2), 512)  # type: ignore[arg-type]

@@ -17,8 +17,8 @@ import zmq.auth
 import protocol
 from orchestrator.launch import free_ports
 from protocol import sockets
-from protocol.config import load_config, write_run_config
 from protocol.keys import KeysError, add_peer, create_run_keys, key_dir_for
+from runtime.config import load_config, write_run_config
 from tests.helpers import EXAMPLES, ROOT, write_config
 
 

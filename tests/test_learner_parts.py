@@ -15,9 +15,9 @@ from learner.intake import Intake
 from learner.ledger import Ledger
 from learner.metrics import MetricsFile
 from learner.rollouts import RolloutSocket
-from protocol.config import RewardConfig
 from rewards.functions import RewardError
 from rewards.scorer import Scored, Scorer
+from runtime.config import RewardConfig
 
 A, B = b"actor-a", b"actor-b"
 

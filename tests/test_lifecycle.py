@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from protocol import connection, lifecycle
+from protocol import connection
+from runtime import lifecycle
 from tests.helpers import ROOT, alive, orchestrator, pid_of, read_metrics, run_up, wait_for_step, write_config
 
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
@@ -171,7 +172,7 @@ def test_only_crashes_are_restarted(tmp_path):
     """The supervisor's verdict on each kind of exit, with real exited processes."""
     from orchestrator.launch import Child
     from orchestrator.supervisor import RunFailed, Supervisor
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     sup = Supervisor(load_config(write_config(tmp_path, steps=2)), out=open(os.devnull, "w"))
 
@@ -198,7 +199,7 @@ def test_a_heartbeat_file_is_never_seen_half_written(tmp_path):
     # A process beating as fast as it can; this test reads the file meanwhile, as the
     # supervisor's readers and users' scripts do. A truncate-then-write would show "".
     beat_fast = (
-        "import time, protocol.heartbeat as h; h.INTERVAL_S = 0; "
+        "import time, runtime.heartbeat as h; h.INTERVAL_S = 0; "
         f"h.start_heartbeat({str(tmp_path)!r}, 'actor'); time.sleep(3)"
     )
     proc = subprocess.Popen([sys.executable, "-c", beat_fast], cwd=ROOT)
@@ -220,7 +221,7 @@ def test_a_heartbeat_file_is_never_seen_half_written(tmp_path):
 
 OUT_OF_DESCRIPTORS = """
 import os, resource, sys, time
-from protocol.heartbeat import heartbeat_path, start_heartbeat
+from runtime.heartbeat import heartbeat_path, start_heartbeat
 run = sys.argv[1]
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 start_heartbeat(run, "x")

@@ -20,7 +20,7 @@ from policy.model import (
     set_adapter_weights,
 )
 from policy.tiny import build_tiny_model
-from protocol.config import QUANT_GROUP, LoraConfig
+from runtime.config import QUANT_GROUP, LoraConfig
 from tests.helpers import TINY_MODEL, trainer_for
 
 LORA = LoraConfig(rank=4, scale=10.0)

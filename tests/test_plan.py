@@ -25,7 +25,7 @@ from orchestrator.plan import (
 )
 from policy.logprobs import output_head
 from policy.model import load_policy
-from protocol.config import LoraConfig
+from runtime.config import LoraConfig
 from tests.helpers import EXAMPLES, ROOT, TINY_MODEL, read_metrics, run_up, trainer_for
 
 
@@ -231,7 +231,7 @@ def test_each_process_stays_under_its_share_when_the_budget_is_as_small_as_the_p
     budget the shares are gigabytes and no peak of the tiny model could come near them.)"""
     from orchestrator.fit import plan_for
     from orchestrator.plan import SAFETY
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     plan = plan_for(load_config(EXAMPLES / "tiny.toml"), 1.0)[0].plan
     budget_gb = plan.total * SAFETY * 1.001 / (1 << 30)
@@ -264,7 +264,7 @@ def test_each_process_stays_under_its_share_when_the_budget_is_as_small_as_the_p
 def test_up_goes_on_without_a_plan_for_a_hub_model_not_downloaded_yet(capsys):
     """`up` warns and returns no shares (mlx-lm will download the model); `plan` refuses."""
     from orchestrator.cli import check_plan
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     cfg = load_config(EXAMPLES / "tiny.toml", ["model.path=nobody/not-a-downloaded-model"])
     assert check_plan(cfg, None) == (cfg, {})
@@ -279,7 +279,7 @@ def test_a_model_path_that_is_no_hub_id_is_a_config_error_not_a_missing_download
     """The plan used to call every failure "not in the Hugging Face cache"; an id the hub
     cannot have is a config error (exit 2) for `up` and `plan` alike, with the real reason."""
     from orchestrator.cli import check_plan
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     cfg = load_config(EXAMPLES / "tiny.toml", [f"model.path={path!r}"])
     for show in (False, True):
@@ -408,7 +408,7 @@ def test_episodes_are_planned_and_checked_at_their_whole_token_budget():
     from orchestrator.fit import plan_for
     from orchestrator.plan import prompt_tokens
     from policy.data import DataError
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     cfg = load_config(EXAMPLES / "digits.toml")
     fitted, model = plan_for(cfg, 1.0)
@@ -457,7 +457,7 @@ def test_the_actor_s_decode_rows_are_planned(tmp_path):
     episodes, where the share holds (an episode waiting for its environment keeps its
     cache)."""
     from orchestrator.plan import shape_from_config
-    from protocol.config import load_config
+    from runtime.config import load_config
     from tests.helpers import write_config
 
     m = read_shape(str(TINY_MODEL))
@@ -485,7 +485,7 @@ def test_fit_picks_micro_batches_then_checkpointing_then_fewer_decode_rows():
     the documented order; below the last, nothing fits and the run is as configured."""
     from orchestrator.fit import fit, knob_choices
     from orchestrator.plan import SAFETY
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     cfg = load_config(EXAMPLES / "tiny.toml")
     m = read_shape(str(TINY_MODEL))
@@ -523,7 +523,7 @@ def test_up_runs_a_config_that_fits_only_with_micro_batches_and_says_so(tmp_path
     `up` runs it, says what it picked, and the run's config holds the pick."""
     from orchestrator.fit import knob_choices, plan_for
     from orchestrator.plan import SAFETY, shape_from_config
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     cfg = load_config(EXAMPLES / "tiny.toml")
     fitted, m = plan_for(cfg, 1.0)
@@ -556,7 +556,7 @@ def test_the_plan_counts_the_real_example_s_learner_peak_within_15_percent(smoll
     loaded dequantized as the run loads it: the plan's learner total within 15% of the
     measured peak."""
     from orchestrator.fit import plan_for
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     cfg = load_config(EXAMPLES / "smollm2.toml", [f'model.path="{smollm2}"'])
     fitted, _ = plan_for(cfg, 64)
@@ -582,7 +582,7 @@ def test_a_quantized_actor_on_the_cpu_is_planned_dense_where_it_fits():
     fits the budget, fit keeps it quantized (model.dequantize_on_cpu = false), saying so."""
     from orchestrator.fit import fit, knob_choices
     from orchestrator.plan import SAFETY, quantized_bytes
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     cfg = load_config(EXAMPLES / "tiny.toml")
     m = read_shape(str(TINY_MODEL))

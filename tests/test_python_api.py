@@ -9,8 +9,8 @@ import pytest
 
 import orchestrator
 from orchestrator.run import import_path, toml_value
-from protocol.config import ConfigError
-from protocol.lifecycle import EXIT_OK, signal_exit_code
+from runtime.config import ConfigError
+from runtime.lifecycle import EXIT_OK, signal_exit_code
 from tests.helpers import write_config
 
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset

@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator.fit import plan_for
 from orchestrator.plan import MB
-from protocol.config import load_config
+from runtime.config import load_config
 from tests.helpers import ROOT, TINY_MODEL, read_metrics, run_up, write_config
 
 pytestmark = pytest.mark.slow  # real processes end to end
@@ -63,7 +63,7 @@ def test_a_dequantized_checkpoint_trains_only_its_adapters(quantized_tiny):
     from mlx.utils import tree_flatten
 
     from policy.model import ADAPTER_LEAVES, load_policy
-    from protocol.config import LoraConfig
+    from runtime.config import LoraConfig
 
     model, _, _ = load_policy(str(quantized_tiny), LoraConfig(), dequantize=True)
     assert type(model.model.layers[0].self_attn.q_proj.linear).__name__ == "Linear"
@@ -76,7 +76,7 @@ def test_without_room_to_dequantize_it_stays_quantized_and_the_run_warns(tmp_pat
     slow that is, and its config turns dequantizing off for the processes."""
     from orchestrator.fit import knob_choices, plan_for
     from orchestrator.plan import SAFETY, make_plan
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     cfg_path = write_config(tmp_path, f'[model]\npath = "{quantized_tiny}"', steps=1)
     fitted, m = plan_for(load_config(cfg_path), 1.0)

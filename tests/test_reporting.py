@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from learner.reporters import BACKENDS, missing_backends, scalars
+from learner.reporters import scalars
+from runtime.config_sections import REPORT_BACKENDS as BACKENDS
+from runtime.config_sections import missing_backends
 from tests.helpers import held_out_config, orchestrator, read_metrics, run_up, write_config
 
 INSTALLED = [name for name, (module, _) in BACKENDS.items() if importlib.util.find_spec(module)]

@@ -7,10 +7,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from policy.engine import sample_groups
 from policy.logprobs import sequence_logprobs, token_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
-from policy.sampler import _noise_keys, _sample, reference_sample, sample_groups, truncate
-from protocol.config import LoraConfig, SamplingConfig
+from policy.sampler import noise_keys, reference_sample, sample_tokens, truncate
+from runtime.config import LoraConfig, SamplingConfig
 from tests.helpers import TINY_MODEL
 
 PROBS = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
@@ -63,7 +64,7 @@ def test_sampler_and_learner_logprobs_agree_on_the_same_logits(temperature, mode
     rng = np.random.default_rng(7)
     logits = mx.array((rng.standard_normal((6, 300)) * 4).astype(np.float32)).astype(mx.bfloat16)
     params = SamplingConfig(temperature=temperature, **mode)
-    tokens, sampled = _sample(logits, _noise_keys(0, list(range(6))), 0, params)
+    tokens, sampled = sample_tokens(logits, noise_keys(0, list(range(6))), 0, params)
     learner = token_logprobs(logits, tokens, temperature)
     np.testing.assert_allclose(np.array(sampled), np.array(learner), rtol=0, atol=1e-6)
     # ...and both are the untruncated log-softmax, computed independently in float64.
@@ -226,7 +227,7 @@ def test_gumbel_sampling_draws_from_the_truncated_distribution(params):
     probs = np.array([0.5, 0.25, 0.15, 0.07, 0.03])
     n = 20_000
     logits = mx.broadcast_to(mx.array(np.log(probs), dtype=mx.float32), (n, 5))
-    tokens, picked = _sample(logits, _noise_keys(7, list(range(n))), 0, params)
+    tokens, picked = sample_tokens(logits, noise_keys(7, list(range(n))), 0, params)
     tempered = probs ** (1 / params.temperature)
     tempered /= tempered.sum()
     keep = np.array(truncate(mx.log(mx.array(tempered, dtype=mx.float32))[None], params))[0] > -np.inf
@@ -292,8 +293,8 @@ def test_candidate_sampling_equals_the_full_sort_definition(params, spread, ties
     full = sampler._sample_all
     monkeypatch.setattr(sampler, "_sample_all", lambda *a: calls.append(1) or full(*a))
     for t in range(5):
-        keys = _noise_keys(11, list(range(rows)))
-        tokens, lps = _sample(logits, keys, t, params)
+        keys = noise_keys(11, list(range(rows)))
+        tokens, lps = sample_tokens(logits, keys, t, params)
         scaled = logits / params.temperature
         ref_tokens, ref_lps = full(scaled, mx.logsumexp(scaled, axis=-1), keys, t, params)
         assert np.array(tokens).tolist() == np.array(ref_tokens).tolist()

@@ -63,7 +63,7 @@ def test_an_actor_from_another_machine_joins_over_curve_tcp(tmp_path):
     import time
 
     from orchestrator.launch import free_ports
-    from protocol.config import load_config, write_run_config
+    from runtime.config import load_config, write_run_config
     from tests.helpers import ROOT
 
     port = free_ports(1)[0]

@@ -336,7 +336,7 @@ def test_a_follower_serves_the_learner_s_weights_also_when_a_restart_goes_back(t
     from actor.serve import Follower
     from orchestrator.launch import prepare_run_dir
     from policy.model import adapter_weights_numpy
-    from protocol.config import load_config
+    from runtime.config import load_config
 
     model, tok = tiny
     cfg = load_config(write_config(tmp_path))

@@ -11,7 +11,7 @@ import pytest
 import protocol
 from orchestrator.launch import prepare_run_dir
 from policy.model import tokenizer_fingerprint
-from protocol.config import as_dict, load_config
+from runtime.config import as_dict, load_config
 from tests.helpers import peer, read_metrics, run_up, write_config
 
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset

@@ -11,10 +11,10 @@ from learner.algorithms import ALGORITHMS
 from learner.batching import WHOLE, Logits, Sample, logits_plan, make_batch
 from learner.correction import Correction, correction_weights
 from learner.trainer import Trainer
+from policy.engine import sample_groups
 from policy.logprobs import output_head
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
-from policy.sampler import sample_groups
-from protocol.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
+from runtime.config import AlgorithmConfig, LoraConfig, SamplingConfig, TrainConfig
 from tests.helpers import TINY_MODEL, trainer_for
 
 LORA = LoraConfig(rank=4, scale=10.0)

@@ -18,7 +18,7 @@ from orchestrator.timeline import (
     window,
     write_timeline,
 )
-from protocol.timeline import WAIT, Timeline, open_timeline, timeline_dir
+from runtime.spans import WAIT, Timeline, open_timeline, timeline_dir
 
 
 def write(run_dir, process: str, events: list[dict]) -> None:
@@ -145,16 +145,16 @@ def test_bad_steps_are_refused_by_name(text):
 
 
 def test_the_process_timeline_is_what_module_functions_record_into(tmp_path):
-    from protocol import timeline
+    from runtime import spans
 
     try:
-        timeline.start(tmp_path, "learner")
-        with timeline.span("step", step=1):
-            timeline.record("publish weights", 0.0, 0.5)
-        timeline.mark("step", step=1)
+        spans.start(tmp_path, "learner")
+        with spans.span("step", step=1):
+            spans.record("publish weights", 0.0, 0.5)
+        spans.mark("step", step=1)
     finally:
-        timeline.start(None, "learner")  # back to off, the file closed
-    assert not timeline.current().on
+        spans.start(None, "learner")  # back to off, the file closed
+    assert not spans.current().on
     names = [e["name"] for e in read_events(tmp_path)["learner"]]
     assert sorted(names) == ["publish weights", "step", "step"]
 

@@ -12,7 +12,7 @@ import pytest
 from actor.completions import Policy, chat_message
 from policy.model import load_policy
 from policy.sampler import Completion
-from protocol.config import LoraConfig, SamplingConfig
+from runtime.config import LoraConfig, SamplingConfig
 from tests.helpers import EXAMPLES, TOOLS, make_tool_model, start_server, stop
 
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from protocol.config import RewardConfig
 from rewards.scorer import Scorer
 from rewards.verifiable import (
     answer_format,
@@ -14,6 +13,7 @@ from rewards.verifiable import (
     math_answer,
     soft_overlong_punishment,
 )
+from runtime.config import RewardConfig
 
 
 def chat(text: str) -> list[dict]:

@@ -10,6 +10,7 @@ serve --run-dir` serves it. No MLX here.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from enum import StrEnum
 from pathlib import Path
@@ -92,3 +93,12 @@ def clear_results(run_dir: str | Path) -> None:
             path.unlink(missing_ok=True)
     for log in run_dir.glob("*.log"):
         log.unlink()
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write a file that readers (and a resume after a kill) see whole or not at all: write
+    a temporary file beside it, then rename it over (atomic within a file system)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -22,6 +22,7 @@ No MLX here: reward workers and the orchestrator use it too.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -29,9 +30,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
+
+from runtime.config import ConfigError
 
 log = logging.getLogger("lifecycle")
 
@@ -94,20 +97,21 @@ def raise_fd_limit() -> None:
             continue
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write a file that readers (and a resume after a kill) see whole or not at all: write
-    a temporary file beside it, then rename it over (atomic within a file system)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def fail(message: str, code: int = EXIT_CONFIG) -> NoReturn:
     """End a command: `message` on stderr, and exit `code` (default: a bad command line or
     config)."""
     print(message, file=sys.stderr, flush=True)
     raise SystemExit(code)
+
+
+@contextlib.contextmanager
+def config_errors(*also: type[Exception]) -> Iterator[None]:
+    """In a command: a bad config (ConfigError, or `also`) ends it with `config error: ...`
+    on stderr and exit code 2 (EXIT_CONFIG)."""
+    try:
+        yield
+    except (ConfigError, *also) as e:  # type: ignore[misc]  # mypy cannot see a tuple of classes
+        fail(f"config error: {e}")
 
 
 def signal_exit_code(signum: int) -> int:

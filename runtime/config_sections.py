@@ -1,7 +1,7 @@
 """Every [section] of the run configuration: a frozen dataclass whose fields are the
 section's keys, each with its default, one line of help and a check of its value.
 
-The schema is apart from protocol/config.py (the whole `Config`, its validation, loading,
+The schema is apart from runtime/config.py (the whole `Config`, its validation, loading,
 overrides and the reference table) so that each file holds one job: here, what a key
 is; there, what is done with keys. No MLX here.
 """
@@ -294,6 +294,26 @@ class LearnerConfig:
     )
 
 
+# report_to entry -> (module it needs, extra that installs it)
+REPORT_BACKENDS = {
+    "tensorboard": ("tensorboardX", "tensorboard"),
+    "trackio": ("trackio", "trackio"),
+    "wandb": ("wandb", "wandb"),
+}
+
+
+def missing_backends(names: tuple[str, ...]) -> list[str]:
+    """The `pip install` hint for each named backend whose library is not installed."""
+    import importlib.util
+
+    hints = []
+    for name in names:
+        module, extra = REPORT_BACKENDS[name]
+        if importlib.util.find_spec(module) is None:
+            hints.append(f"log.report_to {name!r} needs {module}: pip install 'mlx-rl-ipc[{extra}]'")
+    return hints
+
+
 @dataclass(frozen=True)
 class LogConfig:
     completions_every: int = key(
@@ -309,9 +329,7 @@ class LogConfig:
         "`tensorboard` (RUN/tensorboard), `trackio` (RUN/trackio), `wandb` "
         "(offline, RUN/wandb); each its own extra",
         lambda v: (
-            None
-            if set(v) <= {"tensorboard", "trackio", "wandb"}
-            else "entries must be 'tensorboard', 'trackio' or 'wandb'"
+            None if set(v) <= set(REPORT_BACKENDS) else "entries must be 'tensorboard', 'trackio' or 'wandb'"
         ),
     )
     project: str = key("mlx-rl-ipc", "the trackio / W&B project; the run is named after its directory")

@@ -1,10 +1,9 @@
 """The command line of an env worker (`orchestrator env-worker`), for `up` and for `actor
-eval`, which start them. Apart from actor/episodes.py so that the orchestrator can import
-it without MLX."""
+eval`, which start them: here, below both, so that neither imports the other."""
 
 from __future__ import annotations
 
-from protocol.config import Config
+from runtime.config import Config
 
 
 def env_worker_args(cfg: Config) -> list[str]:

@@ -1,8 +1,8 @@
 """The run configuration: one TOML file, validated in full before any model loads.
 
-Each `[section]` is a frozen dataclass (protocol/config_sections.py); its fields are the
+Each `[section]` is a frozen dataclass (runtime/config_sections.py); its fields are the
 section's keys, with their defaults, one line of help each (docs/configuration.md's
-reference is generated from them: `python -m protocol.config`) and a check. `validate`
+reference is generated from them: `python -m runtime.config`) and a check. `validate`
 turns a TOML-shaped dict into a `Config` and names the key of the first problem;
 `load_config` reads a file, applies `--set section.key=value` overrides and makes paths
 absolute. The orchestrator writes the result into the run directory (`config.json`),
@@ -14,7 +14,6 @@ No MLX here.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -23,15 +22,15 @@ import sys
 import tomllib
 import types
 import typing
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
 # ALGORITHM_NAMES and the Literal types are re-exported: the learner's objectives and its
 # correction take them from here, with the sections.
-from protocol.config_sections import ALGORITHM_NAMES as ALGORITHM_NAMES
-from protocol.config_sections import (
+from runtime.config_sections import ALGORITHM_NAMES as ALGORITHM_NAMES
+from runtime.config_sections import (
     ActorConfig,
     AgentConfig,
     AlgorithmConfig,
@@ -47,11 +46,11 @@ from protocol.config_sections import (
     SamplingConfig,
     TrainConfig,
 )
-from protocol.config_sections import AlgorithmName as AlgorithmName
-from protocol.config_sections import CorrectionLevel as CorrectionLevel
-from protocol.config_sections import CorrectionMode as CorrectionMode
-from protocol.config_sections import ScaleRewards as ScaleRewards
-from protocol.lifecycle import fail, write_atomic
+from runtime.config_sections import AlgorithmName as AlgorithmName
+from runtime.config_sections import CorrectionLevel as CorrectionLevel
+from runtime.config_sections import CorrectionMode as CorrectionMode
+from runtime.config_sections import ScaleRewards as ScaleRewards
+from runtime.rundir import write_atomic
 
 # The orchestrator hands each process its memory share (MB) in this variable.
 MEMORY_SHARE_ENV = "MLXRL_MEMORY_LIMIT_MB"
@@ -59,16 +58,6 @@ MEMORY_SHARE_ENV = "MLXRL_MEMORY_LIMIT_MB"
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
-
-
-@contextlib.contextmanager
-def config_errors(*also: type[Exception]) -> Iterator[None]:
-    """In a command: a bad config (ConfigError, or `also`) ends it with `config error: ...`
-    on stderr and exit code 2 (EXIT_CONFIG)."""
-    try:
-        yield
-    except (ConfigError, *also) as e:  # type: ignore[misc]  # mypy cannot see a tuple of classes
-        fail(f"config error: {e}")
 
 
 def credit_window(max_staleness: int, batch_size: int, actors: int) -> int:

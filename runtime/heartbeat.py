@@ -15,12 +15,11 @@ import threading
 import time
 from pathlib import Path
 
-from protocol.connection import HEARTBEAT_S
-from protocol.lifecycle import write_atomic
+from runtime.rundir import write_atomic
 
 log = logging.getLogger("heartbeat")
 
-INTERVAL_S = HEARTBEAT_S  # as often as peers beat on their sockets
+INTERVAL_S = 1.0  # as often as peers beat on their sockets (protocol.connection.HEARTBEAT_S)
 
 
 def actor_name(slot: int, count: int) -> str:
