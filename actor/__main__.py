@@ -46,7 +46,7 @@ def run(
     data file does not parse, a prompt does not fit the model, the learner refused our
     model, LoRA config or key), 128 + N stopped by signal N, 1 anything unexpected."""
     from policy.data import DataError
-    from protocol.keys import KeysError
+    from transport.keys import KeysError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from actor.service import main

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import IO, cast
 
 import numpy as np
-import zmq
 
 import protocol
+import transport
 from actor.agents import AgentError, AgentRunner
 from actor.completions import Policy
 from actor.episodes import EpisodeRunner
@@ -43,6 +43,7 @@ from rewards.scorer import Scored, Scorer, rewards_by_prompt, rewards_of
 from runtime.config import Config, LoraConfig
 from runtime.env_workers import env_worker_args
 from runtime.lifecycle import Lifeline, child_env, python_module
+from transport import Transport
 
 MAX_EVAL_ROWS = 64  # sessions an agent evaluation runs at once
 
@@ -90,14 +91,14 @@ def load_model(cfg: Config, adapter: str | None):
 def score_rows(cfg: Config, rows: list[Sampled], err: IO[str]) -> dict[str, Scored]:
     """Score every prompt's completions with the config's rewards, through a reward socket
     of our own in a temporary directory (for "worker" rewards), closed when done."""
-    ctx = zmq.Context()
+    net = transport.default()
     with tempfile.TemporaryDirectory(prefix="mlxrl-sample-") as sockets:
-        scorer = Scorer(cfg.reward, ctx, f"ipc://{sockets}/reward.sock")
+        scorer = Scorer(cfg.reward, net, f"ipc://{sockets}/reward.sock")
         try:
             return score_all(scorer, rows, err)
         finally:
             scorer.close()
-            ctx.term()
+            net.close()
 
 
 def run_sample(
@@ -228,11 +229,11 @@ def run_env_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.std
     said), scored with the run's rewards as training scores them."""
     model, tok, params, prompts, eos, engine = eval_engine(cfg, adapter, lockstep_ok=True)
     n = params.group_size
-    ctx, lifeline = zmq.Context(), Lifeline()
+    net, lifeline = transport.default(), Lifeline()
     with tempfile.TemporaryDirectory(prefix="mlxrl-eval-") as tmp:
         endpoint = f"ipc://{tmp}/env.sock"
         pool = WorkerPool(
-            ctx, endpoint, "env_worker", protocol.OBSERVATION, cfg.env.timeout_s, 1, owner_role="actor"
+            net, endpoint, "env_worker", protocol.OBSERVATION, cfg.env.timeout_s, 1, owner_role="actor"
         )
         workers = start_env_workers(cfg, endpoint, lifeline)
         if not workers:
@@ -248,13 +249,13 @@ def run_env_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.std
                 tokens = sum(sum(e.mask) for g in groups for e in g.episodes)
                 progress.show(len(groups), tokens / (time.perf_counter() - t0))
             progress.close()
-            return score_episodes(cfg, ctx, tmp, groups, tok, err, time.perf_counter() - t0)
+            return score_episodes(cfg, net, tmp, groups, tok, err, time.perf_counter() - t0)
         finally:
             pool.close("the evaluation is over", final=True)
             for w in workers:
                 w.terminate()
                 w.wait()
-            ctx.term()
+            net.close()
             lifeline.close()
 
 
@@ -271,11 +272,11 @@ def start_env_workers(cfg: Config, endpoint: str, lifeline: Lifeline) -> list[su
 
 
 def score_episodes(
-    cfg: Config, ctx: zmq.Context, tmp: str, groups: list, tok, err: IO[str], seconds: float
+    cfg: Config, net: Transport, tmp: str, groups: list, tok, err: IO[str], seconds: float
 ) -> dict:
     """eval/* of played episodes, scored as training scores them (their turns, and what the
     environment returned as the "env" reward). A group whose episodes were lost is unscored."""
-    scorer = Scorer(cfg.reward, ctx, f"ipc://{tmp}/reward.sock")
+    scorer = Scorer(cfg.reward, net, f"ipc://{tmp}/reward.sock")
     try:
         scores, waiting = {}, 0
         for i, g in enumerate(groups):

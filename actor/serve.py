@@ -26,17 +26,16 @@ import os
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
-import zmq
-
 import protocol
+import transport
 from actor.completions import BadRequest, Policy, TooLarge, TooSlow, openai_error, respond
 from policy.model import load_arrays, tokenizer_fingerprint, weights_frame_bytes
 from protocol import sockets
 from protocol.connection import Link, State
-from protocol.keys import run_key_dir
 from runtime import lifecycle
 from runtime.config import Config, as_dict
 from runtime.rundir import checkpoint_step, latest_checkpoint
+from transport.keys import run_key_dir
 
 log = logging.getLogger("actor.serve")
 
@@ -175,11 +174,11 @@ class Follower:
                 f"{run_dir} has no adapters yet: no checkpoint, and no weights from its "
                 "learner (it sends them as soon as it runs; is the run started?)"
             )
-        self.ctx = zmq.Context()
+        self.net = transport.default()
         endpoint = protocol.read_endpoints(Path(run_dir))["learner"]
         keys = run_key_dir(run_dir, endpoint, cfg.run.insecure)
         self.sock, self.watch = sockets.connect(
-            self.ctx, endpoint, keys, sockets.frame_limit(weights_frame_bytes(policy.model))
+            self.net, endpoint, keys, sockets.frame_limit(weights_frame_bytes(policy.model))
         )
         self.hello = protocol.encode(
             protocol.HELLO,
@@ -195,14 +194,14 @@ class Follower:
         # hello again on a new connection, or when the learner takes it for a stranger.
         self.link = Link(self.watch, "learner", log)
         self.link.saying_hello()
-        self.sock.send_multipart(self.hello)
+        self.sock.send(self.hello)
         self.stopped: str | None = None
 
     def poll(self) -> None:
         self.watch.down_for()
         if self.link.hello_due():
             self.link.saying_hello()
-            self.sock.send_multipart(self.hello)
+            self.sock.send(self.hello)
         newest = None
         for incoming in sockets.incoming(self.sock, 0):
             msg = incoming.msg
@@ -223,7 +222,7 @@ class Follower:
     def close(self) -> None:
         self.watch.close()
         self.sock.close()
-        self.ctx.term()
+        self.net.close()
 
 
 def serve(

@@ -34,9 +34,8 @@ import time
 from pathlib import Path
 from typing import cast
 
-import zmq
-
 import protocol
+import transport
 from actor.agents import AgentError, AgentRunner
 from actor.completions import Policy
 from actor.episodes import EpisodeRunner
@@ -56,11 +55,12 @@ from policy.model import (
 from policy.sampler import Completion
 from protocol import sockets
 from protocol.connection import ENDED, HEARTBEAT_S, Link, State, heartbeat
-from protocol.keys import key_dir_for, run_key_dir
 from protocol.workers import WorkerPool
 from runtime import lifecycle, spans
 from runtime.config import as_dict, credit_window, read_run_config
 from runtime.heartbeat import actor_name, start_heartbeat
+from transport import SEND_TIMEOUT_MS, Again, Transport, TransportError
+from transport.keys import key_dir_for, run_key_dir
 
 log = logging.getLogger("actor")
 
@@ -73,11 +73,12 @@ class Actor:
         key_dir: Path | None = None,
         slot: int = 0,
         connect: str | None = None,
+        net: Transport | None = None,
     ) -> None:
         """`key_dir`: the CURVE keys to connect with over TCP (default: the run's own).
         `slot`: which of the run's `actor.count` actors this is (its share of the data).
         `connect`: the learner's endpoint, for an actor on another machine (default:
-        the run directory's endpoints.json)."""
+        the run directory's endpoints.json). `net`: the transport (default: ZeroMQ)."""
         self.cfg = read_run_config(run_dir)
         if not 0 <= slot < self.cfg.actor.count:
             raise DataError(
@@ -113,7 +114,7 @@ class Actor:
         train = self.cfg.train
         # Until the learner says otherwise: this slot's share, as if every actor were live.
         self.window = credit_window(train.max_staleness, train.batch_size, self.cfg.actor.count)
-        self.ctx = zmq.Context()
+        self.net = net or transport.default()
         # Under an orchestrator the lifeline ends us; started by hand, we end when the
         # learner has been unreachable for good (the watch).
         if connect is not None and env.environment:
@@ -129,7 +130,7 @@ class Actor:
             else run_key_dir(run_dir, endpoints["learner"], insecure)
         )
         self.sock, self.watch = sockets.connect(
-            self.ctx, endpoints["learner"], keys, sockets.frame_limit(weights_frame_bytes(self.model))
+            self.net, endpoints["learner"], keys, sockets.frame_limit(weights_frame_bytes(self.model))
         )
         # The heartbeat thread shares the socket: every use of it holds this lock, briefly
         # (reentrant: a receive beats through `send` while it holds it).
@@ -152,7 +153,7 @@ class Actor:
         if env.environment:
             # max_attempts=1: the runner counts an episode's attempts itself.
             pool = WorkerPool(
-                self.ctx,
+                self.net,
                 endpoints["env"],
                 "env_worker",
                 protocol.OBSERVATION,
@@ -189,7 +190,7 @@ class Actor:
 
     def send_frames(self, frames: list) -> None:
         with self.lock:
-            self.sock.send_multipart(frames, copy=False)
+            self.sock.send(frames)
 
     def beat(self) -> None:
         """Every HEARTBEAT_S, from a thread: the learner takes a silent actor for gone."""
@@ -197,7 +198,7 @@ class Actor:
             try:
                 with self.lock:
                     self.beat_if_due()
-            except zmq.ZMQError:  # closing, or the connection refused for good: the loop says so
+            except TransportError:  # closing, or the connection refused for good: the loop says so
                 return
 
     def beat_if_due(self) -> None:
@@ -423,17 +424,17 @@ class Actor:
                     "slot": self.slot,
                 },
             )
-        except zmq.Again:  # the connection went between the poll and the send (a refused key)
+        except Again:  # the connection went between the poll and the send (a refused key)
             self.link.hello_failed()
 
     def can_send(self) -> bool:
         """Whether the socket takes a message within the send timeout. A refused connection
         is gone for good and a send would wait the whole timeout, so the watch is asked
         meanwhile: refused means False at once."""
-        deadline = time.monotonic() + sockets.SEND_TIMEOUT_MS / 1000
+        deadline = time.monotonic() + SEND_TIMEOUT_MS / 1000
         while time.monotonic() < deadline:
             with self.lock:
-                if self.sock.poll(100, zmq.POLLOUT):
+                if self.sock.poll(100, writable=True):
                     return True
             self.watch.down_for()
             if self.watch.refused:
@@ -480,7 +481,7 @@ class Actor:
         with self.lock:  # the heartbeat thread is out of the socket
             self.watch.close()
         self.sock.close()
-        sockets.close_context(self.ctx)
+        self.net.close()
 
 
 def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str | None = None) -> int:

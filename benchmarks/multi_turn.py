@@ -142,8 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     shape, env_class = (QUICK_SHAPE if a.quick else SMALL_SHAPE), f"benchmarks.multi_turn:{env_type.__name__}"
     if a.quick:
         a.repeats, a.prompts, a.group_size, a.max_tokens, a.mean = 1, 2, 2, 32, 8
-    import zmq
-
     import protocol
     from actor.episodes import EpisodeRunner
     from policy.data import Prompt
@@ -152,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     from protocol.workers import WorkerPool
     from runtime.config import EnvConfig, LoraConfig, SamplingConfig
     from runtime.lifecycle import Lifeline
+    from transport.zeromq import ZeroMQ
 
     model, tok, _ = load_policy(str(flat_model(a.models_dir, shape)), LoraConfig(rank=8))
     vocab = shape["vocab_size"]
@@ -163,12 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     rng = random.Random(0)
     prompts = [Prompt(i, "".join(rng.choice(ALPHABET) for _ in range(32)), [], {}) for i in range(a.prompts)]
-    ctx, lifeline = zmq.Context(), Lifeline()
+    net, lifeline = ZeroMQ(), Lifeline()
     workers: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{Path(tmp) / 'env.sock'}"
         pool = WorkerPool(
-            ctx,
+            net,
             endpoint,
             "env_worker",
             protocol.OBSERVATION,
@@ -212,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                     w.kill()
                     w.wait()
             lifeline.close()
-            ctx.term()
+            net.close()
     report = (
         f"Multi-turn episodes, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters "
         f"(vocabulary {vocab}), float32, LoRA rank 8; {a.prompts} prompts x G {a.group_size}, {turns} "

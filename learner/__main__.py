@@ -1,16 +1,18 @@
 """`python -m learner --run-dir RUN`: started by the orchestrator, reads RUN/config.json.
 
 Exit codes (runtime.lifecycle): 0 trained to the end, 4 a reward function failed, the
-eval prompts do not load or a TCP run has no keys (a restart would fail again), 5 the run
+eval prompts do not load, a TCP run has no keys or a user's loss (`algorithm.name =
+"module:Class"`) does not load (a restart would fail again), 5 the run
 directory belongs to another live run, 128 + N stopped by signal N after a checkpoint, 1 anything unexpected.
 """
 
 import argparse
 import logging
 
-from protocol.keys import KeysError
 from rewards.functions import RewardError
 from runtime import lifecycle
+from runtime.config import ConfigError
+from transport.keys import KeysError
 
 
 def cli() -> None:
@@ -25,7 +27,7 @@ def cli() -> None:
     lifecycle.exit_with(
         lambda: main(args.run_dir, args.resume),
         logging.getLogger("learner"),
-        (RewardError, DataError, KeysError),
+        (RewardError, DataError, KeysError, ConfigError),
     )
 
 

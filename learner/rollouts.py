@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import zmq
 
 import protocol
 from learner.groups import Group, data_span
@@ -34,6 +33,7 @@ from protocol import sockets
 from protocol.connection import ACTOR_TIMEOUT_S, Peers, owner_hello
 from protocol.wire import HELLO_MODEL_FIELDS
 from runtime.config import credit_window
+from transport import Transport
 
 log = logging.getLogger("learner")
 
@@ -43,7 +43,7 @@ MB = 1 << 20
 class RolloutSocket:
     def __init__(
         self,
-        ctx: zmq.Context,
+        net: Transport,
         endpoint: str,
         ledger: Ledger,
         identity: dict[str, Any],
@@ -58,11 +58,11 @@ class RolloutSocket:
         """`identity`: what this learner runs (model, tokenizer, lora, instance), sent in
         its hello and checked in actors'. `check_group` turns a rollout into a Group or
         raises ValueError with the drop reason. `weights()` gives the adapter arrays. `keys`:
-        the run's CURVE key directory, for TCP (protocol.keys). `actor_count`: the run's
+        the run's CURVE key directory, for TCP (transport.keys). `actor_count`: the run's
         actor slots. `max_frame`: the largest frame a rollout of the run carries.
         `max_staleness`, `batch_size`: k and B of the credit window (config.credit_window)."""
         self.actor_count, self.max_staleness, self.batch_size = actor_count, max_staleness, batch_size
-        self.sock = sockets.listen(ctx, endpoint, keys, "rollout", max_frame)
+        self.sock = sockets.listen(net, endpoint, keys, "rollout", max_frame)
         self.ledger = ledger
         self.identity = identity
         self.check_group = check_group
@@ -77,7 +77,7 @@ class RolloutSocket:
         self.weight_sync: dict[str, float] = {}  # the newest publish's size and serialize time
 
     def send(self, actor: bytes, kind: str, header: dict | None = None) -> None:
-        self.sock.send_multipart([actor, *protocol.encode(kind, header)], copy=False)
+        self.sock.send([actor, *protocol.encode(kind, header)])
 
     def receive(self, timeout_ms: int, policy_version: int) -> list[Group]:
         """The groups that arrive within `timeout_ms`. An actor that attaches gets weights
@@ -222,7 +222,7 @@ class RolloutSocket:
             "weights_serialize_s": time.perf_counter() - t0,
         }
         for actor in [*self.actors, *self.observers] if actors is None else actors:
-            self.sock.send_multipart([actor, *frames], copy=False)
+            self.sock.send([actor, *frames])
 
     def send_credits(self) -> None:
         """Tell each attached actor how many of its groups are consumed and its window, when

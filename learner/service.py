@@ -18,9 +18,9 @@ from typing import cast
 
 import mlx.core as mx
 import numpy as np
-import zmq
 
 import protocol
+import transport
 from learner.batching import make_batch
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.evaluation import Evaluator
@@ -35,13 +35,14 @@ from learner.rollouts import MB, RolloutSocket
 from policy.memory import apply_memory_share
 from policy.model import adapter_weights_numpy, tokenizer_fingerprint
 from protocol import sockets
-from protocol.keys import run_key_dir
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
 from runtime import lifecycle, spans
 from runtime.config import as_dict, read_run_config
 from runtime.heartbeat import start_heartbeat
 from runtime.rundir import Phase, latest_checkpoint
+from transport import Transport
+from transport.keys import run_key_dir
 
 log = logging.getLogger("learner")
 
@@ -53,20 +54,22 @@ class Learner:
         resume: bool = False,
         signals: lifecycle.StopSignals | None = None,
         ranks: Ranks | None = None,
+        net: Transport | None = None,
     ) -> None:
-        """`ranks`: the learner ranks this one is rank 0 of (learner.ranks), if any."""
+        """`ranks`: the learner ranks this one is rank 0 of (learner.ranks), if any;
+        `net`: the transport (default: ZeroMQ)."""
         self.run_dir = Path(run_dir)
         self.ranks = ranks or Ranks()
         self.cfg = cfg = read_run_config(run_dir)
         self.signals = signals or lifecycle.StopSignals()
         endpoints = protocol.read_endpoints(run_dir)
-        self.ctx = zmq.Context()
+        self.net = net or transport.default()
         # A new id per process: a reward worker that sees it change knows the learner
         # restarted and attaches again (PROTOCOL.md, "Liveness").
         instance = uuid.uuid4().hex[:12]
         # Reward functions load (and fail) before the model does.
         keys = run_key_dir(run_dir, endpoints["learner"], cfg.run.insecure)  # TCP: CURVE
-        self.scorer = Scorer(cfg.reward, self.ctx, endpoints["reward"], instance, keys)
+        self.scorer = Scorer(cfg.reward, self.net, endpoints["reward"], instance, keys)
         self.model, tokenizer, self.adapter_config, self.trainer = load_trainer(cfg)
         # Episodes and agent sessions are evaluated by `up`, before and after (actor eval).
         multi_turn = cfg.agent.enabled or cfg.env.environment is not None
@@ -104,7 +107,7 @@ class Learner:
         }
         group_size = cfg.sampling.group_size
         self.rollouts = RolloutSocket(
-            self.ctx,
+            self.net,
             endpoints["learner"],
             self.ledger,
             identity,
@@ -303,7 +306,7 @@ class Learner:
         if self.completions is not None:
             self.completions.close()
         self.scorer.close(reason, final)
-        sockets.close_context(self.ctx)
+        self.net.close()
 
 
 def main(run_dir: str, resume: bool = False) -> int:

@@ -52,20 +52,21 @@ def up(
             cfg = load_config(config, set_, run_dir=run_dir, steps=steps)
     for problem in missing_backends(cfg.log.report_to):
         lifecycle.fail(f"config error: {problem}")
-    cfg, shares = check_plan(cfg, available_memory_gb)
+    cfg, shares = check_plan(cfg, available_memory_gb, config=config)
     from orchestrator.supervisor import up as run_up
 
     raise typer.Exit(run_up(cfg, resume=resume is not None, shares_mb=shares, overwrite=overwrite))
 
 
 def check_plan(
-    cfg: Config, available_gb: float | None, show: bool = False
+    cfg: Config, available_gb: float | None, show: bool = False, config: str | None = None
 ) -> tuple[Config, dict[str, float]]:
     """Refuse (exit 3) a run that nothing makes fit, naming the knob, and (exit 4) data
     that does not parse or fit the model's context; else return the config as it will
-    run (with the knobs the plan picked, said on stdout) and the shares."""
+    run (with the knobs the plan picked, said on stdout) and the shares. `config`, the
+    TOML file, lets a missing model folder be named in full."""
     from orchestrator.fit import plan_for, suggestion
-    from orchestrator.plan import MB, PlanError, render
+    from orchestrator.plan import MB, ModelMissing, PlanError, missing_model, render
     from policy.data import DataError
 
     try:
@@ -75,11 +76,14 @@ def check_plan(
     except ConfigError as e:
         lifecycle.fail(f"config error: {e}")
     except PlanError as e:
+        problem = missing_model(e.path, config) if isinstance(e, ModelMissing) and config else str(e)
         if show:
-            lifecycle.fail(f"error: {e}")
+            lifecycle.fail(f"error: {problem}")
         # A hub model not downloaded yet: mlx-lm fetches it when the processes start, so
         # the run can go on; it just cannot be planned (or held to shares) beforehand.
-        typer.echo(f"warning: no memory check: {e}. Run `orchestrator plan` once it is downloaded.", err=True)
+        typer.echo(
+            f"warning: no memory check: {problem}. Run `orchestrator plan` once it is there.", err=True
+        )
         return cfg, {}
     plan, shape = fitted.plan, fitted.shape
     for note in fitted.notes:
@@ -107,7 +111,7 @@ def plan(
     turn when it does not fit (exit 3). Loads no model weights."""
     with config_errors():
         cfg = load_config(config, set_)
-    check_plan(cfg, available_memory_gb, show=True)
+    check_plan(cfg, available_memory_gb, show=True, config=config)
 
 
 @app.command()
@@ -122,7 +126,7 @@ def prepare(
     ranks on several Macs under `mlx.launch --hostfile` (docs/scale-out.md)."""
     with config_errors():
         cfg = load_config(config, set_, run_dir=run_dir)
-    cfg, _ = check_plan(cfg, None)
+    cfg, _ = check_plan(cfg, None, config=config)
     from orchestrator.launch import prepare_run_dir
     from runtime.rundir import RunExists
 
@@ -253,7 +257,7 @@ def _worker_endpoint(
     import logging
 
     import protocol
-    from protocol.keys import KeysError, key_dir_for, run_key_dir
+    from transport.keys import KeysError, key_dir_for, run_key_dir
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if (run_dir is None) == (connect is None):
@@ -406,7 +410,7 @@ def keys_add_peer(
     """Make a key directory for a peer on another machine and let its key in. Copy the
     directory there and pass it as --key-dir to its actor or workers. A running run lets
     the new key in at once."""
-    from protocol.keys import KeysError, add_peer
+    from transport.keys import KeysError, add_peer
 
     try:
         out = add_peer(run_dir, name)

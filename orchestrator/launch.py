@@ -16,12 +16,12 @@ from pathlib import Path
 
 import protocol
 from orchestrator.plan import thread_count
-from protocol.keys import create_run_keys
 from runtime import lifecycle
 from runtime.config import MEMORY_SHARE_ENV, Config, write_run_config
 from runtime.env_workers import env_worker_args
 from runtime.heartbeat import actor_name, learner_name
 from runtime.rundir import clear_results, refuse_to_overwrite
+from transport.keys import create_run_keys
 
 
 @dataclass

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import re
 import struct
 import subprocess
 from dataclasses import dataclass, replace
@@ -52,6 +53,33 @@ SAFETY = 1.10
 class PlanError(ValueError):
     """The model's shape cannot be read yet (a hub model not downloaded): a run can go on
     without a plan."""
+
+
+class ModelMissing(PlanError):
+    """model.path is no folder, and no model in the local Hugging Face cache either."""
+
+    def __init__(self, path: str):
+        self.path = path
+        super().__init__(missing_model(path))
+
+
+def missing_model(path: str, config: str | Path | None = None) -> str:
+    """What to say of a model.path that is neither a folder nor a cached hub model: the
+    folder it would be (relative to the config, when the config is known), and the comment
+    the config gives that path, if any (the examples name the script that makes the folder)."""
+    folder = Path(config).resolve().parent / path if config is not None else Path(path)
+    text = (
+        f"model.path {path!r}: no such folder {folder} (a relative model.path is read beside "
+        "the config), and no hub model of that name in the local Hugging Face cache; the plan "
+        "needs its config.json and weights on disk"
+    )
+    try:
+        lines = Path(config).read_text().splitlines() if config is not None else []
+    except OSError:
+        lines = []
+    said = re.compile(rf"""^\s*path\s*=\s*["']{re.escape(path)}["']\s*#\s*(.+?)\s*$""")
+    notes = [m.group(1) for m in map(said.match, lines) if m]
+    return text + (f". The config says: {notes[0]}" if notes else "")
 
 
 @dataclass(frozen=True)
@@ -101,10 +129,7 @@ def model_dir(path: str) -> Path:
             snapshot_download(path, local_files_only=True, allow_patterns=["*.json", "*.safetensors"])
         )
     except LocalEntryNotFoundError:
-        raise PlanError(
-            f"model {path!r} is not in the local Hugging Face cache yet; the plan "
-            "needs its config.json and weights on disk"
-        ) from None
+        raise ModelMissing(path) from None
     except HFValidationError as e:
         raise ConfigError(f"model.path {path!r} is neither a local directory nor a hub id: {e}") from None
 

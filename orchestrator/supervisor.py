@@ -23,11 +23,12 @@ from orchestrator.launch import Child, child_specs, free_ports, prepare_run_dir,
 from orchestrator.progress import display_for, is_eval
 from orchestrator.show import MetricsFollower
 from protocol import sockets
-from protocol.keys import AUTHORIZED, run_keys
 from runtime import lifecycle
 from runtime.config import Config
 from runtime.heartbeat import heartbeat_path, seconds_since_beat
 from runtime.rundir import Phase, RunExists
+from transport import zeromq
+from transport.keys import AUTHORIZED, run_keys
 
 STOP_TIMEOUT_S = 30.0
 # How long a new run waits for the orphans of a killed orchestrator to stop (they get
@@ -53,8 +54,8 @@ def exposure_note(cfg: Config, run_dir: Path) -> str | None:
     ports = ", ".join(f"{n} {r.port + i}" for i, n in enumerate(names))
     limits = (
         f"each socket refuses frames over {sockets.frame_limit(cfg.rollout_array_bytes) >> 20} MB, "
-        f"closes connections that have not finished their handshake after {sockets.HANDSHAKE_S:.0f} s "
-        f"and holds at most {sockets.MAX_CONNECTIONS} at a time."
+        f"closes connections that have not finished their handshake after {zeromq.HANDSHAKE_S:.0f} s "
+        f"and holds at most {zeromq.MAX_CONNECTIONS} at a time."
     )
     firewall = (
         "Nothing here stops a flood of connections from keeping new peers out: let only the run's "

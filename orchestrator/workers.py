@@ -25,13 +25,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-import zmq
-
 import protocol
+import transport
 from protocol import sockets
 from protocol.connection import HEARTBEAT_S, LEARNER_TIMEOUT_S, Link, State, heartbeat
 from rewards.functions import RewardError, call_reward, import_spec, load_reward_function
 from runtime import lifecycle, spans
+from transport import Again
 
 log = logging.getLogger("workers")
 
@@ -58,11 +58,11 @@ class SocketWorker:
         signals: lifecycle.StopSignals | None = None,
         keys: Path | None = None,
     ) -> None:
-        """`keys`: the CURVE key directory for a TCP endpoint (protocol.keys)."""
+        """`keys`: the CURVE key directory for a TCP endpoint (transport.keys)."""
         self.endpoint = endpoint
         self.signals = signals or lifecycle.StopSignals()
-        self.ctx = zmq.Context()
-        self.sock, self.watch = sockets.connect(self.ctx, endpoint, keys)
+        self.net = transport.default()
+        self.sock, self.watch = sockets.connect(self.net, endpoint, keys)
         where = f"{self.owner} on {endpoint}"
         self.link = Link(self.watch, self.owner, log, owner_timeout_s, where=where)
         self.instance: str | None = None  # the owner we are attached to
@@ -74,8 +74,8 @@ class SocketWorker:
         """Send, or drop the message when it cannot go now: never wait on a connection that
         is gone for good (a refused key), which the loop's watch then reports."""
         try:
-            self.sock.send_multipart(protocol.encode(kind, header), flags=zmq.NOBLOCK)
-        except zmq.Again:
+            self.sock.send(protocol.encode(kind, header), wait=False)
+        except Again:
             log.debug("dropped a %s: no connection to the %s", kind, self.owner)
 
     def attach(self) -> None:
@@ -184,7 +184,7 @@ class SocketWorker:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.watch.close()
         self.sock.close()
-        self.ctx.term()
+        self.net.close()
 
 
 class RewardWorker(SocketWorker):

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from protocol.wire import HELLO, INCOMPATIBLE, STOP, Message
 
 if TYPE_CHECKING:
-    from protocol.sockets import ConnectionWatch
+    from transport import Watch as ConnectionWatch
 
 # Every peer beats this often when it has nothing else to say, and so does the owner of a
 # worker socket to its workers (`heartbeat_s`, fixed in protocol version 1).

@@ -38,12 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import zmq
-
 import protocol
 from protocol import sockets
 from protocol.connection import HEARTBEAT_S, WORKER_TIMEOUT_S, Peers, heartbeat, owner_hello
 from protocol.wire import MAX_HEADER_BYTES
+from transport import Transport
 
 log = logging.getLogger("workers")
 
@@ -98,7 +97,7 @@ class Reply:
 class WorkerPool:
     def __init__(
         self,
-        ctx: zmq.Context,
+        net: Transport,
         endpoint: str,
         role: str,
         reply_kind: str,
@@ -112,7 +111,7 @@ class WorkerPool:
         with; `owner_role`: the role this side's hello carries; `keys`: the run's CURVE
         key directory, for TCP."""
         socket, self.name = POOLS[role]
-        self.sock = sockets.listen(ctx, endpoint, keys, socket)
+        self.sock = sockets.listen(net, endpoint, keys, socket)
         self.endpoint = endpoint
         self.role, self.reply_kind, self.owner_role = role, reply_kind, owner_role
         self.instance = instance or uuid.uuid4().hex[:12]
@@ -348,7 +347,7 @@ class WorkerPool:
             request.worker = identity
             request.deadline = time.monotonic() + self.timeout_s
             self.assigned[request.request_id] = request
-            self.sock.send_multipart([identity, *request.frames], copy=False)
+            self.sock.send([identity, *request.frames])
 
     def say_if_starved(self) -> None:
         """Every STARVED_SAY_S while requests wait and no worker is ready: say what for."""
@@ -384,7 +383,7 @@ class WorkerPool:
             self.send(identity, protocol.HEARTBEAT, heartbeat(self.owner_role))
 
     def send(self, identity: bytes, kind: str, header: dict) -> None:
-        self.sock.send_multipart([identity, *protocol.encode(kind, header)])
+        self.sock.send([identity, *protocol.encode(kind, header)])
 
     def close(self, reason: str = "run finished", final: bool = True) -> None:
         """`final`: the run is over and workers exit; else this owner only goes away (it is

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zmq
 
 import protocol
 from protocol.workers import WorkerPool
 from rewards.functions import ENV, WORKER, RewardError, call_reward, load_reward_function, reward_inputs
 from runtime.config import RewardConfig
+from transport import Transport
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Scorer:
     def __init__(
         self,
         reward: RewardConfig,
-        ctx: zmq.Context | None = None,
+        net: Transport | None = None,
         endpoint: str | None = None,
         instance: str | None = None,
         keys: Path | None = None,
@@ -72,10 +72,10 @@ class Scorer:
         self.names = short_names(specs)
         self.pool = None
         if WORKER in specs:
-            if ctx is None or endpoint is None:
+            if net is None or endpoint is None:
                 raise ValueError("a 'worker' reward needs a reward socket")
             self.pool = WorkerPool(
-                ctx,
+                net,
                 endpoint,
                 "reward_worker",
                 protocol.SCORE_REPLY,

@@ -82,7 +82,7 @@ def child_env(**extra: str) -> dict[str, str]:
 def raise_fd_limit() -> None:
     """Let this process open as many descriptors as its hard limit allows. Importing mlx_lm
     sets 2048 (hard 4096), macOS starts programs at 256; a bound TCP socket's connections
-    each take one (protocol.sockets caps them)."""
+    each take one (transport.zeromq caps them)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -82,7 +82,7 @@ def test_default_run_raises_the_reward(default_run):
     assert np.mean(rewards[-5:]) - np.mean(rewards[:5]) >= 0.2, rewards
 
 
-SHADOWS = ("protocol", "runtime", "policy", "learner", "actor", "orchestrator")
+SHADOWS = ("protocol", "runtime", "transport", "policy", "learner", "actor", "orchestrator")
 
 
 def a_user_s_folder(tmp_path: Path) -> Path:

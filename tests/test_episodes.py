@@ -16,7 +16,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-import zmq
 from mlx.utils import tree_flatten, tree_unflatten
 
 import protocol
@@ -47,6 +46,7 @@ from tests.helpers import (
     wait_for_step,
     write_config,
 )
+from transport.zeromq import ZeroMQ
 
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
 
@@ -109,9 +109,9 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
     sampling = SamplingConfig(group_size=3, max_tokens=5, temperature=0.9, top_p=0.9, seed=7)
     env = EnvConfig(environment="socket", max_turns=3, max_episode_tokens=200)
     record = tmp_path / "actions.jsonl"
-    ctx = zmq.Context()
+    net = ZeroMQ()
     pool = WorkerPool(
-        ctx, f"ipc://{tmp_path}/env.sock", "env_worker", protocol.OBSERVATION, 30, 1, owner_role="actor"
+        net, f"ipc://{tmp_path}/env.sock", "env_worker", protocol.OBSERVATION, 30, 1, owner_role="actor"
     )
     worker = raw_worker(pool.endpoint, "--record", str(record))
     try:
@@ -123,7 +123,7 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
     finally:
         pool.close("test over")
         worker.wait(10)
-        ctx.term()
+        net.close()
     actions: dict[str, list[int]] = {}
     for line in record.read_text().splitlines():
         r = json.loads(line)

@@ -8,7 +8,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Lower layers never import higher ones; packages on one layer never import each other.
-LAYERS = {"runtime": 0, "protocol": 1, "rewards": 2, "policy": 2, "actor": 3, "learner": 3, "orchestrator": 4}
+LAYERS = {
+    "runtime": 0,
+    "transport": 1,
+    "protocol": 2,
+    "rewards": 3,
+    "policy": 3,
+    "actor": 4,
+    "learner": 4,
+    "orchestrator": 5,
+}
 # The orchestrator starts the actor and the learner as processes; it never imports them.
 NEVER = {("orchestrator", "actor"), ("orchestrator", "learner")}
 
@@ -107,6 +116,16 @@ def test_no_module_takes_another_s_private_names():
         if name.startswith("_") and not name.startswith("__")
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_zeromq_is_used_in_the_transport_package_only():
+    """The transport seam (transport/__init__.py): a new transport, or a fake, is one module."""
+    users = sorted(
+        name
+        for name, path in modules().items()
+        if any(module.split(".")[0] == "zmq" for module, _ in imports(path))
+    )
+    assert users and all(name.startswith("transport.") for name in users), users
 
 
 def test_the_rules_catch_what_they_are_for(tmp_path):

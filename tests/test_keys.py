@@ -1,4 +1,4 @@
-"""CURVE keys (protocol.keys) over real TCP sockets on localhost: who gets in, who is
+"""CURVE keys (transport.keys) over real TCP sockets on localhost: who gets in, who is
 refused, and that TCP without keys needs an explicit `insecure`."""
 
 from __future__ import annotations
@@ -17,18 +17,20 @@ import zmq.auth
 import protocol
 from orchestrator.launch import free_ports
 from protocol import sockets
-from protocol.keys import KeysError, add_peer, create_run_keys, key_dir_for
 from runtime.config import load_config, write_run_config
 from tests.helpers import EXAMPLES, ROOT, write_config
+from transport import Socket, Watch, zeromq
+from transport.keys import KeysError, add_peer, create_run_keys, key_dir_for, secure_client
+from transport.zeromq import ZeroMQ
 
 
-def delivered(router: zmq.Socket, dealer: zmq.Socket, watch: sockets.ConnectionWatch) -> bool:
+def delivered(router: Socket, dealer: Socket, watch: Watch) -> bool:
     """Whether a message from `dealer` reaches `router` within 2 s."""
-    dealer.send(b"hello")
-    return bool(router.poll(2000)) and router.recv_multipart()[-1] == b"hello"
+    dealer.send([b"hello"])
+    return bool(router.poll(2000)) and bytes(router.recv()[-1]) == b"hello"
 
 
-def close_all(router: zmq.Socket, opened: list[tuple[zmq.Socket, sockets.ConnectionWatch]]) -> None:
+def close_all(router: Socket, opened: list[tuple[Socket, Watch]]) -> None:
     for sock, watch in opened:
         watch.close()
         sock.close(linger=0)
@@ -36,25 +38,25 @@ def close_all(router: zmq.Socket, opened: list[tuple[zmq.Socket, sockets.Connect
 
 
 @pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    sockets.close_context(context)
+def net():
+    transport = ZeroMQ()
+    yield transport
+    transport.close()
 
 
 @pytest.mark.slow
-def test_run_keys_are_owner_only_and_peers_get_in_while_strangers_are_refused(tmp_path, ctx, caplog):
+def test_run_keys_are_owner_only_and_peers_get_in_while_strangers_are_refused(tmp_path, net, caplog):
     run = tmp_path / "run"
     keys = create_run_keys(run)
     assert create_run_keys(run) == keys  # a resumed run keeps its keys
     for path in [keys, *keys.rglob("*")]:
         assert path.stat().st_mode & 0o077 == 0, path
     endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    router = sockets.listen(ctx, endpoint, keys, "rollout")
+    router = sockets.listen(net, endpoint, keys, "rollout")
     opened = []
 
     def dealer(key_dir):
-        sock, watch = sockets.connect(ctx, endpoint, key_dir)
+        sock, watch = sockets.connect(net, endpoint, key_dir)
         opened.append((sock, watch))
         return sock, watch
 
@@ -80,11 +82,11 @@ def test_run_keys_are_owner_only_and_peers_get_in_while_strangers_are_refused(tm
         zmq.auth.create_certificates(stranger, "server")  # a different server key
         sock, watch = dealer(stranger)
         assert not delivered(router, sock, watch)
-        deadline = time.monotonic() + sockets.WRONG_KEY_S + 5
+        deadline = time.monotonic() + zeromq.WRONG_KEY_S + 5
         while watch.down_for() > 0 and not watch.refused and time.monotonic() < deadline:
             time.sleep(0.1)
         assert watch.refused.startswith(
-            f"every CURVE handshake failed for {sockets.WRONG_KEY_S:.0f} s: the "
+            f"every CURVE handshake failed for {zeromq.WRONG_KEY_S:.0f} s: the "
             "key directory's server.key is not this run's"
         )
     finally:
@@ -136,7 +138,7 @@ def test_a_worker_refuses_tcp_without_keys_or_insecure_and_add_peer_writes_a_key
     assert (tmp_path / "keys" / "authorized" / "macb.key").exists()
 
 
-def test_a_bad_file_in_the_allow_list_is_skipped_and_said_and_the_others_still_get_in(tmp_path, ctx, caplog):
+def test_a_bad_file_in_the_allow_list_is_skipped_and_said_and_the_others_still_get_in(tmp_path, net, caplog):
     """A file in keys/authorized that is no public key (a truncated copy, a stray note)
     would end the ZAP thread if it raised, and with it every later handshake: it is
     skipped with a log line naming it, the run's own key still gets in, and so does a
@@ -146,14 +148,14 @@ def test_a_bad_file_in_the_allow_list_is_skipped_and_said_and_the_others_still_g
     (keys / "authorized" / "broken.key").write_bytes(b"\x00\xff no key here\n")
     (keys / "authorized" / "short.key").write_text('public-key = "tooshort"\n')
     endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    router = sockets.listen(ctx, endpoint, keys, "rollout")
+    router = sockets.listen(net, endpoint, keys, "rollout")
     opened = []
     try:
         with caplog.at_level("ERROR", logger="keys"):
             for key_dir in (keys, None):
                 time.sleep(0.01)  # a new mtime for the authorized directory
                 key_dir = key_dir or add_peer(run, "macb")
-                sock, watch = sockets.connect(ctx, endpoint, key_dir)
+                sock, watch = sockets.connect(net, endpoint, key_dir)
                 opened.append((sock, watch))
                 assert delivered(router, sock, watch)
         for name in ("broken.key", "short.key"):
@@ -193,7 +195,7 @@ def test_keys_are_written_whole(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_refused_key_sees_one_failure_and_no_retry(tmp_path, ctx):
+def test_a_refused_key_sees_one_failure_and_no_retry(tmp_path, net):
     """What PROTOCOL.md tells a peer: with libzmq 4.3 a refused key gets one
     HANDSHAKE_FAILED_AUTH (ZAP status 400) and its connection is never tried again."""
     from zmq.utils.monitor import recv_monitor_message
@@ -204,10 +206,10 @@ def test_a_refused_key_sees_one_failure_and_no_retry(tmp_path, ctx):
     zmq.auth.create_certificates(stranger, "client")
     shutil.copy(keys / "server.key", stranger / "server.key")
     endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    router = sockets.listen(ctx, endpoint, keys, "rollout")
-    sock = ctx.socket(zmq.DEALER)
-    sockets.secure_client(sock, stranger)
-    monitor = sockets.monitor_socket(sock, zmq.EVENT_ALL)
+    router = sockets.listen(net, endpoint, keys, "rollout")
+    sock = net.ctx.socket(zmq.DEALER)
+    secure_client(sock, stranger)
+    monitor = zeromq.monitor_socket(sock, zmq.EVENT_ALL)
     sock.connect(endpoint)
     events, deadline = [], time.monotonic() + 3
     while time.monotonic() < deadline:
@@ -224,13 +226,13 @@ def test_a_refused_key_sees_one_failure_and_no_retry(tmp_path, ctx):
 
 
 @pytest.mark.parametrize("server_curve", [True, False])
-def test_one_end_with_curve_and_the_other_without_is_told_at_once(tmp_path, ctx, server_curve):
+def test_one_end_with_curve_and_the_other_without_is_told_at_once(tmp_path, net, server_curve):
     """A plain-TCP peer facing a CURVE socket (or the reverse) fails its handshake once and
     libzmq never retries: the watch says so at once, naming the setting to change."""
     keys = create_run_keys(tmp_path / "run")
     endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    router = sockets.listen(ctx, endpoint, keys if server_curve else None, "rollout")
-    sock, watch = sockets.connect(ctx, endpoint, None if server_curve else keys)
+    router = sockets.listen(net, endpoint, keys if server_curve else None, "rollout")
+    sock, watch = sockets.connect(net, endpoint, None if server_curve else keys)
     try:
         deadline = time.monotonic() + 3
         while not watch.refused and time.monotonic() < deadline:
@@ -251,7 +253,7 @@ def test_one_end_with_curve_and_the_other_without_is_told_at_once(tmp_path, ctx,
 def test_refusals_are_logged_at_most_ten_a_minute_per_socket(tmp_path, caplog, monkeypatch):
     """Strangers with fresh keys each time: ten refusals are logged one by one, the rest
     counted in one line once the minute is over; a key let in is never logged."""
-    import protocol.keys as keys_module
+    import transport.keys as keys_module
 
     keys = create_run_keys(tmp_path)
     allow = keys_module.AllowList(keys / "authorized")
@@ -286,12 +288,12 @@ def stranger_keys(tmp_path, keys) -> Path:
         ("env-worker", ["digits_env:DigitsEnv", "--search-path", str(EXAMPLES)]),
     ],
 )
-def test_a_refused_worker_exits_4_within_10_s_saying_why(tmp_path, ctx, kind, spec):
+def test_a_refused_worker_exits_4_within_10_s_saying_why(tmp_path, net, kind, spec):
     """libzmq drops a refused connection for good, so a send would wait forever: the
     worker checks before it sends, and says why it stops."""
     keys = create_run_keys(tmp_path / "run")
     endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    router = sockets.listen(ctx, endpoint, keys, kind.split("-")[0])
+    router = sockets.listen(net, endpoint, keys, kind.split("-")[0])
     try:
         done = subprocess.run(
             [
@@ -339,7 +341,7 @@ def test_a_worker_of_a_secure_tcp_run_without_its_keys_refuses_to_connect(tmp_pa
 
 
 @pytest.mark.slow
-def test_an_actor_set_insecure_facing_a_curve_learner_exits_4_saying_why(tmp_path, ctx):
+def test_an_actor_set_insecure_facing_a_curve_learner_exits_4_saying_why(tmp_path, net):
     """The actor's copy of the config says run.insecure = true, the learner uses CURVE: one
     failed handshake, which libzmq never retries. The actor stops at once (not after its
     120 s), exit 4, naming the setting."""
@@ -347,7 +349,7 @@ def test_an_actor_set_insecure_facing_a_curve_learner_exits_4_saying_why(tmp_pat
     cfg = load_config(write_config(tmp_path, f'[run]\ntransport = "tcp"\nport = {port}'))
     endpoints = protocol.make_endpoints(tmp_path, "tcp", "127.0.0.1", port)
     keys = create_run_keys(tmp_path / "run")
-    router = sockets.listen(ctx, endpoints["learner"], keys, "rollout")  # the learner's socket
+    router = sockets.listen(net, endpoints["learner"], keys, "rollout")  # the learner's socket
     actor_dir = tmp_path / "actor"
     actor_dir.mkdir()
     write_run_config(actor_dir, cfg.replace(run={"insecure": True}))

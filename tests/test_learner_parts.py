@@ -18,6 +18,7 @@ from learner.rollouts import RolloutSocket
 from rewards.functions import RewardError
 from rewards.scorer import Scored, Scorer
 from runtime.config import RewardConfig
+from transport.zeromq import ZeroMQ
 
 A, B = b"actor-a", b"actor-b"
 
@@ -180,12 +181,13 @@ IDENTITY = {"model": "m", "tokenizer": "t", "lora": {"rank": 8}, "instance": "i1
 
 @pytest.fixture
 def socket_pair(tmp_path):
-    ctx = zmq.Context()
+    net = ZeroMQ()
+    ctx = net.ctx  # the actor's side is a plain ZeroMQ socket
     ledger = Ledger()
     ledger.data_cursor = [0, 3]  # where a new actor's data begins
     weights = {"w": np.ones(3, np.float32)}
     sock = RolloutSocket(
-        ctx,
+        net,
         f"ipc://{tmp_path}/learner.sock",
         ledger,
         IDENTITY,
@@ -198,7 +200,7 @@ def socket_pair(tmp_path):
     yield sock, actor, ledger
     actor.close(linger=0)
     sock.sock.close(linger=0)
-    ctx.term()
+    net.close()
 
 
 def pump(sock: RolloutSocket, actor: zmq.Socket, n: int) -> tuple[list, list[protocol.Message]]:

@@ -274,6 +274,30 @@ def test_up_goes_on_without_a_plan_for_a_hub_model_not_downloaded_yet(capsys):
     assert e.value.code == 2
 
 
+def test_a_missing_model_folder_is_named_with_what_the_config_says_makes_it(tmp_path):
+    """`orchestrator plan` on a config whose model folder is not there yet (the SmolLM2
+    example before its fetch): the error names the folder, beside the config, and repeats
+    the config's comment on that path (the examples name the script that makes it), not
+    only "not in the Hugging Face cache"."""
+    (tmp_path / "tiny_prompts.jsonl").write_text((EXAMPLES / "tiny_prompts.jsonl").read_text())
+    text = (EXAMPLES / "tiny.toml").read_text()
+    assert 'path = "tiny-model"' in text
+    config = tmp_path / "run.toml"
+    config.write_text(
+        text.replace('path = "tiny-model"', 'path = "models/Some-Model"   # made by `python fetch_it.py`')
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "plan", "--config", str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"no such folder {tmp_path.resolve() / 'models' / 'Some-Model'}" in proc.stderr, proc.stderr
+    assert "The config says: made by `python fetch_it.py`" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("path", ["a/b/c/d", "bad repo!!"])
 def test_a_model_path_that_is_no_hub_id_is_a_config_error_not_a_missing_download(path, capsys):
     """The plan used to call every failure "not in the Hugging Face cache"; an id the hub

@@ -12,13 +12,15 @@ import zmq
 import protocol
 from protocol.connection import WORKER_TIMEOUT_S
 from protocol.workers import WorkerPool
+from transport.zeromq import ZeroMQ
 
 
 @pytest.fixture
 def socket_pair(tmp_path):
-    ctx = zmq.Context()
+    net = ZeroMQ()
+    ctx = net.ctx  # workers' sides are plain ZeroMQ sockets
     pool = WorkerPool(
-        ctx,
+        net,
         f"ipc://{tmp_path}/reward.sock",
         "reward_worker",
         protocol.SCORE_REPLY,
@@ -37,7 +39,7 @@ def socket_pair(tmp_path):
     for w in workers:
         w.close(linger=0)
     pool.sock.close(linger=0)
-    ctx.term()
+    net.close()
 
 
 def send(sock: zmq.Socket, kind: str, **header) -> None:
