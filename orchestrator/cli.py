@@ -166,12 +166,16 @@ def reward_worker(
         "add-peer`); default with --run-dir: the run's.",
     ),
     insecure: bool = typer.Option(False, help="Connect to a TCP endpoint without keys (plain TCP)."),
+    search_path: str | None = typer.Option(
+        None, help="Directory searched first for the module; default: the current one."
+    ),
     learner_timeout: float = typer.Option(
         LEARNER_TIMEOUT_S, help="Exit when the learner has been unreachable this many seconds."
     ),
 ) -> None:
     """Serve a Python reward function to a run. Start as many as you like; each survives
-    learner restarts and exits when the run ends."""
+    learner restarts and exits when the run ends. MODULE is imported from --search-path
+    (default: the current folder), as `reward.functions` are from beside the config."""
     import os
 
     from orchestrator.workers import RewardWorker
@@ -179,7 +183,9 @@ def reward_worker(
 
     endpoint, keys = _worker_endpoint(run_dir, connect, "reward", key_dir, insecure)
     _serve(
-        lambda signals: RewardWorker(function, endpoint, os.getcwd(), learner_timeout, signals, keys),
+        lambda signals: RewardWorker(
+            function, endpoint, search_path or os.getcwd(), learner_timeout, signals, keys
+        ),
         RewardError,
         run_dir,
     )

@@ -203,6 +203,48 @@ def test_a_worker_exits_when_its_learner_is_gone_for_good(tmp_path):
     assert 2 <= time.monotonic() - gone_at < 10
 
 
+def hello_from_worker(tmp_path: Path, *args: str, cwd: Path) -> tuple[bool, str]:
+    """Start `orchestrator reward-worker ARGS` against a bare socket in `cwd`: whether it
+    said hello within 30 s, and what it printed."""
+    import zmq
+
+    endpoint = f"ipc://{tmp_path}/reward.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    command = [sys.executable, "-m", "orchestrator", "reward-worker", *args, "--connect", endpoint]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    worker = subprocess.Popen(
+        command, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+    try:
+        said_hello = False
+        deadline = time.monotonic() + 30
+        while worker.poll() is None and time.monotonic() < deadline and not said_hello:
+            said_hello = bool(router.poll(200))
+    finally:
+        if worker.poll() is None:
+            worker.terminate()
+        out, _ = worker.communicate(timeout=30)
+        router.close(linger=0)
+        ctx.term()
+    return said_hello, out
+
+
+def test_a_reward_worker_imports_its_module_from_search_path(tmp_path):
+    """The module lives in the user's task folder; the worker is started from elsewhere.
+    Without --search-path it says which module it could not import; with it, it attaches."""
+    task = tmp_path / "task"
+    task.mkdir()
+    (task / "my_reward.py").write_text("def score(completions, **kw):\n    return [1.0] * len(completions)\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    attached, out = hello_from_worker(tmp_path, "my_reward:score", cwd=elsewhere)
+    assert not attached and "my_reward" in out, out
+    attached, out = hello_from_worker(tmp_path, "my_reward:score", "--search-path", str(task), cwd=elsewhere)
+    assert attached, out
+
+
 def test_garbage_replies_are_logged_and_survived(tmp_path):
     cfg = write_config(tmp_path, WORKER_CONFIG, steps=3, reward="worker")
     proc = orchestrator("up", "--config", str(cfg))
