@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
 
-import protocol
 from policy.data import Prompt
 from policy.sampler import Completion
+from protocol.messages import Rollout
 from protocol.wire import MAX_HEADER_BYTES
 
 log = logging.getLogger("actor")
@@ -67,7 +68,7 @@ def rewards_per_run(mask: list[int], starts: list[int], rewards: list[float]) ->
     return out
 
 
-def rollout_header(
+def rollout_message(
     drawn: Drawn,
     group_id: str,
     policy_version: int | None,
@@ -75,39 +76,43 @@ def rollout_header(
     fields: dict,
     arrays: dict,
     gen_s: float,
-) -> dict:
-    """The rollout's header: where its prompt is in the data, the weights it was sampled
-    with (its oldest token's, when they changed while it decoded), and `fields`."""
+) -> Rollout:
+    """The rollout (protocol/messages.py): where its prompt is in the data, the weights it
+    was sampled with (its oldest token's, when they changed while it decoded), and the
+    `fields` and `arrays` its sampling gave (named as the definition names them)."""
     versions = arrays.get("policy_versions")
-    return {
-        "group_id": group_id,
-        "cursor": drawn.cursor,
-        "start_cursor": drawn.start,
-        "row": drawn.prompt.index,
-        **timings,
-        "policy_version": int(versions.min()) if versions is not None else policy_version,
-        "prompt": drawn.prompt.prompt,
-        "columns": drawn.prompt.columns,
+    assert versions is not None or policy_version is not None, "an actor samples once it has weights"
+    return Rollout(
+        group_id=group_id,
+        cursor=drawn.cursor,
+        start_cursor=drawn.start,
+        row=drawn.prompt.index,
+        weights_transfer_s=timings.get("weights_transfer_s"),
+        weights_apply_s=timings.get("weights_apply_s"),
+        policy_version=int(versions.min()) if versions is not None else cast(int, policy_version),
+        prompt=drawn.prompt.prompt,
+        columns=drawn.prompt.columns,
         **fields,
-        "gen_s": gen_s,
-        "peak_memory_mb": mx.get_peak_memory() / (1 << 20),
-    }
+        **arrays,
+        gen_s=gen_s,
+        peak_memory_mb=mx.get_peak_memory() / (1 << 20),
+    )
 
 
-def rollout_frames(header: dict, arrays: dict) -> list:
+def rollout_frames(rollout: Rollout) -> list:
     """The group's frames; one whose header the learner would refuse unread (over the
     protocol's limit: huge texts or data columns) goes as an `error` group instead, so the
     learner counts it as dropped, with the reason."""
-    frames = protocol.encode(protocol.ROLLOUT, header, arrays)
+    frames = rollout.frames()
     if len(frames[0]) <= MAX_HEADER_BYTES:
         return frames
     reason = f"rollout header over the protocol's limit of {MAX_HEADER_BYTES} bytes (texts, prompt, columns)"
     log.error(
         "data row %s: a rollout header of %d bytes is over the protocol's limit of %d bytes; "
         "its group is sent as dropped",
-        header["row"],
+        rollout.row,
         len(frames[0]),
         MAX_HEADER_BYTES,
     )
-    header = {**header, "prompt": "", "columns": {}, "texts": [""] * len(header["texts"]), "turns": None}
-    return protocol.encode(protocol.ROLLOUT, {**header, "error": reason}, arrays)
+    empty = [""] * len(rollout.texts)
+    return replace(rollout, prompt="", columns={}, texts=empty, turns=None, error=reason).frames()

@@ -40,7 +40,7 @@ from actor.agents import AgentError, AgentRunner
 from actor.completions import Policy
 from actor.episodes import EpisodeRunner
 from actor.gateway import Gateway
-from actor.rollout import Drawn, completion_fields, rollout_frames, rollout_header
+from actor.rollout import Drawn, completion_fields, rollout_frames, rollout_message
 from policy.data import DataError, Prompt, PromptStream, check_context, load_prompts
 from policy.engine import Engine
 from policy.logprobs import plain_caches
@@ -383,9 +383,9 @@ class Actor:
 
     def send_group(self, drawn: Drawn, fields: dict, arrays: dict, gen_s: float) -> None:
         group_id = str(self.groups_sent)
-        header = rollout_header(drawn, group_id, self.policy_version, self.timings, fields, arrays, gen_s)
+        rollout = rollout_message(drawn, group_id, self.policy_version, self.timings, fields, arrays, gen_s)
         with spans.span("send", group=group_id):
-            self.send_frames(rollout_frames(header, arrays))
+            self.send_frames(rollout_frames(rollout))
         self.groups_sent += 1
 
     def completions(self, prompt: Prompt, completions: list[Completion]) -> tuple[dict, dict]:

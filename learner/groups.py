@@ -9,6 +9,7 @@ import numpy as np
 
 from learner.batching import Sample
 from protocol import Message, is_data_cursor
+from protocol.messages import Rollout
 
 
 @dataclass
@@ -71,93 +72,89 @@ def model_turns(loss_mask: np.ndarray | None, length: int) -> list[tuple[int, in
     return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
 
 
-def oldest_version(msg: Message) -> int:
+def oldest_version(r: Rollout) -> int:
     """The policy version of a group's oldest sampled token: a group sampled across a
     weight update (`policy_versions`, PROTOCOL.md) is as stale as that, for the staleness
     bound. An episode's environment tokens (`loss_mask` 0) were not sampled: not counted."""
-    versions = msg.arrays.get("policy_versions")
-    if versions is not None and "loss_mask" in msg.arrays:
-        versions = versions[msg.arrays["loss_mask"] == 1]
-    oldest = int(versions.min()) if versions is not None and versions.size else msg["policy_version"]
-    return min(msg["policy_version"], oldest)
+    versions = r.policy_versions
+    if versions is not None and r.loss_mask is not None:
+        versions = versions[r.loss_mask == 1]
+    oldest = int(versions.min()) if versions is not None and versions.size else r.policy_version
+    return min(r.policy_version, oldest)
 
 
-def data_span(header: dict) -> tuple[list[int] | None, list[int] | None]:
+def data_span(r: Rollout) -> tuple[list[int] | None, list[int] | None]:
     """A rollout's place in its actor's data: (`cursor`, `start_cursor`). A `cursor` that is
     no cursor counts as absent (the group is trained, its place unknown). A `start_cursor`
     that is given but malformed, or not before `cursor`, raises ValueError (the drop
     reason): read as absent it would say every prompt before `cursor` is held, and a
     restarted actor would skip those never sent."""
-    cursor = header.get("cursor")
-    cursor = cursor if is_data_cursor(cursor) else None
-    start = header.get("start_cursor")
+    cursor, start = r.cursor, r.start_cursor
     if start is None:
         return cursor, None
     if not is_data_cursor(start) or cursor is None or not start < cursor:
-        raise ValueError(
-            f"start_cursor {start!r} is not an [epoch, position] before cursor {header.get('cursor')!r}"
-        )
+        raise ValueError(f"start_cursor {start!r} is not an [epoch, position] before cursor {cursor!r}")
     return cursor, start
 
 
-def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size: int) -> Group:
-    """Build a Group; raise ValueError (the drop reason) if it cannot be trained on."""
-    if msg.header.get("error") is not None:
-        raise ValueError(msg["error"])  # the actor could not complete it (e.g. its environment failed)
-    a = msg.arrays
-    ids = np.concatenate([a["prompt_ids"], a["completion_ids"]])
+def check_sizes(r: Rollout, vocab_size: int, group_size: int) -> list[np.ndarray] | None:
+    """Raise ValueError (the drop reason) for a group the learner cannot train on; its
+    completions' loss masks, split (None: all 1)."""
+    ids = np.concatenate([r.prompt_ids, r.completion_ids])
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"token id outside the vocabulary of {vocab_size}")
-    lens = a["completion_lens"]
-    sessions = msg.header.get("sessions")
+    lens, sessions = r.completion_lens, r.sessions
     if sessions is not None and sorted(set(sessions)) != list(range(group_size)):
         raise ValueError(f"sessions {sorted(set(sessions))} are not the group's {group_size} sessions")
     if sessions is None and len(lens) != group_size:
         raise ValueError(f"group of {len(lens)} completions, config says {group_size}")
-    cuts = np.cumsum(lens)[:-1]
-    masks = np.split(a["loss_mask"], cuts) if "loss_mask" in a else None
+    masks = np.split(r.loss_mask, np.cumsum(lens)[:-1]) if r.loss_mask is not None else None
     if (lens == 0).any() or (masks is not None and not all(m.any() for m in masks)):
         # A completion without a sampled token has nothing to carry its advantage; training
         # on it would silently shrink the batch's loss.
         raise ValueError("empty completion")
-    turn_rewards = msg.header.get("turn_rewards")
-    if turn_rewards is not None:
+    if r.turn_rewards is not None:
         each: list[np.ndarray | None] = [*masks] if masks is not None else [None] * len(lens)
         turns = [len(model_turns(m, int(n))) for m, n in zip(each, lens)]
-        if [len(r) for r in turn_rewards] != turns:
+        if [len(t) for t in r.turn_rewards] != turns:
             raise ValueError(
-                f"turn_rewards has {[len(r) for r in turn_rewards]} rewards per completion "
+                f"turn_rewards has {[len(t) for t in r.turn_rewards]} rewards per completion "
                 f"for {turns} model turns (runs of loss_mask 1)"
             )
-    cursor, start_cursor = data_span(msg.header)
-    gen_s = msg.header.get("gen_s", 0.0)
-    peak = msg.header.get("peak_memory_mb")
+    return masks
+
+
+def group_from_message(sender: bytes, msg: Message, vocab_size: int, group_size: int) -> Group:
+    """Build a Group; raise ValueError (the drop reason) if it cannot be trained on."""
+    r = Rollout.read(msg)
+    if r.error is not None:
+        raise ValueError(r.error)  # the actor could not complete it (e.g. its environment failed)
+    masks = check_sizes(r, vocab_size, group_size)
+    cursor, start_cursor = data_span(r)
+    cuts = np.cumsum(r.completion_lens)[:-1]
+    timings = {"weights_transfer_s": r.weights_transfer_s, "weights_apply_s": r.weights_apply_s}
     return Group(
         sender=sender,
-        group_id=msg["group_id"],
-        policy_version=oldest_version(msg),
-        prompt=msg["prompt"],
-        columns=msg["columns"],
-        prompt_ids=a["prompt_ids"],
-        completion_ids=np.split(a["completion_ids"], cuts),
-        logprobs=np.split(a["logprobs"], cuts),
-        texts=msg["texts"],
-        finish_reasons=msg["finish_reasons"],
-        gen_s=float(gen_s) if isinstance(gen_s, (int, float)) else 0.0,
-        actor_peak_mb=float(peak) if isinstance(peak, (int, float)) else None,
+        group_id=r.group_id,
+        policy_version=oldest_version(r),
+        prompt=r.prompt,
+        columns=r.columns,
+        prompt_ids=r.prompt_ids,
+        completion_ids=np.split(r.completion_ids, cuts),
+        logprobs=np.split(r.logprobs, cuts),
+        texts=r.texts,
+        finish_reasons=r.finish_reasons,
+        gen_s=float(r.gen_s or 0.0),
+        actor_peak_mb=None if r.peak_memory_mb is None else float(r.peak_memory_mb),
         cursor=cursor,
         start_cursor=start_cursor,
-        row=row if type(row := msg.header.get("row")) is int else None,
-        timings={
-            k: float(v)
-            for k in ("weights_transfer_s", "weights_apply_s")
-            if isinstance(v := msg.header.get(k), (int, float)) and not isinstance(v, bool)
-        },
+        row=r.row,
+        timings={k: float(v) for k, v in timings.items() if v is not None},
         loss_masks=masks,
-        turns=msg.header.get("turns"),
-        env_rewards=msg.header.get("env_rewards"),
-        env_retries=v if type(v := msg.header.get("env_retries")) is int else None,
-        agent_splits=v if type(v := msg.header.get("agent_splits")) is int else None,
-        turn_rewards=turn_rewards,
-        sessions=sessions,
+        turns=r.turns,
+        env_rewards=r.env_rewards,
+        env_retries=r.env_retries,
+        agent_splits=r.agent_splits,
+        turn_rewards=r.turn_rewards,
+        sessions=r.sessions,
     )

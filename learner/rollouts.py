@@ -31,7 +31,7 @@ from learner.groups import Group, data_span
 from learner.ledger import Ledger
 from protocol import sockets
 from protocol.connection import ACTOR_TIMEOUT_S, Peers, owner_hello
-from protocol.wire import HELLO_MODEL_FIELDS
+from protocol.messages import HELLO_MODEL_FIELDS, Hello, Rollout
 from runtime.config import credit_window
 from transport import Transport
 
@@ -179,9 +179,8 @@ class RolloutSocket:
         if msg["role"] == "actor" and not (type(slot) is int and 0 <= slot < self.actor_count):
             n = self.actor_count
             return f"slot {slot!r}: this run has actor.count = {n} (slots 0 to {n - 1})"
-        missing = [
-            name for name, typ in HELLO_MODEL_FIELDS.items() if not isinstance(msg.header.get(name), typ)
-        ]
+        hello = Hello.read(msg)
+        missing = [name for name in HELLO_MODEL_FIELDS if getattr(hello, name) is None]
         if missing:
             return f"an {msg['role']}'s hello needs {', '.join(map(repr, missing))} (PROTOCOL.md, hello)"
         if msg["tokenizer"] != self.identity["tokenizer"]:
@@ -198,7 +197,7 @@ class RolloutSocket:
             self.ledger.drop("no handshake", actor, group_id=msg["group_id"])
             return None
         try:
-            cursor, start = data_span(msg.header)
+            cursor, start = data_span(Rollout.read(msg))
         except ValueError as e:  # its place in the data unknown: its prompt is sampled again
             self.ledger.drop(str(e), actor, group_id=msg["group_id"])
             return None

@@ -3,6 +3,7 @@ sockets every process opens (PROTOCOL.md). No MLX here; a run's config and files
 `runtime`."""
 
 from protocol.endpoints import make_endpoints, read_endpoints, write_endpoints
+from protocol.messages import decode
 from protocol.wire import (
     CREDIT,
     END,
@@ -21,7 +22,6 @@ from protocol.wire import (
     WEIGHTS,
     Message,
     ProtocolError,
-    decode,
     encode,
     is_data_cursor,
     newer_weights,

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.wire import MAX_HEADER_BYTES, Message, ProtocolError, decode
+from protocol.messages import decode
+from protocol.wire import MAX_HEADER_BYTES, Message, ProtocolError
 from transport import Socket, Transport, Watch
 
 

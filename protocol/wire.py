@@ -1,15 +1,15 @@
-"""Protocol v1: message kinds, the msgpack codec, raw array frames and validation.
+"""Protocol v1: message kinds, the msgpack codec and raw array frames.
 
-A message is a ZeroMQ multipart: frame 0 is a msgpack map (the header), frames 1..n carry
-the raw bytes of the arrays the header lists under "arrays", in that order. PROTOCOL.md is
-the specification; this module is its reference implementation. It imports no MLX and
-nothing else of this project, so a peer in plain Python needs only this file (or nothing:
-the format is documented).
+A message is a multipart: frame 0 is a msgpack map (the header), frames 1..n carry the raw
+bytes of the arrays the header lists under "arrays", in that order. PROTOCOL.md is the
+specification; this module and protocol/messages.py (each kind's fields and checks) are its
+reference implementation. Neither imports MLX or anything else of this project.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -61,48 +61,6 @@ class Message:
         return self.header[key]
 
 
-_ANY = object()
-_NUMBER = (int, float)
-
-# Required fields of each kind, beyond "protocol", "kind" and "arrays".
-_SCHEMA: dict[str, dict[str, Any]] = {
-    HELLO: {"role": str, "pid": int},
-    ROLLOUT: {
-        "group_id": str,
-        "policy_version": int,
-        "prompt": _ANY,
-        "columns": dict,
-        "finish_reasons": list,
-        "texts": list,
-    },
-    WEIGHTS: {"version": int},
-    CREDIT: {"groups_consumed": int},
-    HEARTBEAT: {"role": str, "time": _NUMBER},
-    STOP: {"reason": str},
-    READY: {},
-    SCORE: {"request_id": str, "prompts": list, "completions": list, "completion_ids": list, "columns": dict},
-    SCORE_REPLY: {"request_id": str, "rewards": list},
-    RESET: {"request_id": str, "episode_id": str, "prompt": _ANY, "columns": dict},
-    STEP: {"request_id": str, "episode_id": str, "action": str, "action_ids": list},
-    OBSERVATION: {"request_id": str, "observation": str, "done": bool},
-    END: {"episode_id": str},
-}
-
-# On the rollout socket an actor (or observer) must also say what it runs, so the learner
-# can refuse a mismatch; the learner checks them (the actor's hello on the env socket has none).
-HELLO_MODEL_FIELDS = {"model": str, "tokenizer": str, "lora": dict}
-
-# Arrays each kind must carry, with their dtype and rank.
-_ARRAYS: dict[str, dict[str, tuple[str, int]]] = {
-    ROLLOUT: {
-        "prompt_ids": ("int32", 1),
-        "completion_ids": ("int32", 1),
-        "completion_lens": ("int32", 1),
-        "logprobs": ("float32", 1),
-    },
-}
-
-
 def encode(kind: str, header: dict[str, Any] | None = None, arrays: dict | None = None) -> list:
     """Build the frames of one message: the header's bytes, then each array's raw bytes as
     a uint8 view of the (C-contiguous, little-endian) array, so sending with copy=False
@@ -121,11 +79,12 @@ def encode(kind: str, header: dict[str, Any] | None = None, arrays: dict | None 
     return [msgpack.packb(head, use_bin_type=True), *frames]
 
 
-def decode(frames: list, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
-    """Parse and validate a multipart message; raise ProtocolError naming the problem.
+def unpack(frames: list, known: Container[str], max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Parse a multipart message whose kind is one of `known`; raise ProtocolError naming
+    the problem. Its fields are checked by protocol/messages.py (`decode`).
 
-    Frames are bytes-like (bytes, memoryview of a zmq.Frame); arrays are read-only views
-    of them, not copies."""
+    Frames are bytes-like (bytes, memoryviews); arrays are read-only views of them, not
+    copies."""
     if not frames:
         raise ProtocolError("empty message")
     total = sum(len(f) for f in frames)
@@ -143,26 +102,10 @@ def decode(frames: list, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} is not {PROTOCOL_VERSION}")
     kind = head.get("kind")
-    if not isinstance(kind, str) or kind not in _SCHEMA:
+    if not isinstance(kind, str) or kind not in known:
         raise ProtocolError(f"unknown message kind {kind!r}")
-    _check_fields(kind, head)
     # A message without arrays may leave the field out (senders should write []).
-    arrays = _decode_arrays(kind, head.get("arrays", []), frames[1:])
-    msg = Message(kind, head, arrays)
-    if kind == ROLLOUT:
-        _check_rollout(msg)
-    elif kind == HELLO:
-        if head["role"] not in ROLES:
-            raise ProtocolError(f"hello: unknown role {head['role']!r}")
-    elif kind == SCORE_REPLY:
-        _check_score_reply(head)
-    elif kind == OBSERVATION:
-        _check_observation(head)
-    elif kind == STOP and head.get("final") is not None and not isinstance(head["final"], bool):
-        raise ProtocolError("stop: field 'final' must be true or false")
-    elif kind == STOP and head.get("code") is not None and not isinstance(head["code"], str):
-        raise ProtocolError("stop: field 'code' must be a string")
-    return msg
+    return Message(kind, head, _decode_arrays(kind, head.get("arrays", []), frames[1:]))
 
 
 def is_data_cursor(value: Any) -> TypeGuard[list[int]]:
@@ -176,32 +119,6 @@ def newer_weights(held: Message | None, msg: Message) -> Message:
     count: a learner that restarted from a checkpoint sends an older one, and it is the
     run's policy now."""
     return msg if held is None or msg["version"] >= held["version"] else held
-
-
-def _check_fields(kind: str, head: dict, schema: dict | None = None) -> None:
-    for name, typ in (schema or _SCHEMA[kind]).items():
-        if name not in head:
-            raise ProtocolError(f"{kind}: missing field {name!r}")
-        value = head[name]
-        if typ is _ANY:
-            continue
-        # bool is an int in Python; a peer sending true for a version is still wrong.
-        if isinstance(value, bool) and typ is not bool:
-            raise ProtocolError(f"{kind}: field {name!r} must be {_type_name(typ)}, got bool")
-        if not isinstance(value, typ):
-            raise ProtocolError(
-                f"{kind}: field {name!r} must be {_type_name(typ)}, got {type(value).__name__}"
-            )
-        if typ is int and value < 0:
-            raise ProtocolError(f"{kind}: field {name!r} must be >= 0, got {value}")
-
-
-def _type_name(typ: Any) -> str:
-    if isinstance(typ, tuple):
-        return "a number"
-    return {str: "a string", int: "an integer", dict: "a map", list: "a list", bool: "true or false"}.get(
-        typ, str(typ)
-    )
 
 
 def _decode_arrays(kind: str, specs: Any, frames: list[bytes]) -> dict[str, np.ndarray]:
@@ -232,124 +149,4 @@ def _decode_arrays(kind: str, specs: Any, frames: list[bytes]) -> dict[str, np.n
                 f"{kind}: array {name!r} {dtype}{shape} needs {expected} bytes, frame has {len(frame)}"
             )
         arrays[name] = np.frombuffer(frame, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
-    for name, (dtype, ndim) in _ARRAYS.get(kind, {}).items():
-        a = arrays.get(name)
-        if a is None:
-            raise ProtocolError(f"{kind}: missing array {name!r}")
-        if a.dtype.name != dtype or a.ndim != ndim:
-            raise ProtocolError(f"{kind}: array {name!r} must be {dtype} of rank {ndim}")
     return arrays
-
-
-def _is_reward(v: Any) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
-
-
-def _check_score_reply(head: dict) -> None:
-    error = head.get("error")
-    if error is not None:
-        if not isinstance(error, str):
-            raise ProtocolError("score_reply: field 'error' must be a string")
-        return  # the function failed: the rewards are not used
-    if not all(_is_reward(v) for v in head["rewards"]):
-        raise ProtocolError("score_reply: every reward must be a finite number or nil")
-    by_fn = head.get("rewards_by_function")
-    if by_fn is not None:
-        if not isinstance(by_fn, dict) or not all(
-            isinstance(k, str)
-            and isinstance(v, list)
-            and len(v) == len(head["rewards"])
-            and all(_is_reward(x) for x in v)
-            for k, v in by_fn.items()
-        ):
-            raise ProtocolError(
-                "score_reply: rewards_by_function must map names to lists of "
-                "finite numbers or nil, one per completion"
-            )
-
-
-def _check_observation(head: dict) -> None:
-    for name, ok, what in (
-        ("reward", _is_reward, "a finite number or nil"),
-        ("role", lambda v: isinstance(v, str) and v, "a non-empty string"),
-        ("info", lambda v: isinstance(v, dict), "a map"),
-        ("error", lambda v: isinstance(v, str), "a string"),
-    ):
-        if head.get(name) is not None and not ok(head[name]):
-            raise ProtocolError(f"observation: field {name!r} must be {what}")
-
-
-def _check_rollout(msg: Message) -> None:
-    a, h = msg.arrays, msg.header
-    lens = a["completion_lens"]
-    g = len(lens)
-    if g == 0:
-        raise ProtocolError("rollout: a group needs at least one completion")
-    if len(h["texts"]) != g or len(h["finish_reasons"]) != g:
-        raise ProtocolError(
-            f"rollout: {g} completions but {len(h['texts'])} texts and "
-            f"{len(h['finish_reasons'])} finish reasons"
-        )
-    if not all(isinstance(t, str) for t in h["texts"]):
-        raise ProtocolError("rollout: every text must be a string")
-    bad = [r for r in h["finish_reasons"] if not isinstance(r, str) or r not in FINISH_REASONS]
-    if bad:
-        raise ProtocolError(f"rollout: unknown finish reason {bad[0]!r}")
-    if (lens < 0).any() or int(lens.sum()) != len(a["completion_ids"]):
-        raise ProtocolError("rollout: completion_lens must be >= 0 and sum to len(completion_ids)")
-    if len(a["logprobs"]) != len(a["completion_ids"]):
-        raise ProtocolError("rollout: logprobs and completion_ids differ in length")
-    if len(a["prompt_ids"]) == 0:
-        raise ProtocolError("rollout: prompt_ids is empty")
-    lp = a["logprobs"]
-    if not np.isfinite(lp).all() or (lp > 1e-4).any():
-        raise ProtocolError("rollout: logprobs must be finite and <= 0")
-    versions = a.get("policy_versions")
-    if versions is not None and (
-        versions.dtype != np.int32 or versions.shape != a["completion_ids"].shape or (versions < 0).any()
-    ):
-        raise ProtocolError("rollout: policy_versions must be int32 >= 0, one per completion id")
-    _check_episode_fields(msg, g)
-
-
-def _check_episode_fields(msg: Message, g: int) -> None:
-    """The optional fields of a rollout whose completions are episodes."""
-    a, h = msg.arrays, msg.header
-    mask = a.get("loss_mask")
-    if mask is not None and (
-        mask.dtype != np.uint8 or mask.shape != a["completion_ids"].shape or (mask > 1).any()
-    ):
-        raise ProtocolError("rollout: loss_mask must be uint8 0/1, one per completion id")
-    rewards = h.get("env_rewards")
-    if rewards is not None and not (
-        isinstance(rewards, list) and len(rewards) == g and all(_is_reward(v) for v in rewards)
-    ):
-        raise ProtocolError(f"rollout: env_rewards must be {g} finite numbers or nil")
-    turns = h.get("turns")
-    if turns is not None and not (
-        isinstance(turns, list)
-        and len(turns) == g
-        and all(
-            isinstance(t, list)
-            and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in t
-            )
-            for t in turns
-        )
-    ):
-        raise ProtocolError(f"rollout: turns must be {g} lists of {{'role': str, 'content': str}} messages")
-    turn_rewards = h.get("turn_rewards")
-    if turn_rewards is not None and not (
-        isinstance(turn_rewards, list)
-        and len(turn_rewards) == g
-        and all(isinstance(r, list) and all(v is not None and _is_reward(v) for v in r) for r in turn_rewards)
-    ):
-        raise ProtocolError(f"rollout: turn_rewards must be {g} lists of finite numbers")
-    sessions = h.get("sessions")
-    if sessions is not None and not (
-        isinstance(sessions, list) and len(sessions) == g and all(type(v) is int and v >= 0 for v in sessions)
-    ):
-        raise ProtocolError(f"rollout: sessions must be {g} integers >= 0, one per completion")
-    if h.get("error") is not None and not isinstance(h["error"], str):
-        raise ProtocolError("rollout: field 'error' must be a string")

@@ -244,7 +244,7 @@ def test_turn_rewards_are_checked_against_the_model_turns():
             57,
             2,
         )
-    with pytest.raises(protocol.ProtocolError, match="turn_rewards must be 2 lists of finite numbers"):
+    with pytest.raises(protocol.ProtocolError, match="field .turn_rewards. must be a list of lists of finite numbers"):
         episode_rollout([1], [[2, 3, 4], [5, 6, 7]], [[1, 0, 1], [1, 0, 1]], turn_rewards=[[1.0], [None]])
     assert two_groups()[0].turn_rewards == [[1.0, 0.0], [0.0, 2.0]]
 

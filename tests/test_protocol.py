@@ -847,13 +847,21 @@ def test_an_episode_rollout_round_trips_with_its_loss_mask():
     [
         ({}, {"loss_mask": np.ones(4, dtype=np.uint8)}, "loss_mask must be uint8 0/1, one per completion id"),
         ({}, {"loss_mask": np.full(5, 2, dtype=np.uint8)}, "loss_mask must be uint8 0/1"),
-        ({}, {"loss_mask": np.ones(5, dtype=np.int32)}, "loss_mask must be uint8 0/1"),
-        ({"env_rewards": [1.0]}, {}, "env_rewards must be 2 finite numbers or nil"),
-        ({"env_rewards": [1.0, float("nan")]}, {}, "env_rewards must be 2 finite numbers or nil"),
-        ({"turns": [[{"role": "user"}], []]}, {}, "turns must be 2 lists of"),
+        ({}, {"loss_mask": np.ones(5, dtype=np.int32)}, "array 'loss_mask' must be uint8 of rank 1"),
+        ({"env_rewards": [1.0]}, {}, "env_rewards must have 2 entries, one per completion"),
+        (
+            {"env_rewards": [1.0, float("nan")]},
+            {},
+            "field 'env_rewards' must be a list of finite numbers or nil",
+        ),
+        ({"turns": [[{"role": "user"}], []]}, {}, "field 'turns' must be a list of lists of {'role': str"),
         ({"error": 3}, {}, "field 'error' must be a string"),
         ({}, {"policy_versions": np.ones(4, dtype=np.int32)}, "policy_versions must be int32 >= 0, one per"),
-        ({}, {"policy_versions": np.ones(5, dtype=np.int64)}, "policy_versions must be int32 >= 0"),
+        (
+            {},
+            {"policy_versions": np.ones(5, dtype=np.int64)},
+            "array 'policy_versions' must be int32 of rank 1",
+        ),
         ({}, {"policy_versions": np.full(5, -1, dtype=np.int32)}, "policy_versions must be int32 >= 0"),
     ],
 )
