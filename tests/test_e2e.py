@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import msgpack
@@ -19,7 +20,7 @@ import zmq.auth
 
 import protocol
 from orchestrator.launch import free_ports
-from tests.helpers import ROOT, orchestrator, read_metrics, run_up, wait_for, write_config
+from tests.helpers import ROOT, WORKER_CONFIG, orchestrator, read_metrics, run_up, wait_for, write_config
 
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
 
@@ -83,19 +84,69 @@ def test_default_run_raises_the_reward(default_run):
 
 
 SHADOWS = ("protocol", "runtime", "transport", "policy", "learner", "actor", "orchestrator")
+# The user's `rewards.py` also holds their environment: both are loaded from beside the
+# config while the project's own `rewards` package is loaded too.
+USER_S_REWARDS = """
+def correctness(prompts, completions, **columns):
+    return [0.25] * len(completions)
 
 
-def a_user_s_folder(tmp_path: Path) -> Path:
-    """A folder as a user keeps one: the config, their `rewards.py`, and modules named like
-    each of the project's other packages, which fail loudly if imported in their place."""
+class Env:
+    def reset(self, prompt, **columns):
+        return ""
+
+    def step(self, action):
+        return "", 0.25, True
+"""
+
+
+def a_user_s_folder(
+    tmp_path: Path, extra: str = "", steps: int = 1, reward: str = "rewards:correctness"
+) -> Path:
+    """A folder as a user keeps one: the config (`run.toml`), their `rewards.py`, and
+    modules named like each of the project's other packages, which fail loudly if imported
+    in their place."""
     tmp_path.mkdir(exist_ok=True)
-    (tmp_path / "rewards.py").write_text(
-        "def correctness(prompts, completions, **columns):\n    return [0.25] * len(completions)\n"
-    )
+    (tmp_path / "rewards.py").write_text(USER_S_REWARDS)
     for name in SHADOWS:
         (tmp_path / f"{name}.py").write_text(f"raise ImportError('{name}.py of the user shadowed ours')\n")
-    write_config(tmp_path, steps=1, reward="rewards:correctness")
+    write_config(tmp_path, extra, steps=steps, reward=reward)
     return tmp_path
+
+
+def command(name: str) -> str:
+    """The console script `name` (orchestrator, actor), as a user runs it."""
+    script = Path(sys.executable).parent / name
+    assert script.exists(), f"pip install -e . puts the {name} command beside python"
+    return str(script)
+
+
+def started(folder: Path, name: str, *args: str, log: str) -> subprocess.Popen:
+    """`name args...` run in the user's folder, its output in `folder/log`."""
+    with open(folder / log, "w") as out:
+        return subprocess.Popen([command(name), *args], cwd=folder, stdout=out, stderr=subprocess.STDOUT)
+
+
+def ended(procs: list[subprocess.Popen | None]) -> None:
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def run_ends(folder: Path, up: subprocess.Popen, beside: dict[str, subprocess.Popen]) -> None:
+    """Wait for `up` (logging to up.log) to end with 0, and then each process started
+    beside it (logging to its key); fail at once, with its log, when one of those exits
+    with an error while the run waits for it."""
+    deadline = time.monotonic() + 300
+    while up.poll() is None:
+        for log, proc in beside.items():
+            assert proc.poll() in (None, 0), (folder / log).read_text()
+        assert time.monotonic() < deadline, (folder / "up.log").read_text()
+        time.sleep(0.1)
+    assert up.returncode == 0, (folder / "up.log").read_text()
+    for log, proc in beside.items():
+        assert proc.wait(timeout=60) == 0, (folder / log).read_text()
 
 
 def test_a_user_s_folder_never_shadows_the_project(tmp_path):
@@ -104,10 +155,12 @@ def test_a_user_s_folder_never_shadows_the_project(tmp_path):
     learner died on `No module named 'rewards.functions'`. The user's `rewards.py` is still
     theirs: its reward function scores the run."""
     folder = a_user_s_folder(tmp_path)
-    script = Path(sys.executable).parent / "orchestrator"  # the console script, as a user runs it
-    assert script.exists(), "pip install -e . puts the orchestrator command beside python"
     done = subprocess.run(
-        [str(script), "up", "--config", "run.toml"], cwd=folder, capture_output=True, text=True, timeout=300
+        [command("orchestrator"), "up", "--config", "run.toml"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr + (folder / "run" / "learner.log").read_text()
     assert read_metrics(folder / "run")[0]["reward"] == 0.25
@@ -131,6 +184,111 @@ def test_orchestrator_start_from_a_user_s_folder(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[0.25, 0.25]" in done.stdout
+
+
+def test_a_remote_actor_and_a_reward_worker_from_a_user_s_folder(tmp_path):
+    """`actor run` (a remote slot's actor) and `orchestrator reward-worker
+    rewards:correctness`, each started by hand in the user's folder: neither imports the
+    user's modules in place of the project's, the worker serves the user's function from
+    their `rewards.py` (which the project's `rewards` package does not hide), and the
+    actor's groups are trained."""
+    folder = a_user_s_folder(tmp_path, f"[actor]\ncount = 2\nremote = 1\n{WORKER_CONFIG}", 3, "worker")
+    up = remote = worker = None
+    try:
+        up = started(folder, "orchestrator", "up", "--config", "run.toml", log="up.log")
+        wait_for(folder / "run" / "endpoints.json")
+        remote = started(folder, "actor", "run", "--run-dir", "run", "--slot", "1", log="remote.log")
+        deadline, learner_log = time.monotonic() + 120, folder / "run" / "learner.log"
+        while not learner_log.exists() or "attached as slot 1" not in learner_log.read_text():
+            assert time.monotonic() < deadline, (folder / "remote.log").read_text()
+            assert up.poll() is None and remote.poll() is None, (folder / "remote.log").read_text()
+            time.sleep(0.1)
+        worker = started(
+            folder,
+            "orchestrator",
+            "reward-worker",
+            "rewards:correctness",
+            "--run-dir",
+            "run",
+            log="worker.log",
+        )
+        run_ends(folder, up, {"remote.log": remote, "worker.log": worker})
+    finally:
+        ended([remote, worker, up])
+    metrics = read_metrics(folder / "run")
+    assert [m["reward"] for m in metrics] == [0.25] * 3
+    assert metrics[-1]["groups_received_by_actor"].get("1", 0) > 0, metrics[-1]  # the remote one's
+
+
+@pytest.mark.parametrize("by", ["up", "hand"])
+def test_an_env_worker_from_a_user_s_folder(tmp_path, by):
+    """The env worker `up` starts for `environment = "rewards:Env"`, and one started by
+    hand (`orchestrator env-worker rewards:Env --run-dir run`) for a socket environment:
+    both in the user's folder, both serve the user's class from their `rewards.py`."""
+    environment = "rewards:Env" if by == "up" else "socket"
+    extra = f'[env]\nenvironment = "{environment}"\nmax_turns = 2\nmax_episode_tokens = 32'
+    folder = a_user_s_folder(tmp_path, extra, 2, "env")
+    up = worker = None
+    try:
+        up = started(folder, "orchestrator", "up", "--config", "run.toml", log="up.log")
+        if by == "hand":
+            wait_for(folder / "run" / "endpoints.json")
+            worker = started(
+                folder, "orchestrator", "env-worker", "rewards:Env", "--run-dir", "run", log="worker.log"
+            )
+        run_ends(folder, up, {"worker.log": worker} if worker is not None else {})
+    finally:
+        ended([worker, up])
+    assert [m["reward"] for m in read_metrics(folder / "run")] == [0.25] * 2
+    assert (folder / "run" / "env-worker-0.log").exists() == (by == "up")
+
+
+@pytest.mark.parametrize("subcommand", ["sample", "eval", "serve"])
+def test_actor_commands_from_a_user_s_folder(tmp_path, subcommand):
+    """`actor sample`, `actor eval` and `actor serve` with the user's config, in their
+    folder: each runs, and the first two score with the user's `rewards.py`."""
+    prompts = ROOT / "examples" / "tiny_prompts.jsonl"
+    folder = a_user_s_folder(tmp_path, f'[eval]\nprompts = "{prompts}"\nnum_samples = 2\nlimit = 2')
+    if subcommand != "serve":
+        args = ["--num-samples", "2", "--limit", "2"] if subcommand == "sample" else []
+        done = subprocess.run(
+            [command("actor"), subcommand, "--config", "run.toml", *args],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown = dict(line.split() for line in done.stdout.splitlines() if line.strip())
+        if subcommand == "sample":
+            rows = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+            assert len(rows) == 4 and {r["reward"] for r in rows} == {0.25}, rows
+        else:
+            assert float(shown["eval/reward_mean"]) == 0.25, done.stdout
+        return
+    server = subprocess.Popen(
+        [command("actor"), "serve", "--config", "run.toml", "--port", "0"],
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        while not (found := re.search(r"on (http://\S+/v1)", line := server.stdout.readline())):
+            assert line, "".join(lines)  # it exited before listening
+            lines.append(line)
+        request = urllib.request.Request(
+            found.group(1) + "/completions",
+            json.dumps({"prompt": "repeat 3", "max_tokens": 3}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.status == 200 and json.load(response)["choices"], response
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 128 + signal.SIGTERM  # stopped as asked
+    finally:
+        ended([server])
 
 
 def test_learner_survives_malformed_messages(tmp_path):

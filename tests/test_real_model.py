@@ -105,10 +105,10 @@ def test_without_room_to_dequantize_it_stays_quantized_and_the_run_warns(tmp_pat
 
 def test_the_real_model_trains_a_few_steps(tmp_path, smollm2):
     """SmolLM2-135M-Instruct, converted from its GGUF file (4-bit, loaded dequantized on
-    this CPU), in chat format: step 0's ratio is 1, every metric is finite, and mlx-lm
-    loads the adapters it leaves. The actor's measured peak is within 15% of its plan (a
-    synchronous batch: no cache copies), the learner's below its plan (which takes every
-    completion at max_tokens)."""
+    this CPU), in chat format: the importance ratio is 1 (see below), every metric is
+    finite, and mlx-lm loads the adapters it leaves. The actor's measured peak is within
+    15% of its plan (a synchronous batch: no cache copies), the learner's below its plan
+    (which takes every completion at max_tokens)."""
     cfg = tmp_path / "run.toml"
     (tmp_path / "prompts.jsonl").write_text(
         "".join(
@@ -142,6 +142,9 @@ checkpoint_every = 0
 max_staleness = 0
 [reward]
 functions = ["check:correct"]
+[log]
+completions_every = 1
+completions_tokens = true
 [run]
 dir = "{tmp_path / "run"}"
 """)
@@ -151,6 +154,7 @@ dir = "{tmp_path / "run"}"
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[0]["mismatch_kl"] < 1e-8
     assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-3
+    assert_the_ratio_is_1(metrics, tmp_path / "run", smollm2)
     for m in metrics:
         assert all(np.isfinite(v) for v in m.values() if isinstance(v, float)), m
     plan = plan_for(load_config(cfg), available_gb=1024)[0].plan
@@ -176,3 +180,45 @@ dir = "{tmp_path / "run"}"
         [sys.executable, "-m", "mlx_lm", *command], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
+
+
+# |log ratio| of one token: the actor's and the learner's float32 forward passes differ in
+# batch shape and cache layout, so their logprobs agree to float rounding, not bit for bit.
+LOG_RATIO_TOLERANCE = 1e-3
+
+
+def assert_the_ratio_is_1(metrics: list[dict], run: Path, model_path: Path) -> None:
+    """On-policy (max_staleness 0, one iteration per step), every ratio the loss sees is 1:
+    - the importance ratio pi_old / pi_behavior (the learner's recomputation over the
+      actor's sampling logprobs), whose extremes the learner logs as is_ratio_min/max:
+      at step 0 both hold the base model, at step 2 the actor holds the weights of step 1;
+    - the policy ratio pi_theta / pi_old of the step's own forward pass (ratio_min/max),
+      taken before the update;
+    - and, computed here from the actor's behavior logprobs in completions.jsonl (every
+      completion of step 1, sampled by policy version 0), each token's ratio of the base
+      model's probability (a plain log-softmax here) to the actor's: the actor's numbers,
+      checked without the learner's code."""
+    import math
+
+    import mlx.core as mx
+
+    from policy.model import load_policy
+    from runtime.config import LoraConfig
+
+    bound = math.exp(LOG_RATIO_TOLERANCE)
+    for m in metrics:
+        assert 1 / bound <= m["is_ratio_min"] <= m["is_ratio_mean"] <= m["is_ratio_max"] <= bound, m
+        assert 1 / bound <= m["ratio_min"] <= m["ratio_max"] <= bound, m
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] == 1]
+    assert len(rows) == 2 * 4 and all(r["policy_version"] == 0 for r in rows)  # the whole batch
+    model, _, _ = load_policy(str(model_path), LoraConfig(), dequantize=True)  # as the processes do
+    worst = 0.0
+    for r in rows:
+        prompt, completion = r["prompt_ids"], r["completion_ids"]
+        assert len(r["logprobs"]) == len(completion) > 0 and all(r["loss_mask"]), r
+        logits = model(mx.array([prompt + completion])[:, :-1])[0, len(prompt) - 1 :].astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # temperature 1
+        ours = np.array(mx.take_along_axis(logp, mx.array(completion)[:, None], axis=-1)[:, 0])
+        worst = max(worst, float(np.max(np.abs(ours - np.array(r["logprobs"])))))
+    assert worst <= LOG_RATIO_TOLERANCE, f"a token's |log(pi_base / pi_behavior)| is {worst}"
