@@ -43,82 +43,86 @@ MAX_BODY_BYTES = 16 << 20
 CLIENT_TIMEOUT_S = 5.0  # a request must arrive whole within this (one request at a time)
 
 
-def handler_for(policy: Policy) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        # HTTP/1.0: the connection closes after each response, so an idle keep-alive client
-        # cannot hold the one-request-at-a-time loop; a silent one is dropped.
-        protocol_version = "HTTP/1.0"
-        timeout = CLIENT_TIMEOUT_S
+class PolicyServer(HTTPServer):
+    """The HTTP server of `actor serve`: its handler serves `policy`."""
 
-        def reply(self, status: int, body: dict) -> None:
-            try:
-                data = json.dumps(body, allow_nan=False).encode()  # NaN is not JSON
-            except ValueError as e:
-                message = f"the response holds a number JSON cannot carry ({e})"
-                status, data = 500, json.dumps(openai_error(message, "server_error")).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def __init__(self, address: tuple[str, int], policy: Policy) -> None:
+        super().__init__(address, Handler)
+        self.policy = policy
 
-        def error(self, status: int, message: str, param: str | None = None) -> None:
-            self.reply(status, openai_error(message, param=param))
 
-        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-            """http.server's own errors (a request line or headers it cannot parse), as
-            JSON like ours."""
-            self.close_connection = True
-            self.error(code, message or self.responses.get(code, ("error",))[0])
+class Handler(BaseHTTPRequestHandler):
+    """One request to a PolicyServer: the routes, and OpenAI's error bodies."""
 
-        def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
-            if self.path.rstrip("/") == "/v1/models":
-                self.reply(
-                    200,
-                    {
-                        "object": "list",
-                        "data": [
-                            {
-                                "id": policy.name,
-                                "object": "model",
-                                "created": 0,
-                                "owned_by": "mlx-rl-ipc",
-                                "policy_version": policy.policy_version,
-                            }
-                        ],
-                    },
-                )
-            elif self.path.rstrip("/") == "/health":
-                self.reply(200, {"status": "ok", "policy_version": policy.policy_version})
-            else:
-                self.error(404, f"no route {self.path}")
+    server: PolicyServer
+    # HTTP/1.0: the connection closes after each response, so an idle keep-alive client
+    # cannot hold the one-request-at-a-time loop; a silent one is dropped.
+    protocol_version = "HTTP/1.0"
+    timeout = CLIENT_TIMEOUT_S
 
-        def do_POST(self) -> None:  # noqa: N802
-            route = self.path.rstrip("/")
-            if route not in ("/v1/chat/completions", "/v1/completions"):
-                self.error(404, f"no route {self.path}")
+    def reply(self, status: int, body: dict) -> None:
+        try:
+            data = json.dumps(body, allow_nan=False).encode()  # NaN is not JSON
+        except ValueError as e:
+            message = f"the response holds a number JSON cannot carry ({e})"
+            status, data = 500, json.dumps(openai_error(message, "server_error")).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def error(self, status: int, message: str, param: str | None = None) -> None:
+        self.reply(status, openai_error(message, param=param))
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (a request line or headers it cannot parse), as ours."""
+        self.close_connection = True
+        self.error(code, message or self.responses.get(code, ("error",))[0])
+
+    def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
+        policy, route = self.server.policy, self.path.rstrip("/")
+        if route == "/v1/models":
+            self.reply(200, models_body(policy))
+        elif route == "/health":
+            self.reply(200, {"status": "ok", "policy_version": policy.policy_version})
+        else:
+            self.error(404, f"no route {self.path}")
+
+    def do_POST(self) -> None:  # noqa: N802
+        policy = self.server.policy
+        route = self.path.rstrip("/")
+        if route not in ("/v1/chat/completions", "/v1/completions"):
+            self.error(404, f"no route {self.path}")
+            return
+        try:
+            body = read_json(self)
+            if policy.waiting:
+                self.error(503, policy.waiting)
                 return
-            try:
-                body = self.body()
-                if policy.waiting:
-                    self.error(503, policy.waiting)
-                    return
-                if body.get("stream"):
-                    raise BadRequest("stream is not supported", "stream")
-                self.reply(200, respond(policy, body, chat=route == "/v1/chat/completions"))
-            except BadRequest as e:
-                self.error(e.status, str(e), e.param)
-            except Exception as e:  # a bug or an MLX error: this request fails, the server goes on
-                log.exception("request failed")
-                self.reply(500, openai_error(f"{type(e).__name__}: {e}", "server_error"))
+            if body.get("stream"):
+                raise BadRequest("stream is not supported", "stream")
+            self.reply(200, respond(policy, body, chat=route == "/v1/chat/completions"))
+        except BadRequest as e:
+            self.error(e.status, str(e), e.param)
+        except Exception as e:  # a bug or an MLX error: this request fails, the server goes on
+            log.exception("request failed")
+            self.reply(500, openai_error(f"{type(e).__name__}: {e}", "server_error"))
 
-        def body(self) -> dict:
-            return read_json(self)
+    def log_message(self, fmt: str, *args) -> None:
+        log.info("%s %s", self.address_string(), fmt % args)
 
-        def log_message(self, fmt: str, *args) -> None:
-            log.info("%s %s", self.address_string(), fmt % args)
 
-    return Handler
+def models_body(policy: Policy) -> dict:
+    """`GET /v1/models`: the one model served, and the policy version it is at."""
+    model = {
+        "id": policy.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "mlx-rl-ipc",
+        "policy_version": policy.policy_version,
+    }
+    return {"object": "list", "data": [model]}
 
 
 def read_json(handler: BaseHTTPRequestHandler, limit: int = MAX_BODY_BYTES) -> dict:
@@ -234,7 +238,7 @@ def serve(
 ) -> int:
     """Serve until a stop signal (or the followed run ends); returns the exit code."""
     signals = signals or lifecycle.StopSignals().install()
-    server = HTTPServer((host, port), handler_for(policy))
+    server = PolicyServer((host, port), policy)
     server.timeout = 0.1
     print(f"serving {policy.name} on http://{host}:{server.server_port}/v1", flush=True)
     try:

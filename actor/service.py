@@ -32,7 +32,9 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
+
+import mlx.nn as nn
 
 import protocol
 import transport
@@ -57,9 +59,9 @@ from protocol import sockets
 from protocol.connection import ENDED, HEARTBEAT_S, Link, State, heartbeat
 from protocol.workers import WorkerPool
 from runtime import lifecycle, spans
-from runtime.config import as_dict, credit_window, read_run_config
+from runtime.config import Config, as_dict, credit_window, read_run_config
 from runtime.heartbeat import actor_name, start_heartbeat
-from transport import SEND_TIMEOUT_MS, Again, Transport, TransportError
+from transport import SEND_TIMEOUT_MS, Again, Socket, Transport, TransportError
 from transport.keys import key_dir_for, run_key_dir
 
 log = logging.getLogger("actor")
@@ -68,53 +70,72 @@ log = logging.getLogger("actor")
 class Actor:
     def __init__(
         self,
+        cfg: Config,
+        slot: int,
+        model: nn.Module,
+        tokenizer: Any,
+        stream: PromptStream,
+        engine: Engine,
+        link: Link,
+        sock: Socket,
+        net: Transport,
+        signals: lifecycle.StopSignals,
+        agents: tuple[AgentRunner, Gateway] | None = None,
+        episodes: EpisodeRunner | None = None,
+    ) -> None:
+        """An actor of its parts (`from_run_dir` builds them): `slot`, which of the run's
+        `actor.count` actors it is (its share of the data, `stream`); `link`, its connection
+        to the learner over `sock`; `agents`, the agent's sessions and the OpenAI API they
+        call; `episodes`, the environment's."""
+        self.cfg, self.slot, self.signals, self.sampling = cfg, slot, signals, cfg.sampling
+        self.model, self.tokenizer, self.eos_ids = model, tokenizer, set(tokenizer.eos_token_ids)
+        self.stream, self.engine, self.episodes = stream, engine, episodes
+        self.agents: AgentRunner | None = None
+        if agents is not None:
+            self.agents, self.gateway = agents
+        self.link, self.watch, self.sock, self.net = link, link.watch, sock, net
+        self.policy_version: int | None = None
+        self.pending: protocol.Message | None = None  # newest weights not yet applied
+        self.groups_sent = 0
+        self.groups_consumed = 0
+        self.timings: dict[str, float] = {}  # newest weight-sync times, sent with rollouts
+        train = cfg.train
+        # Until the learner says otherwise: this slot's share, as if every actor were live.
+        self.window = credit_window(train.max_staleness, train.batch_size, cfg.actor.count)
+        # The heartbeat thread shares the socket: every use of it holds this lock, briefly
+        # (reentrant: a receive beats through `send` while it holds it).
+        self.lock = threading.RLock()
+        self.beating = threading.Event()
+        self.last_beat = float("inf")  # the last heartbeat (monotonic); none before the first hello
+        self.decoding: dict[int, Drawn] = {}  # groups in the engine, by key
+        self.groups_added = 0
+        self.decode_s = 0.0  # decoding time since groups last went out
+
+    @classmethod
+    def from_run_dir(
+        cls,
         run_dir: Path,
         signals: lifecycle.StopSignals | None = None,
         key_dir: Path | None = None,
         slot: int = 0,
         connect: str | None = None,
         net: Transport | None = None,
-    ) -> None:
-        """`key_dir`: the CURVE keys to connect with over TCP (default: the run's own).
+    ) -> Actor:
+        """The run's actor in `slot`: its model and data loaded, connected to the learner.
+        `key_dir`: the CURVE keys to connect with over TCP (default: the run's own).
         `slot`: which of the run's `actor.count` actors this is (its share of the data).
         `connect`: the learner's endpoint, for an actor on another machine (default:
         the run directory's endpoints.json). `net`: the transport (default: ZeroMQ)."""
-        self.cfg = read_run_config(run_dir)
-        if not 0 <= slot < self.cfg.actor.count:
+        cfg = read_run_config(run_dir)
+        if not 0 <= slot < cfg.actor.count:
             raise DataError(
-                f"--slot {slot}: the run has actor.count = {self.cfg.actor.count} actors, "
-                f"slots 0 to {self.cfg.actor.count - 1}"
+                f"--slot {slot}: the run has actor.count = {cfg.actor.count} actors, "
+                f"slots 0 to {cfg.actor.count - 1}"
             )
-        self.slot = slot
-        self.signals = signals or lifecycle.StopSignals()
-        self.sampling = s = self.cfg.sampling
-        bits = self.cfg.actor.quantize_bits
-        log.info("loading %s (base weights: %s)", self.cfg.model.path, f"{bits}-bit" if bits else "as saved")
-        dequantize = dequantizes(self.cfg.model.dequantize_on_cpu)
-        self.model, self.tokenizer, _ = load_policy(
-            self.cfg.model.path, self.cfg.lora, quantize_bits=bits, dequantize=dequantize
-        )
-        self.eos_ids = set(self.tokenizer.eos_token_ids)
-        data = self.cfg.data
-        prompts = load_prompts(
-            data.prompts, self.tokenizer, s.max_prompt_tokens, data.split, data.prompt_column
-        )
-        env = self.cfg.env
-        check_context(
-            prompts,
-            getattr(getattr(self.model, "args", None), "max_position_embeddings", None),
-            self.cfg.max_completion_tokens,
-        )
-        self.stream = PromptStream(prompts, data.shuffle, data.seed, slot=slot, slots=self.cfg.actor.count)
-        self.policy_version: int | None = None
-        self.pending: protocol.Message | None = None  # newest weights not yet applied
-        self.groups_sent = 0
-        self.groups_consumed = 0
-        self.timings: dict[str, float] = {}  # newest weight-sync times, sent with rollouts
-        train = self.cfg.train
-        # Until the learner says otherwise: this slot's share, as if every actor were live.
-        self.window = credit_window(train.max_staleness, train.batch_size, self.cfg.actor.count)
-        self.net = net or transport.default()
+        model, tokenizer, prompts = load_actor_policy(cfg)
+        data, s, env = cfg.data, cfg.sampling, cfg.env
+        stream = PromptStream(prompts, data.shuffle, data.seed, slot=slot, slots=cfg.actor.count)
+        net = net or transport.default()
         # Under an orchestrator the lifeline ends us; started by hand, we end when the
         # learner has been unreachable for good (the watch).
         if connect is not None and env.environment:
@@ -123,67 +144,28 @@ class Actor:
                 "(its env socket is bound on the learner's machine); run it there"
             )
         endpoints = {"learner": connect} if connect else protocol.read_endpoints(run_dir)
-        insecure = self.cfg.run.insecure
+        insecure = cfg.run.insecure
         keys = (
             key_dir_for(endpoints["learner"], key_dir, insecure)
             if key_dir is not None
             else run_key_dir(run_dir, endpoints["learner"], insecure)
         )
-        self.sock, self.watch = sockets.connect(
-            self.net, endpoints["learner"], keys, sockets.frame_limit(weights_frame_bytes(self.model))
+        sock, watch = sockets.connect(
+            net, endpoints["learner"], keys, sockets.frame_limit(weights_frame_bytes(model))
         )
-        # The heartbeat thread shares the socket: every use of it holds this lock, briefly
-        # (reentrant: a receive beats through `send` while it holds it).
-        self.lock = threading.RLock()
-        self.beating = threading.Event()
-        self.last_beat = float("inf")  # the last heartbeat (monotonic); none before the first hello
         log.info("connecting to the learner at %s%s", endpoints["learner"], " (CURVE)" if keys else "")
         # Where to look whether the run is over: none with --connect, whose run directory is a
         # copy on another machine.
-        self.link = Link(self.watch, "learner", log, run_dir=run_dir if connect is None else None)
-        static = self.cfg.actor.engine == "static" or not plain_caches(self.model)
-        self.engine = Engine(self.model, s, self.eos_ids, s.seed, self.cfg.decode_rows, static)
-        self.decoding: dict[int, Drawn] = {}  # groups in the engine, by key
-        self.groups_added = 0
-        self.decode_s = 0.0  # decoding time since groups last went out
-        self.episodes = None
-        self.agents: AgentRunner | None = None
-        if self.cfg.agent.enabled:
-            self.agents, self.gateway = self.serve_agents(prompts[0])
+        link = Link(watch, "learner", log, run_dir=run_dir if connect is None else None)
+        static = cfg.actor.engine == "static" or not plain_caches(model)
+        eos_ids = set(tokenizer.eos_token_ids)
+        engine = Engine(model, s, eos_ids, s.seed, cfg.decode_rows, static)
+        agents = serve_agents(cfg, model, tokenizer, engine, prompts[0]) if cfg.agent.enabled else None
+        episodes = None
         if env.environment:
-            # max_attempts=1: the runner counts an episode's attempts itself.
-            pool = WorkerPool(
-                self.net,
-                endpoints["env"],
-                "env_worker",
-                protocol.OBSERVATION,
-                env.timeout_s,
-                max_attempts=1,
-                owner_role="actor",
-                keys=keys,
-            )
-            self.episodes = EpisodeRunner(pool, self.model, self.tokenizer, self.eos_ids, s, env, self.engine)
-            self.episodes.renderer.check(prompts[0].prompt)
-
-    def serve_agents(self, first: Prompt) -> tuple[AgentRunner, Gateway]:
-        """The agent's sessions, and the OpenAI API they call (loopback unless told)."""
-        context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
-        try:
-            runner = AgentRunner(
-                self.cfg.agent,
-                self.cfg.reward.search_path,
-                self.engine,
-                self.tokenizer,
-                self.eos_ids,
-                self.sampling,
-                context,
-            )
-        except AgentError as e:
-            raise DataError(str(e)) from None
-        if isinstance(first.prompt, list):
-            runner.renderer.check(first.prompt)
-        policy = Policy(self.model, self.tokenizer, Path(self.cfg.model.path).name, self.sampling, None)
-        return runner, Gateway(self.cfg.agent.host, runner, policy)
+            episodes = play_env(cfg, net, endpoints["env"], keys, model, tokenizer, engine, prompts[0])
+        signals = signals or lifecycle.StopSignals()
+        return cls(cfg, slot, model, tokenizer, stream, engine, link, sock, net, signals, agents, episodes)
 
     def send(self, kind: str, header: dict, arrays: dict | None = None) -> None:
         self.send_frames(protocol.encode(kind, header, arrays))
@@ -484,6 +466,71 @@ class Actor:
         self.net.close()
 
 
+def load_actor_policy(cfg: Config) -> tuple[nn.Module, Any, list[Prompt]]:
+    """The policy the actor samples with (its base weights quantized if `actor.quantize_bits`),
+    its tokenizer, and the run's prompts, checked against the model's context."""
+    bits = cfg.actor.quantize_bits
+    log.info("loading %s (base weights: %s)", cfg.model.path, f"{bits}-bit" if bits else "as saved")
+    dequantize = dequantizes(cfg.model.dequantize_on_cpu)
+    model, tokenizer, _ = load_policy(cfg.model.path, cfg.lora, quantize_bits=bits, dequantize=dequantize)
+    data = cfg.data
+    prompts = load_prompts(
+        data.prompts, tokenizer, cfg.sampling.max_prompt_tokens, data.split, data.prompt_column
+    )
+    check_context(
+        prompts,
+        getattr(getattr(model, "args", None), "max_position_embeddings", None),
+        cfg.max_completion_tokens,
+    )
+    return model, tokenizer, prompts
+
+
+def serve_agents(
+    cfg: Config, model: nn.Module, tokenizer: Any, engine: Engine, first: Prompt
+) -> tuple[AgentRunner, Gateway]:
+    """The agent's sessions, and the OpenAI API they call (loopback unless told)."""
+    context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    eos_ids = set(tokenizer.eos_token_ids)
+    try:
+        runner = AgentRunner(
+            cfg.agent, cfg.reward.search_path, engine, tokenizer, eos_ids, cfg.sampling, context
+        )
+    except AgentError as e:
+        raise DataError(str(e)) from None
+    if isinstance(first.prompt, list):
+        runner.renderer.check(first.prompt)
+    policy = Policy(model, tokenizer, Path(cfg.model.path).name, cfg.sampling, None)
+    return runner, Gateway(cfg.agent.host, runner, policy)
+
+
+def play_env(
+    cfg: Config,
+    net: Transport,
+    endpoint: str,
+    keys: Path | None,
+    model: nn.Module,
+    tokenizer: Any,
+    engine: Engine,
+    first: Prompt,
+) -> EpisodeRunner:
+    """The environment's episodes, played with the env workers at `endpoint`."""
+    # max_attempts=1: the runner counts an episode's attempts itself.
+    pool = WorkerPool(
+        net,
+        endpoint,
+        "env_worker",
+        protocol.OBSERVATION,
+        cfg.env.timeout_s,
+        max_attempts=1,
+        owner_role="actor",
+        keys=keys,
+    )
+    eos_ids = set(tokenizer.eos_token_ids)
+    episodes = EpisodeRunner(pool, model, tokenizer, eos_ids, cfg.sampling, cfg.env, engine)
+    episodes.renderer.check(first.prompt)
+    return episodes
+
+
 def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str | None = None) -> int:
     """Stream rollouts until the learner says stop or a stop signal arrives; returns the
     exit code (runtime.lifecycle)."""
@@ -491,7 +538,7 @@ def main(run_dir: str, key_dir: str | None = None, slot: int = 0, connect: str |
     lifecycle.watch_lifeline()
     start_heartbeat(run_dir, actor_name(slot, read_run_config(run_dir).actor.count))
     apply_memory_share()
-    actor = Actor(Path(run_dir), signals, Path(key_dir) if key_dir else None, slot, connect)
+    actor = Actor.from_run_dir(Path(run_dir), signals, Path(key_dir) if key_dir else None, slot, connect)
     spans.start(run_dir, actor_name(slot, actor.cfg.actor.count), actor.cfg.log.timeline)
     try:
         actor.run()

@@ -5,42 +5,38 @@ socket), score them and queue those kept (the intake), train on every `batch_siz
 them (`learn`: `num_iterations` optimizer steps, each published at once and written to
 the metrics), checkpoint every `checkpoint_every` steps, and keep each actor's credit
 flowing. The ledger knows where every group is: trained, dropped with a reason, or queued.
+`Learner.from_run_dir` builds it, and its parts, from the run directory.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from pathlib import Path
-from typing import cast
-
-import mlx.core as mx
-import numpy as np
 
 import protocol
 import transport
+from learner.advantages import advantages
 from learner.batching import make_batch
-from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.evaluation import Evaluator
-from learner.gigpo import batch_advantages
 from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
-from learner.metrics import CompletionsFile, MetricsFile, StatusFile, batch_metrics, batch_tokens, plan_shares
+from learner.metrics import batch_metrics, batch_tokens
 from learner.ranks import Command, Part, Ranks, follower_main, load_trainer
-from learner.reporters import open_reporters
-from learner.rollouts import MB, RolloutSocket
+from learner.records import Checkpoints, Reports
+from learner.rollouts import RolloutSocket
+from learner.trainer import Trainer
 from policy.memory import apply_memory_share
 from policy.model import adapter_weights_numpy, tokenizer_fingerprint
 from protocol import sockets
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
 from runtime import lifecycle, spans
-from runtime.config import as_dict, read_run_config
+from runtime.config import Config, as_dict, read_run_config
 from runtime.heartbeat import start_heartbeat
-from runtime.rundir import Phase, latest_checkpoint
+from runtime.rundir import Phase
 from transport import Transport
 from transport.keys import run_key_dir
 
@@ -50,96 +46,87 @@ log = logging.getLogger("learner")
 class Learner:
     def __init__(
         self,
+        cfg: Config,
+        trainer: Trainer,
+        pad_id: int,
+        scorer: Scorer,
+        intake: Intake,
+        rollouts: RolloutSocket,
+        evaluator: Evaluator | None,
+        checkpoints: Checkpoints,
+        reports: Reports,
+        signals: lifecycle.StopSignals,
+        ranks: Ranks,
+        net: Transport,
+    ) -> None:
+        """A learner of its parts; it goes on from the checkpoint `checkpoints` took back, if any."""
+        self.cfg, self.trainer, self.model, self.pad_id = cfg, trainer, trainer.model, pad_id
+        self.scorer, self.intake, self.rollouts, self.ledger = scorer, intake, rollouts, intake.ledger
+        self.evaluator, self.checkpoints, self.reports = evaluator, checkpoints, reports
+        self.signals, self.ranks, self.net = signals, ranks, net
+        self.step = checkpoints.step or 0  # optimizer steps taken: the weights' version (policy_version)
+        self.num_tokens = checkpoints.num_tokens  # prompt and completion tokens trained on (TRL's num_tokens)
+
+    @classmethod
+    def from_run_dir(
+        cls,
         run_dir: Path,
         resume: bool = False,
         signals: lifecycle.StopSignals | None = None,
         ranks: Ranks | None = None,
         net: Transport | None = None,
-    ) -> None:
-        """`ranks`: the learner ranks this one is rank 0 of (learner.ranks), if any;
-        `net`: the transport (default: ZeroMQ)."""
-        self.run_dir = Path(run_dir)
-        self.ranks = ranks or Ranks()
-        self.cfg = cfg = read_run_config(run_dir)
-        self.signals = signals or lifecycle.StopSignals()
+    ) -> Learner:
+        """The run's learner, its reward functions and model loaded, resumed from the newest
+        checkpoint if `resume`. `ranks`: the learner ranks this one is rank 0 of
+        (learner.ranks), if any; `net`: the transport (default: ZeroMQ)."""
+        run_dir, ranks, net = Path(run_dir), ranks or Ranks(), net or transport.default()
+        cfg = read_run_config(run_dir)
         endpoints = protocol.read_endpoints(run_dir)
-        self.net = net or transport.default()
         # A new id per process: a reward worker that sees it change knows the learner
         # restarted and attaches again (PROTOCOL.md, "Liveness").
         instance = uuid.uuid4().hex[:12]
         # Reward functions load (and fail) before the model does.
         keys = run_key_dir(run_dir, endpoints["learner"], cfg.run.insecure)  # TCP: CURVE
-        self.scorer = Scorer(cfg.reward, self.net, endpoints["reward"], instance, keys)
-        self.model, tokenizer, self.adapter_config, self.trainer = load_trainer(cfg)
+        scorer = Scorer(cfg.reward, net, endpoints["reward"], instance, keys)
+        model, tokenizer, adapter_config, trainer = load_trainer(cfg)
         # Episodes and agent sessions are evaluated by `up`, before and after (actor eval).
         multi_turn = cfg.agent.enabled or cfg.env.environment is not None
-        self.evaluator = Evaluator(cfg, tokenizer) if cfg.eval.prompts and not multi_turn else None
-        vocab_size = self.model.args.vocab_size if hasattr(self.model, "args") else len(tokenizer.get_vocab())
-        self.pad_id = tokenizer.pad_token_id or 0
-        self.step = 0  # optimizer steps taken: also the version of the weights (policy_version)
-        self.num_tokens = 0  # prompt and completion tokens trained on (TRL's num_tokens)
-        self.checkpointed: int | None = None  # the step of the newest checkpoint written or loaded
-        self.ledger = Ledger()
-        self.status = StatusFile(self.run_dir / "status.json")
+        evaluator = Evaluator(cfg, tokenizer) if cfg.eval.prompts and not multi_turn else None
+        vocab_size = model.args.vocab_size if hasattr(model, "args") else len(tokenizer.get_vocab())
+        ledger = Ledger()
+        checkpoints = Checkpoints(run_dir, cfg, trainer, adapter_config, ledger, scorer)
         if resume:
-            self.resume()
-        self.ranks.sync_state(self.trainer)
-        self.metrics = MetricsFile(
-            self.run_dir / "metrics.jsonl", self.step if resume else None, open_reporters(self.run_dir, cfg)
-        )
-        self.completions = (
-            CompletionsFile(
-                self.run_dir / "completions.jsonl",
-                cfg.log.completions_every,
-                cfg.log.completions_groups,
-                self.step if resume else None,
-                cfg.log.completions_tokens,
-            )
-            if cfg.log.completions_every
-            else None
-        )
-        self.intake = Intake(self.scorer, self.trainer.algorithm.keep_group, self.ledger)
-        identity = {
-            "model": cfg.model.path,
-            "tokenizer": tokenizer_fingerprint(tokenizer),
-            "lora": as_dict(cfg.lora),
-            "instance": instance,
-        }
+            checkpoints.resume()
+        ranks.sync_state(trainer)
+        intake = Intake(scorer, trainer.algorithm.keep_group, ledger)
+        lora, fingerprint = as_dict(cfg.lora), tokenizer_fingerprint(tokenizer)
+        identity = dict(model=cfg.model.path, tokenizer=fingerprint, lora=lora, instance=instance)
         group_size = cfg.sampling.group_size
-        self.rollouts = RolloutSocket(
-            self.net,
+        rollouts = RolloutSocket(
+            net,
             endpoints["learner"],
-            self.ledger,
+            ledger,
             identity,
             lambda actor, msg: group_from_message(actor, msg, vocab_size, group_size),
-            lambda: adapter_weights_numpy(self.model),
+            lambda: adapter_weights_numpy(model),
             keys,
             cfg.actor.count,
             sockets.frame_limit(cfg.rollout_array_bytes),
             max_staleness=cfg.train.max_staleness,
             batch_size=cfg.train.batch_size,
         )
-        self.shares = plan_shares(self.run_dir)
-
-    def resume(self) -> None:
-        """Continue from the newest checkpoint (the metrics file then drops later steps)."""
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
-            log.info("no checkpoint to resume from; starting at step 0")
-            return
-        state = load_checkpoint(path, self.model, self.trainer.optimizer)
-        self.step = self.checkpointed = state["step"]
-        self.ledger.restore(state)
-        self.num_tokens = state.get("num_tokens", 0)
-        self.scorer.restore_stats(state.get("reward_stats", {}))
-        log.info("resumed from %s: step %d, adapters %s", path.name, self.step, state["adapters_digest"])
+        resumed_at = (checkpoints.step or 0) if resume else None  # the metrics files drop later steps
+        reports = Reports(run_dir, cfg, resumed_at, scorer, intake, rollouts)
+        pad, signals = tokenizer.pad_token_id or 0, signals or lifecycle.StopSignals()
+        return cls(
+            cfg, trainer, pad, scorer, intake, rollouts, evaluator, checkpoints, reports, signals, ranks, net
+        )
 
     def run(self) -> None:
         """Train until the last step or a stop signal, then checkpoint. A user error
         (RewardError) checkpoints too, so the run resumes once it is fixed."""
         train = self.cfg.train
         self.write_status(Phase.WAITING_FOR_ACTOR)
-        last_status = 0.0
         try:
             if self.step == 0:
                 self.evaluate()  # the base of comparison; a resumed run has it already
@@ -153,55 +140,32 @@ class Learner:
                 if batch is not None:
                     self.learn(batch)
                 self.rollouts.send_credits()
-                if time.time() - last_status > 0.5 or batch is not None:
-                    self.write_status(self.phase())
-                    last_status = time.time()
+                self.reports.write_phase(self.step, at_once=batch is not None)
             if self.step >= train.steps:
                 self.evaluate()  # a run resumed at its last step; otherwise done already
         except RewardError:
-            self.checkpoint()
+            self.checkpoints.write(self.step, self.num_tokens)
             self.write_status(Phase.FAILED)
             raise
-        self.checkpoint()
+        self.checkpoints.write(self.step, self.num_tokens)
         self.write_status(Phase.DONE if self.step >= train.steps else Phase.STOPPED)
 
     def learn(self, groups: list[Group]) -> None:
         """Train on one batch: `num_iterations` optimizer steps, each published at once."""
         t0, started = time.perf_counter(), time.time()
-        train = self.cfg.train
         self.write_status(Phase.STEPPING, since=time.time())  # a stop signal now waits for the step
-        size = self.cfg.sampling.group_size
-        rewards = np.stack([g.session_rewards(size) for g in groups])  # a batch's groups are scored
-        by_session = self.trainer.algorithm.advantages(rewards).reshape(len(groups), size)
-        advantages = np.concatenate([g.row_advantages(a) for g, a in zip(groups, by_session)])
         samples = [sample for g in groups for sample in g.samples()]
         batch = make_batch(samples, self.pad_id)
-        trained, gigpo_stats = advantages, cast(dict[str, float], {})  # [B]; with GiGPO, [B, T] per token
-        if (algorithm := self.cfg.algorithm).gigpo_omega > 0:
-            trained, gigpo_stats = batch_advantages(
-                groups,
-                samples,
-                advantages,
-                gamma=algorithm.gigpo_gamma,
-                omega=algorithm.gigpo_omega,
-                scale_rewards=self.trainer.algorithm.scale_rewards,
-            )
-        self.ranks.share_batch(batch, trained)
+        a = advantages(groups, samples, self.cfg, self.trainer.algorithm)
+        self.ranks.share_batch(batch, a.trained)
         with spans.span("old and reference logprobs", groups=len(groups)):
-            part = Part(self.trainer, self.ranks, batch, trained)  # this rank's rows: all, alone
+            part = Part(self.trainer, self.ranks, batch, a.trained)  # this rank's rows: all, alone
         self.num_tokens += batch_tokens(samples)
-        if self.completions is not None:
-            self.completions.write_batch(
-                self.step + 1, self.trainer.num_iterations, groups, advantages, self.scorer.metric_name
-            )
-        shared = {
-            **batch_metrics(groups, samples, rewards, advantages, self.step, self.scorer.metric_name),
-            **part.stats,
-            **gigpo_stats,
-            "num_tokens": self.num_tokens,
-        }
+        self.reports.write_batch(self.step + 1, self.trainer.num_iterations, groups, a.rows)
+        batch_stats = batch_metrics(groups, samples, a.rewards, a.rows, self.step, self.scorer.metric_name)
+        shared = {**batch_stats, **part.stats, **a.stats, "num_tokens": self.num_tokens}
         for iteration in range(self.trainer.num_iterations):
-            go = iteration == 0 or not (self.step >= train.steps or self.signals.requested)
+            go = iteration == 0 or not (self.step >= self.cfg.train.steps or self.signals.requested)
             self.ranks.broadcast(Command.GO if go else Command.STOP)  # the other ranks step (or not) with us
             if not go:
                 break
@@ -212,24 +176,13 @@ class Learner:
                 self.rollouts.publish(self.step)
             if iteration == 0:
                 self.ledger.train([(g.sender, g.cursor, g.start_cursor) for g in groups])
-            line = {
-                "step": self.step,
-                "policy_version": self.step,
-                "iteration": iteration,
-                **shared,
-                **stats,
-                "step_s": (step_s := time.perf_counter() - t0),
-                **self.rollouts.weight_sync,
-                "learner_peak_mb": mx.get_peak_memory() / MB,
-                **self.shares,
-                **self.group_counts(),
-            }
+            step_s = time.perf_counter() - t0
             spans.record("step", started, step_s, step=self.step)  # what step_s measures
             spans.mark("step", step=self.step)
-            self.metrics.write(line)
+            self.reports.write_step(self.step, iteration, {**shared, **stats}, step_s)
             self.ledger.say_drops(self.step)
-            if train.checkpoint_every and self.step % train.checkpoint_every == 0:
-                self.checkpoint()
+            if (every := self.cfg.train.checkpoint_every) and self.step % every == 0:
+                self.checkpoints.write(self.step, self.num_tokens)
             self.evaluate()
             t0, started = time.perf_counter(), time.time()
 
@@ -248,63 +201,18 @@ class Learner:
                 lambda tally: self.write_status(Phase.EVALUATING, eval=tally.summary()),
             )
         if line is not None:
-            self.metrics.write(line)
-
-    def checkpoint(self) -> None:
-        if self.checkpointed == self.step:  # the last step's, or one that nothing followed
-            return
-        state = {
-            "step": self.step,
-            "version": self.step,
-            "num_tokens": self.num_tokens,
-            **self.ledger.state(),
-            "reward_stats": self.scorer.worker_stats(),
-            "config": self.cfg.to_dict(),
-        }
-        with spans.span("checkpoint", step=self.step):
-            path = save_checkpoint(
-                self.run_dir,
-                self.model,
-                self.trainer.optimizer,
-                self.adapter_config,
-                state,
-                self.cfg.train.keep_checkpoints,
-            )
-        self.checkpointed = self.step
-        log.info("wrote checkpoint %s (pid %d)", path.name, os.getpid())
-
-    def group_counts(self) -> dict:
-        return {**self.ledger.counts(self.intake.queued), **self.scorer.worker_stats()}
-
-    def phase(self) -> Phase:
-        if not self.rollouts.actors:
-            return Phase.WAITING_FOR_ACTOR
-        if self.scorer.waiting_for_workers:
-            return Phase.WAITING_FOR_REWARD_WORKER
-        return Phase.TRAINING
+            self.reports.metrics.write(line)
 
     def write_status(self, phase: Phase, **extra: object) -> None:
         """status.json: the phase (and `extra`, e.g. an evaluation's progress) for `up`."""
-        self.status.write(
-            {
-                "phase": phase,
-                "step": self.step,
-                "steps": self.cfg.train.steps,
-                "actors": len(self.rollouts.actors),
-                "time": time.time(),
-                **self.group_counts(),
-                **extra,
-            }
-        )
+        self.reports.write_status(phase, self.step, **extra)
 
     def close(self, reason: str = "training finished", final: bool = True) -> None:
         """Stop the ranks and the sockets; `final`: the run is over, so actors and reward
         workers exit (else they wait for this learner to come back)."""
         self.ranks.broadcast(Command.STOP)  # the other ranks, waiting for a batch, end
         self.rollouts.close(reason, final)
-        self.metrics.close()
-        if self.completions is not None:
-            self.completions.close()
+        self.reports.close()
         self.scorer.close(reason, final)
         self.net.close()
 
@@ -319,7 +227,7 @@ def main(run_dir: str, resume: bool = False) -> int:
     lifecycle.hold_run_lock(run_dir)  # before the heartbeat: a refused learner touches nothing
     start_heartbeat(run_dir, "learner")
     apply_memory_share()
-    learner = Learner(Path(run_dir), resume, signals, ranks)
+    learner = Learner.from_run_dir(Path(run_dir), resume, signals, ranks)
     spans.start(run_dir, "learner", learner.cfg.log.timeline)
     # A crash is restarted: the workers wait for the new learner; so they do when only this
     # process is stopped (a restart, or its orchestrator died: a resume comes).
@@ -335,10 +243,6 @@ def main(run_dir: str, resume: bool = False) -> int:
         raise
     finally:
         learner.close(reason, final)
-    log.info(
-        "%s at step %d; adapters in %s",
-        "stopped" if signals.requested else "finished",
-        learner.step,
-        learner.run_dir / "adapters",
-    )
+    done = "stopped" if signals.requested else "finished"
+    log.info("%s at step %d; adapters in %s", done, learner.step, Path(run_dir) / "adapters")
     return signals.exit_code()

@@ -222,6 +222,8 @@ def env_worker(
     instance or session per episode). Start as many as you like; each survives actor
     restarts and exits when the run ends."""
     import os
+    from collections.abc import Callable
+    from functools import partial
 
     from orchestrator.workers import EnvError, EnvWorker, load_env_class
 
@@ -235,23 +237,12 @@ def env_worker(
             from orchestrator.openenv_bridge import OpenEnvEpisode, check_installed
 
             check_installed()
-            return EnvWorker(
-                lambda: OpenEnvEpisode(openenv, action_field, observation_field),
-                f"the OpenEnv server at {openenv}",
-                endpoint,
-                actor_timeout,
-                signals,
-                keys,
-            )
-        assert environment is not None  # one of the two, checked above
-        return EnvWorker(
-            load_env_class(environment, search_path or os.getcwd()),
-            environment,
-            endpoint,
-            actor_timeout,
-            signals,
-            keys,
-        )
+            make_env: Callable[[], object] = partial(OpenEnvEpisode, openenv, action_field, observation_field)
+            name = f"the OpenEnv server at {openenv}"
+        else:
+            assert environment is not None  # one of the two, checked above
+            make_env, name = load_env_class(environment, search_path or os.getcwd()), environment
+        return EnvWorker(make_env, name, endpoint, actor_timeout, signals, keys)
 
     _serve(make, EnvError, run_dir)
 

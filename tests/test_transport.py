@@ -30,8 +30,8 @@ def test_a_run_trains_over_the_fake_transport_with_zeromq_out_of_reach(tmp_path,
     cfg = load_config(write_config(tmp_path, steps=3))
     run = prepare_run_dir(cfg)
     net = Fake()
-    learner = Learner(run, net=net)
-    actor = Actor(run, net=net)
+    learner = Learner.from_run_dir(run, net=net)
+    actor = Actor.from_run_dir(run, net=net)
     failed: list[BaseException] = []
 
     def act() -> None:
