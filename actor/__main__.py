@@ -74,7 +74,7 @@ def sample(
 
     with config_errors():
         cfg = load_config(config, set_)
-    from actor.sample import run_sample
+    from actor.standalone import run_sample
     from policy.data import DataError
 
     try:
@@ -109,7 +109,7 @@ def eval_(
         cfg = load_config(config, set_) if config else load_run_config(cast(str, run_dir), set_)
         if not cfg.eval.prompts:
             raise ConfigError("eval.prompts is not set (the held-out prompt rows)")
-    from actor.sample import run_agent_eval, run_env_eval, run_eval
+    from actor.standalone import run_agent_eval, run_env_eval, run_eval
     from policy.data import DataError
 
     evaluate = run_agent_eval if cfg.agent.enabled else run_env_eval if cfg.env.environment else run_eval
@@ -155,9 +155,9 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo(f"warning: listening on {host}: anyone who can reach it can use the model", err=True)
     from actor.completions import Policy
-    from actor.sample import load_model
     from actor.serve import Follower
     from actor.serve import serve as run_server
+    from actor.standalone import load_model
 
     model, tok = load_model(cfg, None if run_dir else adapter)
     policy = Policy(model, tok, name or Path(cfg.model.path).name, cfg.sampling, None)

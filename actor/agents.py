@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from actor.episodes import Renderer
-from actor.rollout import Drawn
+from actor.rollout import PlacedPrompt
 from actor.sessions import (
     KEY_PREFIX,
     AgentGroup,
@@ -232,7 +232,7 @@ class AgentRunner:
 
     # -- the actor's side (its loop) ----------------------------------------------------
 
-    def start_group(self, drawn: Drawn) -> None:
+    def start_group(self, drawn: PlacedPrompt) -> None:
         group = AgentGroup(drawn)
         for j in range(self.sampling.group_size):
             group.sessions.append(self.new_session(group, j, 1))

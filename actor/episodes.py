@@ -45,7 +45,7 @@ import protocol
 from actor.rollout import rewards_per_run
 from policy.data import DataError, Prompt
 from policy.engine import Engine
-from protocol.workers import Holder, WorkerPool
+from protocol.worker_socket import Attachment, WorkerPool
 from runtime.config import EnvConfig, SamplingConfig
 
 log = logging.getLogger("actor")
@@ -160,7 +160,7 @@ class Episode:
     turn_rewards: list[float] = field(default_factory=list)  # the environment's, per model turn
     finish: str | None = None
     model_turns: int = 0
-    worker: Holder | None = None  # the env worker (its attachment) that holds the episode
+    worker: Attachment | None = None  # the env worker (its attachment) that holds the episode
     waiting: bool = False  # a request is out
     attempts: int = 0
     lost: str | None = None  # why it could not be completed: its group is dropped

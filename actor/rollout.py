@@ -23,7 +23,7 @@ log = logging.getLogger("actor")
 
 
 @dataclass
-class Drawn:
+class PlacedPrompt:
     """A prompt drawn from the slot's data stream, until its group is sent."""
 
     prompt: Prompt
@@ -69,7 +69,7 @@ def rewards_per_run(mask: list[int], starts: list[int], rewards: list[float]) ->
 
 
 def rollout_message(
-    drawn: Drawn,
+    drawn: PlacedPrompt,
     group_id: str,
     policy_version: int | None,
     timings: dict[str, float],

@@ -42,7 +42,7 @@ from actor.agents import AgentError, AgentRunner
 from actor.completions import Policy
 from actor.episodes import EpisodeRunner
 from actor.gateway import Gateway
-from actor.rollout import Drawn, completion_fields, rollout_frames, rollout_message
+from actor.rollout import PlacedPrompt, completion_fields, rollout_frames, rollout_message
 from policy.data import DataError, Prompt, PromptStream, check_context, load_prompts
 from policy.engine import Engine
 from policy.logprobs import plain_caches
@@ -57,7 +57,7 @@ from policy.model import (
 from policy.sampler import Completion
 from protocol import sockets
 from protocol.connection import ENDED, HEARTBEAT_S, Link, State, heartbeat
-from protocol.workers import WorkerPool
+from protocol.worker_socket import WorkerPool
 from runtime import lifecycle, spans
 from runtime.config import Config, as_dict, credit_window, read_run_config
 from runtime.heartbeat import actor_name, start_heartbeat
@@ -107,7 +107,7 @@ class Actor:
         self.lock = threading.RLock()
         self.beating = threading.Event()
         self.last_beat = float("inf")  # the last heartbeat (monotonic); none before the first hello
-        self.decoding: dict[int, Drawn] = {}  # groups in the engine, by key
+        self.decoding: dict[int, PlacedPrompt] = {}  # groups in the engine, by key
         self.groups_added = 0
         self.decode_s = 0.0  # decoding time since groups last went out
 
@@ -267,12 +267,12 @@ class Actor:
         self.timings["weights_apply_s"] = time.perf_counter() - t0
         self.policy_version = msg["version"]
 
-    def next_prompt(self) -> Drawn:
+    def next_prompt(self) -> PlacedPrompt:
         """The slot's next prompt, where it is in the data, and its first noise id. Noise
         ids follow the prompt's place in the data stream, so a prompt draws the same noise
         whatever actor (or resumed run) samples it."""
         prompt = next(self.stream)
-        return Drawn(
+        return PlacedPrompt(
             prompt,
             list(self.stream.start),
             list(self.stream.cursor),
@@ -363,7 +363,7 @@ class Actor:
         batch, so that newer weights land between batches."""
         return -(-self.window // (self.cfg.train.max_staleness + 1))
 
-    def send_group(self, drawn: Drawn, fields: dict, arrays: dict, gen_s: float) -> None:
+    def send_group(self, drawn: PlacedPrompt, fields: dict, arrays: dict, gen_s: float) -> None:
         group_id = str(self.groups_sent)
         rollout = rollout_message(drawn, group_id, self.policy_version, self.timings, fields, arrays, gen_s)
         with spans.span("send", group=group_id):

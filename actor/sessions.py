@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from actor.rollout import Drawn, rewards_per_run
+from actor.rollout import PlacedPrompt, rewards_per_run
 
 KEY_PREFIX = "sk-session-"
 
@@ -90,7 +90,7 @@ class Session:
 
 @dataclass
 class AgentGroup:
-    drawn: Drawn
+    drawn: PlacedPrompt
     sessions: list[Session] = field(default_factory=list)
     lost: str | None = None  # why it cannot be trained: sent with `error`
 

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from policy.data import Prompt
     from policy.engine import Engine
     from policy.model import load_policy
-    from protocol.workers import WorkerPool
+    from protocol.worker_socket import WorkerPool
     from runtime.config import EnvConfig, LoraConfig, SamplingConfig
     from runtime.lifecycle import Lifeline
     from transport.zeromq import ZeroMQ

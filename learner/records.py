@@ -24,7 +24,7 @@ from learner.intake import Intake
 from learner.ledger import Ledger
 from learner.metrics import CompletionsFile, MetricsFile, StatusFile, plan_shares
 from learner.reporters import open_reporters
-from learner.rollouts import MB, RolloutSocket
+from learner.rollout_socket import MB, RolloutSocket
 from learner.trainer import Trainer
 from rewards.scorer import Scorer
 from runtime import spans

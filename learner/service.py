@@ -19,14 +19,14 @@ import protocol
 import transport
 from learner.advantages import advantages
 from learner.batching import make_batch
-from learner.evaluation import Evaluator
+from learner.evaluator import Evaluator
 from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
 from learner.metrics import batch_metrics, batch_tokens
 from learner.ranks import Command, Part, Ranks, follower_main, load_trainer
 from learner.records import Checkpoints, Reports
-from learner.rollouts import RolloutSocket
+from learner.rollout_socket import RolloutSocket
 from learner.trainer import Trainer
 from policy.memory import apply_memory_share
 from policy.model import adapter_weights_numpy, tokenizer_fingerprint

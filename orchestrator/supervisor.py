@@ -326,7 +326,7 @@ class Supervisor:
 
     def evaluate_held_out(self, step: int, adapter: Path | None) -> None:
         """[eval] of an agent's or an environment's run, before the first step and after
-        the last: `actor eval` runs the held-out sessions or episodes (actor/sample.py) and
+        the last: `actor eval` runs the held-out sessions or episodes (actor/standalone.py) and
         appends the figures to the metrics as step `step`'s. Between the processes' lives,
         so it has their memory."""
         what = "agent" if self.cfg.agent.enabled else "environment"

@@ -1,6 +1,6 @@
 """Evaluation both processes do: sample n completions of each prompt, and summarise their
 scores as pass@k (the unbiased estimator) and the eval/* metrics. The learner evaluates
-during training ([eval], learner/evaluation.py); `actor sample` and `actor eval` run alone.
+during training ([eval], learner/evaluator.py); `actor sample` and `actor eval` run alone.
 Scoring is the caller's (a Scorer): the learner shares its reward socket with training.
 """
 

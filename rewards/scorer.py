@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 import protocol
-from protocol.workers import WorkerPool
+from protocol.worker_socket import WorkerPool
 from rewards.functions import ENV, WORKER, RewardError, call_reward, load_reward_function, reward_inputs
 from runtime.config import RewardConfig
 from transport import Transport

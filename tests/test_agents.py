@@ -17,7 +17,7 @@ import pytest
 from actor.agents import AgentRunner
 from actor.completions import Policy
 from actor.gateway import Gateway
-from actor.rollout import Drawn
+from actor.rollout import PlacedPrompt
 from actor.sessions import AgentGroup, Session
 from policy.data import Prompt
 from policy.engine import Engine
@@ -61,7 +61,7 @@ class Served:
                 time.sleep(0.002)
 
     def session(self, first_noise: int = 0) -> Session:
-        drawn = Drawn(Prompt(0, PROMPT, [], {}), [0, 0], [0, 1], first_noise)
+        drawn = PlacedPrompt(Prompt(0, PROMPT, [], {}), [0, 0], [0, 1], first_noise)
         group = AgentGroup(drawn)
         group.sessions.append(session := self.runner.new_session(group, 0, 1))
         self.runner.groups.append(group)  # in flight: no agent runs, the test calls

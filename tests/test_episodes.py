@@ -25,7 +25,7 @@ from learner.batching import Sample, make_batch
 from learner.groups import group_from_message
 from policy.data import Prompt
 from policy.model import load_policy
-from protocol.workers import WorkerPool
+from protocol.worker_socket import WorkerPool
 from runtime.config import EnvConfig, LoraConfig, SamplingConfig
 from tests.helpers import (
     EXAMPLES,

@@ -244,7 +244,9 @@ def test_turn_rewards_are_checked_against_the_model_turns():
             57,
             2,
         )
-    with pytest.raises(protocol.ProtocolError, match="field .turn_rewards. must be a list of lists of finite numbers"):
+    with pytest.raises(
+        protocol.ProtocolError, match="field .turn_rewards. must be a list of lists of finite numbers"
+    ):
         episode_rollout([1], [[2, 3, 4], [5, 6, 7]], [[1, 0, 1], [1, 0, 1]], turn_rewards=[[1.0], [None]])
     assert two_groups()[0].turn_rewards == [[1.0, 0.0], [0.0, 2.0]]
 
@@ -423,14 +425,14 @@ def test_gigpo_of_agent_sessions_as_the_actor_sends_them(tiny):
     """Sessions whose agent reports per-call rewards: each call is a model turn, the
     feedback between calls its anchor."""
     from actor.agents import AgentRunner
-    from actor.rollout import Drawn
+    from actor.rollout import PlacedPrompt
     from actor.sessions import AgentGroup, Session, Trace
     from policy.data import Prompt
     from runtime.config import AgentConfig, SamplingConfig
 
     _, tok = tiny
     runner = AgentRunner(AgentConfig(), None, None, tok, {1}, SamplingConfig(group_size=2), 512)  # type: ignore[arg-type]
-    g = AgentGroup(Drawn(Prompt(0, "p", [], {}), [0, 0], [0, 1], 0))
+    g = AgentGroup(PlacedPrompt(Prompt(0, "p", [], {}), [0, 0], [0, 1], 0))
     for j, (reward, turns) in enumerate([(1.0, [0.0, 1.0]), (0.0, [0.0, 0.0])]):
         t = Trace([5, 6, 7], ids=[10 + j, 11, 1, 20, 21, 30 + j, 1], mask=[1, 1, 1, 0, 0, 1, 1])
         t.logprobs, t.versions = [-0.1] * 7, [0] * 7

@@ -14,7 +14,7 @@ from learner.groups import group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
 from learner.metrics import MetricsFile
-from learner.rollouts import RolloutSocket
+from learner.rollout_socket import RolloutSocket
 from rewards.functions import RewardError
 from rewards.scorer import Scored, Scorer
 from runtime.config import RewardConfig

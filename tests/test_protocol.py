@@ -399,7 +399,7 @@ def test_hello_model_fields_are_the_rollout_socket_s_business():
     """The learner's hello on the reward socket and the actor's on the env socket carry no
     model (PROTOCOL.md, hello): the wire takes them; the rollout socket refuses an actor or
     observer that does not say what it runs, naming what is missing."""
-    from learner.rollouts import RolloutSocket
+    from learner.rollout_socket import RolloutSocket
 
     learner = {"role": "learner", "pid": 3, "instance": "ab12", "heartbeat_s": 1.0}
     assert decode(encode(HELLO, learner))["instance"] == "ab12"

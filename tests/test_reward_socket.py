@@ -11,7 +11,7 @@ import zmq
 
 import protocol
 from protocol.connection import WORKER_TIMEOUT_S
-from protocol.workers import WorkerPool
+from protocol.worker_socket import WorkerPool
 from transport.zeromq import ZeroMQ
 
 
@@ -191,7 +191,7 @@ def test_a_worker_that_dropped_a_request_is_ready_again_after_the_deadline(socke
     it attaches again, and the request comes back to it (the only worker) instead of
     waiting forever. The hello says the deadline; a request that waits for a worker is
     said in the log."""
-    import protocol.workers as workers_module
+    import protocol.worker_socket as workers_module
 
     pool, worker = socket_pair
     pool.timeout_s = 0.5

@@ -16,7 +16,7 @@ with a reason), and whatever it holds is given up. If it speaks again it is a st
 greeted as one (protocol.connection): it drops all it held and attaches afresh. So a
 worker's state and the owner's never disagree, and a late reply is never counted.
 
-A request may be *pinned* to one attachment of a worker (`Holder`: its identity and the
+A request may be *pinned* to one attachment of a worker (`Attachment`: its identity and the
 session its hello began): an environment's `step` must reach the worker that holds the
 episode. A pinned request is never handed on; when its worker is lost it fails at once,
 and the episode's owner starts the episode again elsewhere.
@@ -52,7 +52,7 @@ STARVED_SAY_S = 30.0
 # What a reply must also satisfy, beyond its kind's wire checks: the problem, or None.
 ReplyCheck = Callable[[dict], "str | None"]
 # One attachment of a worker: its identity and the session its hello began.
-Holder = tuple[bytes, int]
+Attachment = tuple[bytes, int]
 
 _sessions = itertools.count(1)
 
@@ -62,7 +62,7 @@ class Request:
     request_id: str
     frames: list  # the request as sent: encoded once, whatever worker takes it
     check: ReplyCheck | None = None
-    pinned: Holder | None = None  # only this attachment of a worker may take it
+    pinned: Attachment | None = None  # only this attachment of a worker may take it
     attempts: int = 0
     worker: bytes | None = None  # who holds it: the one assignment table is `assigned`
     deadline: float = 0.0
@@ -89,7 +89,7 @@ class Worker:
 @dataclass
 class Reply:
     request_id: str
-    worker: Holder
+    worker: Attachment
     pid: int
     header: dict
 
@@ -155,17 +155,17 @@ class WorkerPool:
         header: dict,
         kind: str = protocol.SCORE,
         check: ReplyCheck | None = None,
-        pinned: Holder | None = None,
+        pinned: Attachment | None = None,
     ) -> None:
         frames = protocol.encode(kind, {"request_id": request_id, **header})
         self.waiting.append(Request(request_id, frames, check, pinned))
 
-    def holds(self, holder: Holder) -> bool:
+    def holds(self, holder: Attachment) -> bool:
         """Whether that attachment of a worker is still attached."""
         w = self.workers.get(holder[0])
         return w is not None and w.session == holder[1]
 
-    def notify(self, holder: Holder, kind: str, header: dict) -> None:
+    def notify(self, holder: Attachment, kind: str, header: dict) -> None:
         """A message that wants no reply (an environment's `end`), to that attachment of a
         worker; one lost since has dropped everything already."""
         if self.holds(holder):

@@ -23,7 +23,7 @@ from actor.agents import AgentError, AgentRunner
 from actor.completions import Policy
 from actor.episodes import EpisodeRunner
 from actor.gateway import Gateway
-from actor.rollout import Drawn
+from actor.rollout import PlacedPrompt
 from policy.data import DataError, load_prompts
 from policy.engine import Engine
 from policy.evaluation import (
@@ -37,7 +37,7 @@ from policy.evaluation import (
 )
 from policy.logprobs import plain_caches
 from policy.model import dequantizes, load_policy
-from protocol.workers import WorkerPool
+from protocol.worker_socket import WorkerPool
 from rewards.functions import RewardError
 from rewards.scorer import Scored, Scorer, rewards_by_prompt, rewards_of
 from runtime.config import Config, LoraConfig
@@ -203,7 +203,7 @@ def run_agent_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.s
         while waiting or runner.busy:
             while waiting and (len(runner.groups) + 1) * n <= max(MAX_EVAL_ROWS, n):
                 p = waiting.popleft()
-                runner.start_group(Drawn(p, [0, 0], [0, 1], p.index * n))
+                runner.start_group(PlacedPrompt(p, [0, 0], [0, 1], p.index * n))
             for g in runner.pump(0):
                 if g.lost is not None:  # its other sessions' rewards still count
                     print(f"\nrow {g.drawn.prompt.index}: {g.lost}", file=err)
