@@ -28,6 +28,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from learner.algorithms import algorithm_class
 from learner.batching import Batch, Prepared
 from learner.trainer import Trainer, combine_stats
 from policy.memory import apply_memory_share
@@ -197,6 +198,7 @@ def load_trainer(cfg: Config) -> tuple[nn.Module, Any, dict, Trainer]:
     """The policy with its adapters, ready to train, its tokenizer, its adapter config, and
     its Trainer: the same on every rank."""
     mx.random.seed(cfg.train.seed)
+    algorithm_class(cfg.algorithm.name, cfg.reward.search_path)  # a user's loss fails before the model loads
     log.info("loading %s", cfg.model.path)
     model, tokenizer, adapter_config = load_policy(
         cfg.model.path, cfg.lora, dequantize=dequantizes(cfg.model.dequantize_on_cpu)
@@ -206,7 +208,14 @@ def load_trainer(cfg: Config) -> tuple[nn.Module, Any, dict, Trainer]:
         from mlx_lm.tuner.trainer import grad_checkpoint
 
         grad_checkpoint(model.layers[0])
-    trainer = Trainer(model, cfg.algorithm, cfg.train, cfg.sampling, cfg.max_completion_tokens)
+    trainer = Trainer(
+        model,
+        cfg.algorithm,
+        cfg.train,
+        cfg.sampling,
+        cfg.max_completion_tokens,
+        search_path=cfg.reward.search_path,
+    )
     return model, tokenizer, adapter_config, trainer
 
 

@@ -18,7 +18,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
-from learner.algorithms import LossInputs, make_algorithm
+from learner.algorithms import LossInputs, load_algorithm
 from learner.batching import (
     Batch,
     Logits,
@@ -130,19 +130,13 @@ class Trainer:
         sampling: SamplingConfig,
         max_completion_tokens: int | None = None,
         optimizer: optim.Optimizer | None = None,
+        search_path: str | None = None,
     ) -> None:
         """`max_completion_tokens`: the longest completion, Dr. GRPO's constant normaliser;
-        `sampling.max_tokens` unless episodes are longer (`env.max_episode_tokens`)."""
+        `sampling.max_tokens` unless episodes are longer (`env.max_episode_tokens`).
+        `search_path`: where a user's `module:Class` loss is looked for first."""
         self.model = model
-        self.algorithm = make_algorithm(
-            algorithm.name,
-            beta=algorithm.beta,
-            epsilon=algorithm.epsilon,
-            epsilon_high=algorithm.epsilon_high,
-            scale_rewards=algorithm.scale_rewards,
-            max_tokens=max_completion_tokens or sampling.max_tokens,
-            sapo_temperatures=(algorithm.sapo_temperature_pos, algorithm.sapo_temperature_neg),
-        )
+        self.algorithm = load_algorithm(algorithm, max_completion_tokens or sampling.max_tokens, search_path)
         self.correction = Correction(algorithm.is_correction, algorithm.is_level, algorithm.is_cap)
         self.optimizer = optimizer or optim.Adam(learning_rate=train.learning_rate)
         self.beta, self.num_iterations = algorithm.beta, algorithm.num_iterations

@@ -27,8 +27,9 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
-# ALGORITHM_NAMES and the Literal types are re-exported: the learner's objectives and its
-# correction take them from here, with the sections.
+# ALGORITHM_NAMES (the built-in objectives, which learner/algorithms.py registers) and the
+# Literal types are re-exported: the learner's objectives and its correction take them from
+# here, with the sections.
 from runtime.config_sections import ALGORITHM_NAMES as ALGORITHM_NAMES
 from runtime.config_sections import (
     ActorConfig,
@@ -46,7 +47,6 @@ from runtime.config_sections import (
     SamplingConfig,
     TrainConfig,
 )
-from runtime.config_sections import AlgorithmName as AlgorithmName
 from runtime.config_sections import CorrectionLevel as CorrectionLevel
 from runtime.config_sections import CorrectionMode as CorrectionMode
 from runtime.config_sections import ScaleRewards as ScaleRewards

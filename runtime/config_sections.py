@@ -12,15 +12,28 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
 from typing import Any, Literal, get_args
 
-# The choices of [algorithm], named once: the learner's objectives (learner/algorithms.py)
-# and its correction (learner/correction.py) take these types.
-AlgorithmName = Literal["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo", "cispo", "sapo"]
+# The built-in objectives' names, the one list this MLX-free layer has of them: the config
+# accepts these or a user's `module:Class`. learner/algorithms.py registers a class under
+# each (a test keeps the two, and docs/algorithms.md's table, equal); see `_algorithm_name`.
+ALGORITHM_NAMES: tuple[str, ...] = (
+    "grpo",
+    "bnpo",
+    "dapo",
+    "dr_grpo",
+    "gspo",
+    "rloo",
+    "cispo",
+    "sapo",
+    "luspo",
+    "vespo",
+)
+# The other choices of [algorithm], named once: the learner's objectives and its correction
+# (learner/correction.py) take these types.
 ScaleRewards = Literal["group", "batch", "none"]
 CorrectionMode = Literal["none", "truncate", "mask"]
 CorrectionLevel = Literal["token", "sequence"]
 EngineName = Literal["continuous", "static"]
 Transport = Literal["ipc", "tcp"]
-ALGORITHM_NAMES: tuple[str, ...] = get_args(AlgorithmName)
 
 
 Check = Callable[[Any], "str | None"]
@@ -51,6 +64,22 @@ def _reward_functions(v: tuple[str, ...]) -> str | None:
     if len(set(v)) < len(v):
         return "may name each function (and 'worker', 'env') once"
     return None
+
+
+def _algorithm_name(v: str) -> str | None:
+    """A built-in objective's name, or `module:Class`: a user's loss, imported from beside
+    the config (`reward.search_path`) when the learner starts, which says there if the
+    module does not import, has no such class, or the class is no loss.
+
+    The design: this layer may not import the learner's MLX code (tests/test_house.py), so
+    it knows the built-ins by name only, from ALGORITHM_NAMES; the classes register
+    themselves under those names (learner/algorithms.py, `register`), and tests fail when
+    the registry, this list or docs/algorithms.md's table (generated from the registry)
+    disagree. A new built-in is its class and its name here."""
+    module, _, cls = v.partition(":")
+    if v in ALGORITHM_NAMES or (module and cls and ":" not in cls):
+        return None
+    return f"must be one of {', '.join(map(repr, ALGORITHM_NAMES))} or 'module:Class'"
 
 
 def _environment(v: str) -> str | None:
@@ -192,10 +221,12 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    name: AlgorithmName = key(
+    name: str = key(
         "grpo",
-        "`grpo`, `bnpo`, `dapo`, `dr_grpo`, `gspo`, `rloo`, `cispo` or `sapo` (see below)",
-        _one_of(*ALGORITHM_NAMES),
+        ", ".join(f"`{n}`" for n in ALGORITHM_NAMES[:-1])
+        + f" or `{ALGORITHM_NAMES[-1]}` (see below); or `module:Class`, a loss of your own beside "
+        "the config (docs/algorithms.md)",
+        _algorithm_name,
     )
     beta: float = key(
         0.0,
@@ -204,19 +235,19 @@ class AlgorithmConfig:
     )
     epsilon: float | None = key(
         None,
-        "lower clip range: 0.2, GSPO 3e-4",
+        "lower clip range: 0.2, GSPO 3e-4, LUSPO 2e-3",
         _range(0, 1, lo_open=True, hi_open=True),
         shown="objective's",
     )
     epsilon_high: float | None = key(
         None,
-        "upper clip range: `epsilon`, DAPO 0.28, GSPO 4e-4; CISPO's cap on its weight, 5.0",
+        "upper clip range: `epsilon`, DAPO 0.28, GSPO 4e-4, LUSPO 2.5e-3; CISPO's cap on its weight, 5.0",
         _range(0, lo_open=True),
         shown="objective's",
     )
     scale_rewards: ScaleRewards | None = key(
         None,
-        "`group` (GRPO, BNPO, DAPO, GSPO), `batch`, or `none` (Dr. GRPO, RLOO)",
+        "`group` (all but Dr. GRPO and RLOO), `batch`, or `none` (Dr. GRPO, RLOO)",
         _one_of(*get_args(ScaleRewards)),
         shown="objective's",
     )
@@ -236,6 +267,16 @@ class AlgorithmConfig:
         1.0, "SAPO's gate temperature where the advantage is positive", _range(0, lo_open=True)
     )
     sapo_temperature_neg: float = key(1.05, "SAPO's gate temperature elsewhere", _range(0, lo_open=True))
+    vespo_k_pos: float = key(
+        2.0, "VESPO's power k of its weight W^k e^(lambda (1 - W)) where the advantage is >= 0", _range(0)
+    )
+    vespo_lambda_pos: float = key(
+        3.0, "VESPO's decay lambda of that weight where the advantage is >= 0", _range(0, lo_open=True)
+    )
+    vespo_k_neg: float = key(3.0, "VESPO's k where the advantage is negative", _range(0))
+    vespo_lambda_neg: float = key(
+        2.0, "VESPO's lambda where the advantage is negative", _range(0, lo_open=True)
+    )
     gigpo_omega: float = key(
         0.0,
         "GiGPO: weight of the step-level advantage added to the episode's, for multi-turn "

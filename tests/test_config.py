@@ -276,7 +276,8 @@ def test_int_accepted_for_float(tmp_path):
             "algorithm",
             "name",
             '"ppo"',
-            "must be one of 'grpo', 'bnpo', 'dapo', 'dr_grpo', 'gspo', 'rloo', 'cispo', 'sapo'",
+            "must be one of 'grpo', 'bnpo', 'dapo', 'dr_grpo', 'gspo', 'rloo', 'cispo', 'sapo', 'luspo', "
+            "'vespo' or 'module:Class'",
         ),
     ],
 )

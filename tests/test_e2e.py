@@ -20,6 +20,7 @@ import zmq.auth
 
 import protocol
 from orchestrator.launch import free_ports
+from runtime.config_sections import ALGORITHM_NAMES
 from tests.helpers import ROOT, WORKER_CONFIG, orchestrator, read_metrics, run_up, wait_for, write_config
 
 pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast subset
@@ -369,8 +370,9 @@ def test_ctrl_c_stops_both_processes_and_keeps_the_adapters(tmp_path):
     assert state["step"] == read_metrics(run)[-1]["step"]
 
 
-OBJECTIVES = ["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "rloo", "cispo", "sapo"]
-CLIPPED = {"cispo": ["cispo_clip_ratio"], "sapo": []}  # the others: clip_ratio/low_mean, high_mean
+OBJECTIVES = list(ALGORITHM_NAMES)  # every built-in loss
+# the others: clip_ratio/low_mean, high_mean
+CLIPPED = {"cispo": ["cispo_clip_ratio"], "sapo": [], "vespo": ["vespo/phi_seq_mean"]}
 
 
 @pytest.fixture(scope="module")
