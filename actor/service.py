@@ -59,7 +59,7 @@ from protocol import sockets
 from protocol.connection import ENDED, HEARTBEAT_S, Link, State, heartbeat
 from protocol.worker_socket import WorkerPool
 from runtime import lifecycle, spans
-from runtime.config import Config, as_dict, credit_window, read_run_config
+from runtime.config import Config, as_dict, ceil_div, credit_window, read_run_config
 from runtime.heartbeat import actor_name, start_heartbeat
 from transport import SEND_TIMEOUT_MS, Again, Socket, Transport, TransportError
 from transport.keys import key_dir_for, run_key_dir
@@ -310,7 +310,7 @@ class Actor:
             self.wait_for_learner()
             return
         if engine.static:
-            room = 0 if engine.busy else min(room, self.batch_share())
+            room = 0 if engine.busy else min(room, self.actor_share())
         if self.pending is None or in_flight:
             for _ in range(room):
                 self.groups_added += 1
@@ -358,10 +358,11 @@ class Actor:
         if done:
             self.decode_s = 0.0
 
-    def batch_share(self) -> int:
+    def actor_share(self) -> int:
         """The groups a batch at a time takes (static, episodes): our window's share of one
-        batch, so that newer weights land between batches."""
-        return -(-self.window // (self.cfg.train.max_staleness + 1))
+        batch, so that newer weights land between batches (Config.actor_share while every
+        actor is live; the learner's window says when some are not)."""
+        return ceil_div(self.window, self.cfg.train.max_staleness + 1)
 
     def send_group(self, drawn: PlacedPrompt, fields: dict, arrays: dict, gen_s: float) -> None:
         group_id = str(self.groups_sent)
@@ -448,7 +449,7 @@ class Actor:
             if self.policy_version is None or room <= 0:
                 self.wait_for_learner()
                 continue
-            self.play_episodes(min(room, self.batch_share()))
+            self.play_episodes(min(room, self.actor_share()))
 
     def close(self, final: bool = True) -> None:
         """`final`: the run is over, so env workers exit (else they wait for a new actor)."""

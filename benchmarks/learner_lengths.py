@@ -62,13 +62,13 @@ def long_tail_lengths(rows: int, mean: float, cap: int, seed: int) -> np.ndarray
 
 def samples_for(lengths: np.ndarray, groups: int, prompt_tokens: int, vocab: int, seed: int) -> list:
     """Rows of random ids: one prompt per group, the given completion lengths."""
-    from learner.batching import Sample
+    from learner.batching import TrainRow
 
     rng = np.random.default_rng(seed)
     g = len(lengths) // groups
     prompts = [rng.integers(2, vocab, prompt_tokens) for _ in range(groups)]
     return [
-        Sample(prompts[i // g], rng.integers(2, vocab, n), np.full(n, -2.0, np.float32), "stop")
+        TrainRow(prompts[i // g], rng.integers(2, vocab, n), np.full(n, -2.0, np.float32), "stop")
         for i, n in enumerate(lengths)
     ]
 

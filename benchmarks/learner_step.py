@@ -31,7 +31,7 @@ class LearnerResult:
 def _real_batch(model, tokenizer, cfg: Config):
     """Sample batch_size groups with our sampler and score them: (samples, rewards)."""
 
-    from learner.batching import Sample
+    from learner.batching import TrainRow
     from policy.data import load_prompts
     from policy.engine import sample_groups
     from rewards.scorer import Scorer
@@ -49,7 +49,7 @@ def _real_batch(model, tokenizer, cfg: Config):
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in ids]
         rewards.append(scorer.submit(str(p.index), p.prompt, texts, ids, p.columns).total)
         samples += [
-            Sample(
+            TrainRow(
                 np.array(p.prompt_ids, np.int32),
                 np.array(c.token_ids, np.int32),
                 np.array(c.logprobs, np.float32),

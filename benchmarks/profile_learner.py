@@ -54,7 +54,7 @@ def profile(model_path: Path, rows: int, tokens: int, repeats: int) -> dict[str,
     import mlx.core as mx
 
     import protocol
-    from learner.batching import Sample, make_batch
+    from learner.batching import TrainRow, make_batch
     from learner.trainer import Trainer
     from policy.logprobs import output_head
     from policy.model import adapter_weights_numpy, load_policy
@@ -67,7 +67,7 @@ def profile(model_path: Path, rows: int, tokens: int, repeats: int) -> dict[str,
     vocab = model.args.vocab_size
     prompt = rng.integers(2, vocab, 20)
     behavior = np.full(tokens, -2.0, np.float32)
-    samples = [Sample(prompt, rng.integers(2, vocab, tokens), behavior, "length") for _ in range(rows)]
+    samples = [TrainRow(prompt, rng.integers(2, vocab, tokens), behavior, "length") for _ in range(rows)]
     batch = make_batch(samples, 0)
     advantages = rng.normal(size=rows)
     sampling = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=tokens)

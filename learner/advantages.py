@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from learner.algorithms import Algorithm
-from learner.batching import Sample
+from learner.batching import TrainRow
 from learner.gigpo import batch_advantages
 from learner.groups import Group
 from runtime.config import Config
@@ -25,7 +25,7 @@ class Advantages:
     stats: dict[str, float] = field(default_factory=dict)  # GiGPO's step groups
 
 
-def advantages(groups: list[Group], samples: list[Sample], run: Config, algorithm: Algorithm) -> Advantages:
+def advantages(groups: list[Group], samples: list[TrainRow], run: Config, algorithm: Algorithm) -> Advantages:
     """The advantages of a batch's scored `groups`, whose completions are `samples`, by the
     run's `algorithm`."""
     group_size, cfg = run.sampling.group_size, run.algorithm

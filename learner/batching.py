@@ -41,7 +41,7 @@ WHOLE = Logits()
 
 
 @dataclass
-class Sample:
+class TrainRow:
     """One completion, as the learner trains on it: the sampled IDs, never re-encoded text."""
 
     prompt_ids: np.ndarray
@@ -132,7 +132,7 @@ class Prepared:
         return sum(tokens), sum(completions)
 
 
-def make_batch(samples: list[Sample], pad_id: int) -> Batch:
+def make_batch(samples: list[TrainRow], pad_id: int) -> Batch:
     """Right-pad prompt+completion rows. Causal attention means padding after a row's
     end cannot change the logprobs before it."""
     prompt_lengths = np.array([len(s.prompt_ids) for s in samples])
@@ -151,7 +151,7 @@ def make_batch(samples: list[Sample], pad_id: int) -> Batch:
     return Batch(mx.array(tokens), mx.array(mask), mx.array(behavior), lengths, prompt_lengths)
 
 
-def token_rows(samples: list[Sample], values: list[np.ndarray]) -> np.ndarray:
+def token_rows(samples: list[TrainRow], values: list[np.ndarray]) -> np.ndarray:
     """Per-token values of each sample's completion (e.g. GiGPO's advantages), as
     make_batch lays out its mask: [B, longest row - 1], 0 off the completions."""
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from learner.algorithms import nanmean_rows, scale
-from learner.batching import Sample, token_rows
+from learner.batching import TrainRow, token_rows
 from learner.groups import Group, model_turns
 
 
@@ -124,7 +124,7 @@ def turn_values(loss_mask: np.ndarray | None, length: int, values: np.ndarray) -
 
 def batch_advantages(
     groups: list[Group],
-    samples: list[Sample],
+    samples: list[TrainRow],
     advantages: np.ndarray,
     *,
     gamma: float,

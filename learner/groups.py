@@ -7,7 +7,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from learner.batching import Sample
+from learner.batching import TrainRow
 from protocol import Message, is_data_cursor
 from protocol.messages import Rollout
 
@@ -54,11 +54,11 @@ class Group:
         """Each completion's advantage: its session's, of the group's [G] `advantages`."""
         return advantages if self.sessions is None else advantages[self.sessions]
 
-    def samples(self) -> list[Sample]:
+    def samples(self) -> list[TrainRow]:
         """Its completions as the step trains them: tokens, behavior logprobs, loss masks."""
         masks: list[np.ndarray | None] = [*self.loss_masks] if self.loss_masks else [None] * len(self.texts)
         return [
-            Sample(self.prompt_ids, ids, lp, fr, mask)
+            TrainRow(self.prompt_ids, ids, lp, fr, mask)
             for ids, lp, fr, mask in zip(self.completion_ids, self.logprobs, self.finish_reasons, masks)
         ]
 

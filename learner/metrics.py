@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from learner.batching import Sample
+from learner.batching import TrainRow
 from learner.groups import Group
 from runtime.rundir import write_atomic
 
@@ -20,7 +20,7 @@ log = logging.getLogger("learner")
 
 def batch_metrics(
     groups: list[Group],
-    samples: list[Sample],
+    samples: list[TrainRow],
     rewards: np.ndarray,
     advantages: np.ndarray,
     step: int,
@@ -88,7 +88,7 @@ def episode_metrics(groups: list[Group]) -> dict[str, float]:
     return out
 
 
-def batch_tokens(samples: list[Sample]) -> int:
+def batch_tokens(samples: list[TrainRow]) -> int:
     """Prompt and completion tokens of a batch: what TRL's `num_tokens` adds up."""
     return sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
 

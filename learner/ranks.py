@@ -159,7 +159,7 @@ class Ranks:
         log.info("rank %d of %d: adapter weights and optimizer state as rank 0's", self.rank, self.size)
 
 
-class Part:
+class RankShare:
     """This rank's rows of a batch, ready for its optimizer steps."""
 
     def __init__(self, trainer: Trainer, ranks: Ranks, batch: Batch, advantages: np.ndarray) -> None:
@@ -187,7 +187,7 @@ def follow(trainer: Trainer, ranks: Ranks) -> None:
     """A rank above 0: train on its rows of every batch rank 0 sends, until it says stop."""
     ranks.sync_state(trainer)
     while (got := ranks.receive_batch()) is not None:
-        part = Part(trainer, ranks, *got)
+        part = RankShare(trainer, ranks, *got)
         for _ in range(trainer.num_iterations):
             if ranks.broadcast()[0] == Command.STOP:
                 break

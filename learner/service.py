@@ -24,7 +24,7 @@ from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
 from learner.metrics import batch_metrics, batch_tokens
-from learner.ranks import Command, Part, Ranks, follower_main, load_trainer
+from learner.ranks import Command, Ranks, RankShare, follower_main, load_trainer
 from learner.records import Checkpoints, Reports
 from learner.rollout_socket import RolloutSocket
 from learner.trainer import Trainer
@@ -159,7 +159,7 @@ class Learner:
         a = advantages(groups, samples, self.cfg, self.trainer.algorithm)
         self.ranks.share_batch(batch, a.trained)
         with spans.span("old and reference logprobs", groups=len(groups)):
-            part = Part(self.trainer, self.ranks, batch, a.trained)  # this rank's rows: all, alone
+            part = RankShare(self.trainer, self.ranks, batch, a.trained)  # this rank's rows: all, alone
         self.num_tokens += batch_tokens(samples)
         self.reports.write_batch(self.step + 1, self.trainer.num_iterations, groups, a.rows)
         batch_stats = batch_metrics(groups, samples, a.rewards, a.rows, self.step, self.scorer.metric_name)

@@ -65,7 +65,7 @@ def knob_choices(s: Shape) -> list[tuple[Shape, dict[str, dict]]]:
             )
     smallest, train = out[-1]
     if not (s.episodes or s.agents):  # their caches wait whatever the engine's rows
-        share = s.actor_batch * s.group_size
+        share = s.actor_share * s.group_size
         for rows in halvings(s.decode_rows or share, floor=s.group_size):
             out.append((replace(smallest, decode_rows=rows), {**train, "actor": {"max_rows": rows}}))
     return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from policy.model import dequantizes
-from runtime.config import QUANT_GROUP, Config, ConfigError, logit_chunk_positions
+from runtime.config import QUANT_GROUP, Config, ConfigError, ceil_div, logit_chunk_positions
 
 MB = 1 << 20
 GB = 1 << 30
@@ -212,14 +212,14 @@ class Shape:
     agents: bool = False  # agent sessions: every session of the credit window keeps its KV cache
 
     @property
-    def actor_batch(self) -> int:
+    def actor_share(self) -> int:
         """Groups one actor samples at a time."""
-        return -(-self.batch_size // self.actor_count)
+        return ceil_div(self.batch_size, self.actor_count)
 
     @property
     def rows(self) -> int:
         """Completions in one learner forward (a micro-batch of one rank's rows)."""
-        total = -(-self.batch_size * self.group_size // self.learner_ranks)
+        total = ceil_div(self.batch_size * self.group_size, self.learner_ranks)
         return self.micro_batch_size if 0 < self.micro_batch_size < total else total
 
     @property
@@ -229,7 +229,7 @@ class Shape:
     @property
     def prompts(self) -> int:
         """Distinct prompts one learner forward may run (each once, when shared)."""
-        return min(self.rows, -(-self.batch_size // self.learner_ranks))
+        return min(self.rows, ceil_div(self.batch_size, self.learner_ranks))
 
     @property
     def forward_tokens(self) -> int:
@@ -269,7 +269,7 @@ def activation_bytes(m: ModelShape, tokens: int, seq: int) -> float:
 def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
     # The engine's live rows; with episodes, every episode of a batch holds its KV cache,
     # decoding or waiting for its environment; with agents, every session in flight.
-    share = s.actor_batch * s.group_size
+    share = s.actor_share * s.group_size
     if s.agents:  # the sessions of (max_staleness + 1) batches run at once, each with its cache
         share *= s.staleness + 1
     rows = max(s.decode_rows, share) if s.episodes or s.agents else (s.decode_rows or share)
@@ -285,7 +285,7 @@ def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         # at once, in one block, does none of them: it starts together and ends empty.
         "kv_copy": kv / 2 if s.staleness or s.episodes or rows < share or s.tokens > KV_STEP else 0.0,
         # The prompts' forward, with logits for their last positions only.
-        "prefill": s.actor_batch * (m.vocab * 4 + 4 * s.prompt_tokens * m.hidden * m.act_bytes),
+        "prefill": s.actor_share * (m.vocab * 4 + 4 * s.prompt_tokens * m.hidden * m.act_bytes),
         "sampling": rows * m.vocab * 4 * 4,  # logits, logprobs, sorted copy, mask
     }
     if s.actor_bits and not m.bits:

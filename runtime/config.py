@@ -60,12 +60,17 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
 
 
+def ceil_div(a: int, b: int) -> int:
+    """a / b rounded up, in integers (a >= 0, b > 0)."""
+    return -(-a // b)
+
+
 def credit_window(max_staleness: int, batch_size: int, actors: int) -> int:
     """The groups one of `actors` live actors may keep in flight (its credit window):
     (max_staleness + 1) batches shared among them, ceil((k + 1) * B / n). The learner
     tells each actor this; an actor assumes it until told; the docs and the memory plan
     follow it."""
-    return -(-(max_staleness + 1) * batch_size // max(actors, 1))
+    return ceil_div((max_staleness + 1) * batch_size, max(actors, 1))
 
 
 def logit_chunk_positions(chunk_mb: float, vocab: int) -> int:
@@ -97,11 +102,15 @@ class Config:
     run: RunConfig = RunConfig()
 
     @property
+    def actor_share(self) -> int:
+        """The groups of a batch one actor samples: ceil(batch_size / actor.count)."""
+        return ceil_div(self.train.batch_size, self.actor.count)
+
+    @property
     def decode_rows(self) -> int:
         """Rows an actor's continuous engine decodes at once: `actor.max_rows`, by default
         the rows of the actor's share of a batch (what the memory plan counts)."""
-        share = -(-self.train.batch_size // self.actor.count) * self.sampling.group_size
-        return self.actor.max_rows or share
+        return self.actor.max_rows or self.actor_share * self.sampling.group_size
 
     @property
     def max_completion_tokens(self) -> int:
@@ -192,6 +201,20 @@ def _section(name: str, cls: type, table: dict[str, Any]) -> Any:
 
 def validate(raw: dict[str, Any]) -> Config:
     """A Config from TOML-shaped data; raise ConfigError naming the first bad key."""
+    _check_names(raw)
+    agent = raw.get("agent", {})
+    if (agent.get("function") or agent.get("command")) and "functions" not in raw.get("reward", {}):
+        # An agent's sessions bring their rewards: "env", unless reward.functions says more.
+        raw = {**raw, "reward": {**raw.get("reward", {}), "functions": ["env"]}}
+    cfg = Config(**{name: _section(name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()})
+    _check_agent(cfg)
+    _check_rewards_and_env(cfg)
+    _check_processes(cfg)
+    return cfg
+
+
+def _check_names(raw: dict[str, Any]) -> None:
+    """Every section and key is one we know."""
     for section, table in raw.items():
         if section not in SECTIONS:
             raise ConfigError(f"unknown section [{section}]; known: {', '.join(SECTIONS)}")
@@ -201,12 +224,10 @@ def validate(raw: dict[str, Any]) -> Config:
         for name in table:
             if name not in known:
                 raise ConfigError(f"unknown key {section}.{name}; known: {', '.join(known)}")
-    agent = raw.get("agent", {})
-    if (agent.get("function") or agent.get("command")) and "functions" not in raw.get("reward", {}):
-        # An agent's sessions bring their rewards: "env", unless reward.functions says more.
-        raw = {**raw, "reward": {**raw.get("reward", {}), "functions": ["env"]}}
-    cfg = Config(**{name: _section(name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()})
-    _check_agent(cfg)
+
+
+def _check_rewards_and_env(cfg: Config) -> None:
+    """The rewards, the environment and the evaluation agree with each other."""
     reward = cfg.reward
     if reward.weights and len(reward.weights) != len(reward.functions):
         raise ConfigError(
@@ -221,6 +242,17 @@ def validate(raw: dict[str, Any]) -> Config:
             "eval.every with an environment or an [agent]: its held-out episodes are evaluated "
             "before the first step and after the last (set eval.every = 0)"
         )
+    if cfg.algorithm.gigpo_omega > 0 and not cfg.env.environment and not cfg.agent.enabled:
+        raise ConfigError(
+            "algorithm.gigpo_omega: GiGPO's step-level advantage needs multi-turn episodes "
+            "(env.environment or an [agent]); set it to 0 for single-turn completions"
+        )
+    if cfg.eval.every and not cfg.eval.prompts:
+        raise ConfigError("eval.every needs eval.prompts (the held-out prompt rows)")
+
+
+def _check_processes(cfg: Config) -> None:
+    """The actors and learner ranks can share the work as the config splits it."""
     if cfg.env.environment and cfg.actor.count > 1:
         # Each actor would bind the one env socket of the run directory.
         raise ConfigError(
@@ -243,14 +275,6 @@ def validate(raw: dict[str, Any]) -> Config:
             f"{cfg.train.batch_size * cfg.sampling.group_size} completions of a batch "
             "(train.batch_size * sampling.group_size): every rank needs rows to train"
         )
-    if cfg.algorithm.gigpo_omega > 0 and not cfg.env.environment and not cfg.agent.enabled:
-        raise ConfigError(
-            "algorithm.gigpo_omega: GiGPO's step-level advantage needs multi-turn episodes "
-            "(env.environment or an [agent]); set it to 0 for single-turn completions"
-        )
-    if cfg.eval.every and not cfg.eval.prompts:
-        raise ConfigError("eval.every needs eval.prompts (the held-out prompt rows)")
-    return cfg
 
 
 def _check_agent(cfg: Config) -> None:

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 import protocol
 from actor.episodes import EpisodeRunner, Renderer
 from learner.algorithms import LossInputs, make_algorithm
-from learner.batching import Sample, make_batch
+from learner.batching import TrainRow, make_batch
 from learner.groups import group_from_message
 from policy.data import Prompt
 from policy.model import load_policy
@@ -139,7 +139,7 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
         )
         g = group_from_message(b"actor", protocol.decode(frames), model.args.vocab_size, sampling.group_size)
         samples += [
-            Sample(g.prompt_ids, ids, lp, fr, m)
+            TrainRow(g.prompt_ids, ids, lp, fr, m)
             for ids, lp, fr, m in zip(g.completion_ids, g.logprobs, g.finish_reasons, g.loss_masks)
         ]
         episodes += group.episodes

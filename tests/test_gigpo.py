@@ -14,7 +14,7 @@ import pytest
 import protocol
 from learner import batching
 from learner.algorithms import LossInputs, make_algorithm
-from learner.batching import Sample, make_batch, prompt_keys, shared_prompt_rows, token_rows, whole_rows
+from learner.batching import TrainRow, make_batch, prompt_keys, shared_prompt_rows, token_rows, whole_rows
 from learner.gigpo import (
     anchor_states,
     batch_advantages,
@@ -363,7 +363,7 @@ def test_a_step_with_constant_per_token_advantages_is_the_step_with_per_completi
         mask = (np.arange(c_len) % 3 != 1).astype(np.float32)
         mask[0] = 1
         samples.append(
-            Sample(prompt, rng.integers(1, 57, c_len), np.full(c_len, -1.0, np.float32), "stop", mask)
+            TrainRow(prompt, rng.integers(1, 57, c_len), np.full(c_len, -1.0, np.float32), "stop", mask)
         )
     batch = make_batch(samples, 0)
     adv = np.array([1.0, -0.5, 0.25, 2.0, -1.5, 0.0])

@@ -128,6 +128,18 @@ def test_zeromq_is_used_in_the_transport_package_only():
     assert users and all(name.startswith("transport.") for name in users), users
 
 
+def test_no_function_is_over_60_lines_and_the_learner_s_loop_reads_in_one_sitting():
+    long = [
+        f"{name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for name, path in modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (node.end_lineno or node.lineno) - node.lineno + 1 > 60
+    ]
+    assert not long, "\n".join(long)
+    assert len((ROOT / "learner" / "service.py").read_text().splitlines()) <= 250
+
+
 def test_the_rules_catch_what_they_are_for(tmp_path):
     """The checks above find an upward import and a private name in made-up source."""
     path = tmp_path / "m.py"

@@ -408,7 +408,7 @@ def test_batch_metrics_carry_trl_s_names_and_meanings():
     """Two groups of three, two reward functions weighted 1 and 0.5; completion 2 of group
     b is unscored by both (None): TRL leaves it out of `reward` and `reward_std` and each
     function's None out of its own statistics. Every value computed by hand."""
-    from learner.batching import Sample
+    from learner.batching import TrainRow
     from learner.metrics import batch_metrics, batch_tokens
 
     w = {"f": 1.0, "g": 0.5}
@@ -419,7 +419,7 @@ def test_batch_metrics_carry_trl_s_names_and_meanings():
         "b", (5, 1, 6), ["length", "length", "stop"], {"f": [1.0, 1.0, None], "g": [1.0, 1.0, None]}, w
     )
     samples = [
-        Sample(g.prompt_ids, ids, lp, fr)
+        TrainRow(g.prompt_ids, ids, lp, fr)
         for g in (a, b)
         for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)
     ]
@@ -487,7 +487,7 @@ def test_a_group_that_no_reward_scored_has_no_std_and_advantage_zero():
     rewards are all unscored. As in TRL, it has no std (not "zero std"), stays out of
     `reward`, and its advantages are 0 (it still counts as trained)."""
     from learner.algorithms import make_algorithm
-    from learner.batching import Sample
+    from learner.batching import TrainRow
     from learner.metrics import batch_metrics
 
     a = scored_group("a", (2, 3), ["stop", "stop"], {"env": [1.0, 0.0]}, {"env": 1.0})
@@ -496,7 +496,7 @@ def test_a_group_that_no_reward_scored_has_no_std_and_advantage_zero():
     advantages = make_algorithm("grpo").advantages(rewards)
     np.testing.assert_array_equal(advantages[2:], [0.0, 0.0])
     samples = [
-        Sample(g.prompt_ids, ids, lp, fr)
+        TrainRow(g.prompt_ids, ids, lp, fr)
         for g in (a, b)
         for ids, lp, fr in zip(g.completion_ids, g.logprobs, g.finish_reasons)
     ]

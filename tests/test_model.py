@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from learner.algorithms import GRPO
-from learner.batching import Sample, make_batch
+from learner.batching import TrainRow, make_batch
 from policy.logprobs import sequence_logprobs
 from policy.model import (
     adapter_weights,
@@ -102,8 +102,8 @@ def test_saved_adapters_load_in_mlx_lm_and_generate(tmp_path):
 
 
 def test_make_batch_puts_completion_tokens_under_the_mask():
-    s1 = Sample(np.array([1, 2, 3]), np.array([7, 8]), np.array([-0.5, -0.25]), "length")
-    s2 = Sample(np.array([4]), np.array([9, 9, 9]), np.array([-1.0, -2.0, -3.0]), "stop")
+    s1 = TrainRow(np.array([1, 2, 3]), np.array([7, 8]), np.array([-0.5, -0.25]), "length")
+    s2 = TrainRow(np.array([4]), np.array([9, 9, 9]), np.array([-1.0, -2.0, -3.0]), "stop")
     b = make_batch([s1, s2], pad_id=0)
     np.testing.assert_array_equal(np.array(b.tokens), [[1, 2, 3, 7, 8], [4, 9, 9, 9, 0]])
     np.testing.assert_array_equal(np.array(b.mask), [[0, 0, 1, 1], [1, 1, 1, 0]])
@@ -115,7 +115,7 @@ def test_an_optimizer_step_moves_only_the_adapters():
     base_before = {k: np.array(v) for k, v in tree_flatten(model.parameters()) if "lora" not in k}
     lora_before = adapter_weights_numpy(model)
     samples = [
-        Sample(np.array([5, 6]), np.array([10 + i, 11]), np.array([-4.0, -4.0]), "length") for i in range(4)
+        TrainRow(np.array([5, 6]), np.array([10 + i, 11]), np.array([-4.0, -4.0]), "length") for i in range(4)
     ]
     batch = make_batch(samples, 0)
     adv = GRPO().advantages(np.array([[1.0, 0.0, 0.0, 1.0]]))
@@ -171,7 +171,7 @@ def test_qlora_trains_on_a_model_saved_quantized(tmp_path):
     start = adapter_weights_numpy(model)
     rng = np.random.default_rng(0)
     samples = [
-        Sample(np.array([10, 11, 12]), rng.integers(5, 50, 6), np.full(6, -3.0), "length") for _ in range(4)
+        TrainRow(np.array([10, 11, 12]), rng.integers(5, 50, 6), np.full(6, -3.0), "length") for _ in range(4)
     ]
     batch = make_batch(samples, 0)
     model.train()

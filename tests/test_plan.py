@@ -12,7 +12,7 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from learner.batching import WHOLE, Logits, Sample, make_batch
+from learner.batching import WHOLE, Logits, TrainRow, make_batch
 from orchestrator.fit import suggestion
 from orchestrator.plan import (
     MB,
@@ -147,7 +147,7 @@ def measured_learner_peak(
         rng = np.random.default_rng(0)
         prompts = [rng.integers(5, 50, prompt) for _ in range(groups)]  # each shared by its group
         samples = [
-            Sample(
+            TrainRow(
                 prompts[i * groups // rows],
                 rng.integers(5, 50, completion),
                 np.full(completion, -4.0),

@@ -8,7 +8,7 @@ import pytest
 
 from learner import batching
 from learner.algorithms import ALGORITHMS
-from learner.batching import WHOLE, Logits, Sample, logits_plan, make_batch
+from learner.batching import WHOLE, Logits, TrainRow, logits_plan, make_batch
 from learner.correction import Correction, correction_weights
 from learner.trainer import Trainer
 from policy.engine import sample_groups
@@ -54,7 +54,7 @@ def sampled_batch(model, tok, groups=2, g=4, temperature=1.0, seed=0, episodes=F
         n = min(CUTS[i], len(c.token_ids))
         mask = (np.arange(n) % 3 != 1).astype(np.float32) if episodes else None
         samples.append(
-            Sample(np.array(p), np.array(c.token_ids[:n]), np.array(c.logprobs[:n]), c.finish_reason, mask)
+            TrainRow(np.array(p), np.array(c.token_ids[:n]), np.array(c.logprobs[:n]), c.finish_reason, mask)
         )
     return make_batch(samples, 0)
 
