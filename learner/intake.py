@@ -31,6 +31,7 @@ class Intake:
         self.unscored: list[Group] = []  # received, not yet sent to the rewards
         self.awaiting: dict[str, Group] = {}  # waiting for an external reward
         self.queue: list[tuple[int, Group]] = []  # scored and kept, by arrival
+        self.taken: list[tuple[int, Group]] = []  # the batch being trained
         self.arrival: dict[int, int] = {}  # id(group) -> its place in the order of arrival
         self.counter = itertools.count()
 
@@ -79,8 +80,14 @@ class Intake:
             self.drop(entry[1], "stale")
         if len(self.queue) < batch_size:
             return None
-        batch, self.queue = [g for _, g in self.queue[:batch_size]], self.queue[batch_size:]
-        return batch
+        self.taken, self.queue = self.queue[:batch_size], self.queue[batch_size:]
+        return [g for _, g in self.taken]
+
+    def put_back(self) -> None:
+        """The last batch was not trained (a stop in the middle of its step): its groups are
+        queued again, in their order of arrival."""
+        self.queue = sorted(self.taken + self.queue, key=lambda entry: entry[0])
+        self.taken = []
 
     def accept(self, g: Group, scored: Scored) -> None:
         if self.keep_group(scored.total):

@@ -24,18 +24,16 @@ from learner.groups import Group, group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
 from learner.metrics import batch_metrics, batch_tokens
-from learner.ranks import Command, Ranks, RankShare, follower_main, load_trainer
+from learner.ranks import Command, Ranks, RankShare, load_trainer
 from learner.records import Checkpoints, Reports
 from learner.rollout_socket import RolloutSocket
-from learner.trainer import Trainer
-from policy.memory import apply_memory_share
+from learner.trainer import StepStopped, Trainer
 from policy.model import adapter_weights_numpy, tokenizer_fingerprint
 from protocol import sockets
 from rewards.functions import RewardError
 from rewards.scorer import Scorer
 from runtime import lifecycle, spans
 from runtime.config import Config, as_dict, read_run_config
-from runtime.heartbeat import start_heartbeat
 from runtime.rundir import Phase
 from transport import Transport
 from transport.keys import run_key_dir
@@ -64,6 +62,8 @@ class Learner:
         self.scorer, self.intake, self.rollouts, self.ledger = scorer, intake, rollouts, intake.ledger
         self.evaluator, self.checkpoints, self.reports = evaluator, checkpoints, reports
         self.signals, self.ranks, self.net = signals, ranks, net
+        if ranks.size == 1:  # ranks end a step together; a learner alone stops between micro-batches
+            trainer.stopping = lambda: signals.requested
         self.step = checkpoints.step or 0  # optimizer steps taken: the weights' version (policy_version)
         self.num_tokens = checkpoints.num_tokens  # prompt and completion tokens trained on (TRL's num_tokens)
 
@@ -151,19 +151,31 @@ class Learner:
         self.write_status(Phase.DONE if self.step >= train.steps else Phase.STOPPED)
 
     def learn(self, groups: list[Group]) -> None:
-        """Train on one batch: `num_iterations` optimizer steps, each published at once."""
+        """Train on one batch: `num_iterations` optimizer steps, each published at once. A
+        stop between two micro-batches ends it unfinished: a batch not trained yet goes back
+        to the queue (a checkpoint counts queued groups as not received: a resumed actor
+        samples their prompts again), and the step's partial work is thrown away."""
+        first_step = self.step
+        self.write_status(Phase.STEPPING, since=time.time())
+        try:
+            self.train_batch(groups)
+        except StepStopped:
+            if self.step == first_step:
+                self.intake.put_back()
+            log.info("stopped in the middle of step %d: nothing of it was applied", self.step + 1)
+
+    def train_batch(self, groups: list[Group]) -> None:
         t0, started = time.perf_counter(), time.time()
-        self.write_status(Phase.STEPPING, since=time.time())  # a stop signal now waits for the step
         samples = [sample for g in groups for sample in g.samples()]
         batch = make_batch(samples, self.pad_id)
         a = advantages(groups, samples, self.cfg, self.trainer.algorithm)
         self.ranks.share_batch(batch, a.trained)
         with spans.span("old and reference logprobs", groups=len(groups)):
             part = RankShare(self.trainer, self.ranks, batch, a.trained)  # this rank's rows: all, alone
-        self.num_tokens += batch_tokens(samples)
+        num_tokens = self.num_tokens + batch_tokens(samples)
         self.reports.write_batch(self.step + 1, self.trainer.num_iterations, groups, a.rows)
         batch_stats = batch_metrics(groups, samples, a.rewards, a.rows, self.step, self.scorer.metric_name)
-        shared = {**batch_stats, **part.stats, **a.stats, "num_tokens": self.num_tokens}
+        shared = {**batch_stats, **part.stats, **a.stats, "num_tokens": num_tokens}
         for iteration in range(self.trainer.num_iterations):
             go = iteration == 0 or not (self.step >= self.cfg.train.steps or self.signals.requested)
             self.ranks.broadcast(Command.GO if go else Command.STOP)  # the other ranks step (or not) with us
@@ -175,6 +187,7 @@ class Learner:
             with spans.span("publish weights"):
                 self.rollouts.publish(self.step)
             if iteration == 0:
+                self.num_tokens = num_tokens
                 self.ledger.train([(g.sender, g.cursor, g.start_cursor) for g in groups])
             step_s = time.perf_counter() - t0
             spans.record("step", started, step_s, step=self.step)  # what step_s measures
@@ -215,34 +228,3 @@ class Learner:
         self.reports.close()
         self.scorer.close(reason, final)
         self.net.close()
-
-
-def main(run_dir: str, resume: bool = False) -> int:
-    """Run the learner to the end; returns the exit code (runtime.lifecycle)."""
-    ranks = Ranks.join()  # more than one under `mlx.launch` (learner/ranks.py)
-    if ranks.rank > 0:
-        return follower_main(run_dir, ranks)
-    signals = lifecycle.StopSignals().install()
-    lifecycle.watch_lifeline()
-    lifecycle.hold_run_lock(run_dir)  # before the heartbeat: a refused learner touches nothing
-    start_heartbeat(run_dir, "learner")
-    apply_memory_share()
-    learner = Learner.from_run_dir(Path(run_dir), resume, signals, ranks)
-    spans.start(run_dir, "learner", learner.cfg.log.timeline)
-    # A crash is restarted: the workers wait for the new learner; so they do when only this
-    # process is stopped (a restart, or its orchestrator died: a resume comes).
-    reason, final = "the learner failed", False
-    try:
-        learner.run()
-        if signals.requested:
-            reason, final = f"learner stopped by {signals.name}", lifecycle.stop_is_final(run_dir)
-        else:
-            reason, final = "training finished", True
-    except RewardError:
-        reason, final = "a reward function failed", True  # a user error: the run is over
-        raise
-    finally:
-        learner.close(reason, final)
-    done = "stopped" if signals.requested else "finished"
-    log.info("%s at step %d; adapters in %s", done, learner.step, Path(run_dir) / "adapters")
-    return signals.exit_code()

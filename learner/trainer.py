@@ -47,6 +47,11 @@ from runtime.config import AlgorithmConfig, SamplingConfig, TrainConfig
 Head = Callable[[mx.array], mx.array] | None
 
 
+class StepStopped(Exception):
+    """A stop was asked for between two micro-batches: the step's work so far is thrown
+    away and nothing is updated."""
+
+
 def _logprobs(
     model: nn.Module, rows: Rows, temperature: float, logits: Logits, head: Head, entropy: bool = False
 ) -> tuple[mx.array, mx.array | None]:
@@ -144,6 +149,9 @@ class Trainer:
         self.temperature = sampling.temperature
         self.max_grad_norm, self.micro_batch_size = train.max_grad_norm, train.micro_batch_size
         self.sort_by_length = train.sort_by_length
+        # Asked between micro-batches: True ends the step unfinished (StepStopped). A learner
+        # alone sets it to its stop signal; ranks finish a step together.
+        self.stopping: Callable[[], bool] = lambda: False
         self.share_prompts = prompts_can_be_shared(model, train)
         self.logits = logits_plan(model, train.logit_chunk_mb)
         # Whole logits go through the output head where the model has a plain one: then a
@@ -167,6 +175,7 @@ class Trainer:
         parts = [(self._take_old(m), m.weight) for m in micro] if not self.fused else []
         for m in micro:
             if self.beta > 0:
+                self.check_stop()
                 with adapters_disabled(self.model):
                     m.ref = _logprobs(self.model, m.rows, self.temperature, self.logits, self.head)[0]
         stats = combine_stats(parts, self.per_completion) if parts else {}
@@ -191,8 +200,13 @@ class Trainer:
         cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length, keys)
         return [shared_prompt_rows(host, batch, index, keys) for index in cuts]
 
+    def check_stop(self) -> None:
+        if self.stopping():
+            raise StepStopped
+
     def _take_old(self, m: Micro) -> dict[str, float]:
         """The micro-batch's old-policy logprobs and correction weights; their diagnostics."""
+        self.check_stop()
         old, entropy = _logprobs(self.model, m.rows, self.temperature, self.logits, self.head, entropy=True)
         assert entropy is not None  # asked for
         m.old, (m.is_weight, stats) = old, old_policy_terms(old, entropy, m.behavior, m.mask, self.correction)
@@ -212,6 +226,7 @@ class Trainer:
         adv = mx.array(advantages.astype(np.float32)) if advantages.ndim == 1 else None
         grads, loss, parts = None, 0.0, []
         for m in prepared.micro:
+            self.check_stop()
             rows_adv = adv[mx.array(m.index.astype(np.int32))] if adv is not None else m.per_token(advantages)
             with spans.span("forward and backward", rows=len(m.index), positions=m.positions):
                 (part_loss, diag), part_grads = self._value_and_grad(m, rows_adv, prepared.norm)

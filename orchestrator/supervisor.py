@@ -285,8 +285,9 @@ class Supervisor:
 
     def step_under_way(self) -> float:
         """If the learner is in the middle of an optimizer step, say so and return how long
-        the rest of it may take (twice the last step's time): a step is finished, never
-        cut, so that nothing of it is lost."""
+        the rest of it may take (twice the last step's time): the learner leaves a step
+        between two micro-batches, throwing it away, but a step of one forward and backward
+        (or of several learner ranks) is finished first."""
         try:
             status = json.loads((self.run_dir / "status.json").read_text())
         except (OSError, ValueError):
@@ -296,8 +297,8 @@ class Supervisor:
         took = f"; the last took {self.last_step_s:.0f} s" if self.last_step_s else ""
         started = time.time() - status.get("since", time.time())
         self.say(
-            f"the learner is finishing step {status['step'] + 1} (started {started:.0f} s ago{took}); "
-            "it stops after it"
+            f"the learner is in step {status['step'] + 1} (started {started:.0f} s ago{took}); "
+            "it stops at its next micro-batch and throws the step away"
         )
         return 2 * self.last_step_s
 

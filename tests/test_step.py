@@ -5,6 +5,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from learner import batching
 from learner.algorithms import ALGORITHMS
@@ -497,3 +498,31 @@ def test_gspo_clip_fractions_are_merged_per_completion():
     for other in seen[1:]:
         for key, value in seen[0].items():
             assert other[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_a_stop_between_micro_batches_ends_the_step_and_changes_nothing():
+    """Trainer.stopping is asked before each micro-batch: asked to stop after the first, the
+    step raises StepStopped, and the adapters and the optimizer state are as before it."""
+    from learner.trainer import StepStopped
+
+    model, tok = model_with()
+    batch = sampled_batch(model, tok)
+    trainer = trainer_for(model)
+    prepared = trainer.prepare(batch)
+    assert len(prepared.micro) > 1
+    trainer.step(prepared, np.ones(len(batch.lengths), np.float32))  # the optimizer has state now
+    before = adapter_weights_numpy(model)
+    state = {k: np.array(v) for k, v in tree_flatten(trainer.optimizer.state)}
+    asked = []
+    trainer.stopping = lambda: asked.append(1) or len(asked) > 1
+    with pytest.raises(StepStopped):
+        trainer.step(prepared, np.ones(len(batch.lengths), np.float32))
+    assert len(asked) == 2  # the first micro-batch ran, the second was never started
+    after = adapter_weights_numpy(model)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert all(
+        np.array_equal(v, np.array(dict(tree_flatten(trainer.optimizer.state))[k])) for k, v in state.items()
+    )
+    trainer.stopping = lambda: True
+    with pytest.raises(StepStopped):
+        trainer.prepare(batch)  # the old-policy passes stop too
