@@ -517,3 +517,20 @@ def test_the_plot_s_reward_band_stays_inside_the_range_the_rewards_took():
     ]
     low, high = band(rows, "reward", "reward_std")
     assert low == pytest.approx([0.6, 0.0, 0.25]) and high == pytest.approx([1.0, 0.3, 0.75])
+
+
+def test_a_batch_put_back_is_queued_again_in_its_order_of_arrival():
+    """A step stopped before it trained its batch (learner.trainer.StepStopped): the
+    groups go back ahead of those that arrived after them, in their order."""
+    from learner.intake import Intake
+    from learner.ledger import Ledger
+
+    intake = Intake(None, lambda rewards: True, Ledger())  # type: ignore[arg-type]  # no scoring here
+    groups = [type("G", (), {"policy_version": 0, "name": n})() for n in "abcde"]
+    intake.queue = list(enumerate(groups))
+    taken = intake.next_batch(0, 3, 1)
+    assert [g.name for g in taken] == ["a", "b", "c"]
+    intake.queue.append((5, type("G", (), {"policy_version": 0, "name": "f"})()))
+    intake.put_back()
+    assert [g.name for _, g in intake.queue] == ["a", "b", "c", "d", "e", "f"]
+    assert [g.name for g in intake.next_batch(0, 3, 1)] == ["a", "b", "c"]
