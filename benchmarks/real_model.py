@@ -1,4 +1,4 @@
-"""A real pretrained model side by side: this project, mlxrl and mlx-lm-lora in one run.
+"""A real pretrained model side by side: this project, mlxrl, mlx-lm-lora and AReno in one run.
 
     python -m benchmarks.real_model                 # SmolLM2-135M-Instruct, 3 repeats
     python -m benchmarks.real_model --quick         # 1 repeat of 3 steps: checks the harness
@@ -17,13 +17,24 @@ over all of them):
   baseline of every ratio (benchmarks/mlxrl_driver.py);
 - mlx-lm-lora 5.10.2's GRPO, as its CLI trains, with its reference model a second copy
   (benchmarks/mlx_lm_lora_driver.py);
+- AReno 0.10.0's GRPO on its MLX backend, as `areno train` runs it, through its Python
+  API (benchmarks/areno_driver.py): `backend="mlx"` and `compile_train_step = False` on
+  this CPU. Its GRPO has no KL term (beta 0), takes the sampler's logprobs as the old
+  policy's and its ratio is 1 by construction;
 - this project at `max_staleness` 0 and 1, and at 0 with `train.logit_chunk_mb = 16`
   (the learner forms a quarter of the default's logits at once);
 - this project with a 4-bit actor held quantized (`actor.quantize_bits = 4`,
   `model.dequantize_on_cpu = false`): the memory a quantized actor saves. Its rollout is
   slow here (MLX's quantized matmuls on the CPU), so its speed is not the point.
 The first step of every run is a warm-up and is left out. Peers that are not installed
-(`pip install -e '.[bench]'`) are skipped. Results: benchmarks/results/real_model[_quick].*
+are skipped, with a message: mlxrl and mlx-lm-lora come with `pip install -e '.[bench]'`;
+AReno cannot be in that extra (on Linux it declares torch, which its MLX path never
+imports), so it installs on its own, without its declared dependencies:
+
+    pip install --no-deps areno==0.10.0
+    pip install 'transformers>=5.15,<6' 'safetensors>=0.4' 'pydantic>=2' 'click>=8.1' 'rich>=13' 'tqdm>=4.66'
+
+(mlx and mlx-lm come with this project). Results: benchmarks/results/real_model[_quick].*
 """
 
 from __future__ import annotations
@@ -36,10 +47,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import EXAMPLES, harness, timeline_table, write_results
+from benchmarks.common import EXAMPLES, harness, log, timeline_table, write_results
 from benchmarks.real_shape import SETTINGS, have_mlxrl, run_mlxrl, run_ours, table
 
 TASK = (EXAMPLES / "smollm2_train.jsonl", "rewards.verifiable:final_number")
+# Not in the `bench` extra: AReno 0.10.0 declares torch on Linux; its MLX path needs only these.
+ARENO_INSTALL = (
+    "pip install --no-deps areno==0.10.0 && pip install 'transformers>=5.15,<6' 'safetensors>=0.4' "
+    "'pydantic>=2' 'click>=8.1' 'rich>=13' 'tqdm>=4.66'"
+)
 
 
 def smollm2_float32(models_dir: Path) -> Path:
@@ -78,18 +94,29 @@ def measure(a, model: Path, work: Path) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {
         "mlxrl": [],
         "mlx-lm-lora": [],
+        "areno": [],
         "sync": [],
         "overlap": [],
         "sync, logit_chunk_mb 16": [],
         "sync, actor 4-bit": [],
     }
     lora_peer = importlib.util.find_spec("mlx_lm_lora") is not None
+    areno_peer = importlib.util.find_spec("areno") is not None
+    for name, there in (("mlxrl", have_mlxrl()), ("mlx-lm-lora", lora_peer)):
+        if not there:
+            log(f"{name} is not installed (pip install -e '.[bench]'): skipped")
+    if not areno_peer:
+        log(f"areno is not installed ({ARENO_INSTALL}): skipped")
     for r in range(a.repeats):
         if have_mlxrl():
             runs["mlxrl"].append(run_mlxrl(model, work, f"mlxrl-r{r}", a, "best", task=TASK))
         if lora_peer:
             runs["mlx-lm-lora"].append(
                 run_mlxrl(model, work, f"lora-r{r}", a, "", task=TASK, driver="benchmarks.mlx_lm_lora_driver")
+            )
+        if areno_peer:
+            runs["areno"].append(
+                run_mlxrl(model, work, f"areno-r{r}", a, "", task=TASK, driver="benchmarks.areno_driver")
             )
         runs["sync"].append(run_ours(model, work, f"sync-r{r}", 0, a, task=TASK))
         runs["overlap"].append(run_ours(model, work, f"over-r{r}", 1, a, task=TASK))
