@@ -19,7 +19,7 @@ from tests.helpers import assert_nothing_lost, orchestrator, read_metrics, write
 
 pytestmark = pytest.mark.slow  # steps long on purpose
 
-SLOW_S = 1.5
+SLOW_S = 1.3
 SLOW_LOSS = f"""
 import time
 from dataclasses import dataclass
@@ -45,16 +45,16 @@ def status(run: Path) -> dict:
 def test_ctrl_c_in_a_long_learner_step_stops_within_5_s_and_resume_goes_on(tmp_path):
     (tmp_path / "slow_loss.py").write_text(SLOW_LOSS)
     extra = '[algorithm]\nname = "slow_loss:SlowGRPO"\n[train]\nmicro_batch_size = 1\ncheckpoint_every = 1\n'
-    config = write_config(tmp_path, extra, steps=4)  # 2 groups of 4: 8 micro-batches a step
+    config = write_config(tmp_path, extra, steps=3)  # 2 groups of 4: 8 micro-batches a step
     run = tmp_path / "run"
     proc = orchestrator("up", "--config", str(config))
     try:
         deadline = time.monotonic() + 300
-        while not (status(run).get("phase") == "stepping" and status(run).get("step") == 2):
+        while not (status(run).get("phase") == "stepping" and status(run).get("step") == 1):
             assert proc.poll() is None, proc.communicate()[0]
             assert time.monotonic() < deadline, status(run)
             time.sleep(0.05)
-        time.sleep(3.0)  # inside step 3, a few micro-batches in
+        time.sleep(3.0)  # inside step 2, a few micro-batches in
         proc.send_signal(signal.SIGINT)
         asked = time.monotonic()
         out, _ = proc.communicate(timeout=60)
@@ -65,17 +65,17 @@ def test_ctrl_c_in_a_long_learner_step_stops_within_5_s_and_resume_goes_on(tmp_p
             proc.wait()
     metrics = read_metrics(run)
     steps = {m["step"]: m["step_s"] for m in metrics}
-    assert sorted(steps) == [1, 2], out  # the stopped step left nothing
+    assert sorted(steps) == [1], out  # the stopped step left nothing
     assert min(steps.values()) >= 10, f"the premise: learner steps of at least 10 s: {steps}"
     assert took < 5, f"up took {took:.1f} s to stop after Ctrl-C\n{out}"
     assert proc.returncode == 130, out
     stopped = status(run)
-    assert stopped["phase"] == "stopped" and stopped["step"] == 2, stopped
+    assert stopped["phase"] == "stopped" and stopped["step"] == 1, stopped
     counts = ("groups_trained", "groups_dropped", "groups_queued")
     assert stopped["groups_received"] == sum(stopped[c] for c in counts), stopped
-    assert stopped["groups_trained"] == 4  # the stopped batch's groups are queued, not trained
-    assert (run / "checkpoints" / "step_000002" / "state.json").exists()
-    assert not (run / "checkpoints" / "step_000003").exists()
+    assert stopped["groups_trained"] == 2  # the stopped batch's groups are queued, not trained
+    assert (run / "checkpoints" / "step_000001" / "state.json").exists()
+    assert not (run / "checkpoints" / "step_000002").exists()
 
     resumed = orchestrator("up", "--resume", str(run))
     try:
@@ -85,4 +85,4 @@ def test_ctrl_c_in_a_long_learner_step_stops_within_5_s_and_resume_goes_on(tmp_p
             resumed.kill()
             resumed.wait()
     assert resumed.returncode == 0, out
-    assert_nothing_lost(read_metrics(run), 4, 2)  # steps 1-4 once each, 8 groups trained
+    assert_nothing_lost(read_metrics(run), 3, 2)  # steps 1-3 once each, 6 groups trained
