@@ -128,6 +128,7 @@ def array(dtype: str, shape: str, doc: str, *, optional: bool = False) -> Any:
 
 
 T = TypeVar("T", bound="Definition")
+_SPECS: dict[type, dict[str, Spec]] = {}  # each definition's specs, worked out once
 
 
 class Definition:
@@ -139,7 +140,10 @@ class Definition:
 
     @classmethod
     def specs(cls) -> dict[str, Spec]:
-        return {f.name: f.metadata["wire"] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        """Its fields' specs by name (every message is held to them: worked out once)."""
+        if cls not in _SPECS:
+            _SPECS[cls] = {f.name: f.metadata["wire"] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return _SPECS[cls]
 
     def frames(self) -> list:
         """The message, ready to send (absent optional fields left out)."""
