@@ -104,9 +104,9 @@ def check_adapters_load(run: Path) -> tuple[bool, str]:
     return len(text) > 0, f"mlx_lm.load + generate: {text!r}"
 
 
-def resume_copy(scenario: Scenario, work: Path, run: Path, name: str, steps: int) -> str:
+def resume_copy(scenario: Scenario, work: Path, run: Path, name: str, steps: int) -> Path:
     """Copy the stopped run, resume the copy to `steps` with its workers (no remote actor:
-    the local one takes the batch), return its digest."""
+    the local one takes the batch), return the adapters of its checkpoint of `steps`."""
     copy = work / name
     # What a live run writes (sockets, endpoints, status) is the copy's own once it starts.
     shutil.copytree(
@@ -144,14 +144,27 @@ def resume_copy(scenario: Scenario, work: Path, run: Path, name: str, steps: int
                 p.wait()
     if code != 0:
         raise RuntimeError(f"resuming {copy} exited {code}; see {work / f'{name}.log'}")
-    state = json.loads((copy / "checkpoints" / f"step_{steps:06d}" / "state.json").read_text())
-    return state["adapters_digest"]
+    return checkpoint_adapters(copy, steps)
+
+
+def checkpoint_adapters(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:06d}" / "adapters" / "adapters.safetensors"
 
 
 def check_resume_twice(scenario: Scenario, work: Path, run: Path, steps: int, extra: int) -> tuple[bool, str]:
-    a = resume_copy(scenario, work, run, "resume-a", steps + extra)
-    b = resume_copy(scenario, work, run, "resume-b", steps + extra)
-    return a == b, f"step {steps} + {extra}: digests {a} and {b}"
+    """Two copies resumed from the same checkpoint train the same groups into the same
+    adapters, to float rounding: each learns a batch's groups as they arrive, and how they
+    are cut into takes follows the timing (`train.stream_groups = false`: to the bit). A
+    resume that lost its place in the data would be off by about the update itself."""
+    import mlx.core as mx
+
+    a = mx.load(str(resume_copy(scenario, work, run, "resume-a", steps + extra)))
+    b = mx.load(str(resume_copy(scenario, work, run, "resume-b", steps + extra)))
+    start = mx.load(str(checkpoint_adapters(run, steps)))
+    apart = max(float(mx.abs(a[k] - b[k]).max()) for k in a)
+    moved = max(float(mx.abs(a[k] - start[k]).max()) for k in a)
+    said = f"step {steps} + {extra}: adapters {apart:.1e} apart, each moved {moved:.1e}"
+    return moved > 0 and apart <= 1e-2 * moved, said
 
 
 def check_no_process_left(chaos: Chaos) -> tuple[bool, str]:
@@ -205,7 +218,7 @@ def play_scenario(
         f"no stall over {STALL_S:.0f} s": check_no_stall(chaos),
         "workers and remote actor stayed to the end": check_externals(chaos),
         "final adapters load": check_adapters_load(chaos.run),
-        "resume twice, identical adapters": check_resume_twice(scenario, work, chaos.run, steps, extra_steps),
+        "resume twice, the same adapters": check_resume_twice(scenario, work, chaos.run, steps, extra_steps),
         "no process left": check_no_process_left(chaos),
     }
     print(report(name, chaos, steps, checks, elapsed), f"\nlogs: {work}\n", flush=True)

@@ -57,6 +57,11 @@ class Algorithm(Protocol):
     def scale_rewards(self) -> str:
         """How advantages are scaled: "group", "batch" or "none" (GiGPO's step groups too)."""
 
+    @property
+    def group_local(self) -> bool:
+        """Whether a group's advantages depend on its own rewards alone: then the learner
+        trains each group as it arrives; else it waits for the whole batch."""
+
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
         """[groups, G] rewards -> [groups * G] advantages."""
 
@@ -182,6 +187,13 @@ class GRPO:
             kwargs["scale_rewards"] = cfg.scale_rewards
         kwargs.update({field: getattr(cfg, key) for field, key in cls.settings})
         return cls(**kwargs)
+
+    @property
+    def group_local(self) -> bool:
+        """Batch-scaled advantages (`scale_rewards = "batch"`) need every group's rewards;
+        group-scaled ones only the group's own. A loss of your own whose `advantages`
+        looks across groups says False here."""
+        return self.scale_rewards != "batch"
 
     def advantages(self, rewards: np.ndarray) -> np.ndarray:
         """[groups * G] from [groups, G] rewards. NaN (unscorable, as TRL marks a completion
@@ -535,7 +547,7 @@ def load_algorithm(cfg: AlgorithmConfig, max_tokens: int, search_path: str | Non
         algorithm = cls.from_config(cfg, max_tokens)
     except TypeError as e:
         raise ConfigError(f"algorithm.name {cfg.name!r}: {cls.__name__}.from_config failed: {e}") from e
-    missing = [a for a in ("scale_rewards", "per_completion") if not hasattr(algorithm, a)]
+    missing = [a for a in ("scale_rewards", "per_completion", "group_local") if not hasattr(algorithm, a)]
     if missing:
         raise ConfigError(f"algorithm.name {cfg.name!r}: {cls.__name__} has no {', '.join(missing)}")
     return algorithm

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import cast
 
@@ -120,11 +120,14 @@ class Micro:
 class Prepared:
     """A batch ready for its optimizer steps: its micro-batches, the whole batch's loss
     normaliser, and the diagnostics of the old-policy pass (when fused, which has none,
-    only `learner/padding_ratio`: the step gives the rest)."""
+    only `learner/padding_ratio`: the step gives the rest); `old_parts` and `real` are
+    what those diagnostics are merged from (Trainer.prepared_stats)."""
 
     micro: list[Micro]
     norm: float
     stats: dict[str, float]
+    old_parts: list[tuple[dict[str, float], tuple[float, float]]] = field(default_factory=list)
+    real: int = 0  # the positions its rows predict (a row of n tokens: n - 1)
 
     @property
     def weight(self) -> tuple[float, float]:
@@ -138,17 +141,27 @@ def make_batch(samples: list[TrainRow], pad_id: int) -> Batch:
     prompt_lengths = np.array([len(s.prompt_ids) for s in samples])
     lengths = prompt_lengths + np.array([len(s.completion_ids) for s in samples])
     tokens = np.full((len(samples), lengths.max()), pad_id, dtype=np.int32)
-    mask = np.zeros((len(samples), lengths.max() - 1), dtype=np.float32)
-    behavior = np.zeros((len(samples), lengths.max() - 1), dtype=np.float32)
+    mask = batch_mask(samples)
+    behavior = np.zeros_like(mask)
     for i, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         tokens[i, :p] = s.prompt_ids
         tokens[i, p : p + c] = s.completion_ids
-        # Position j predicts tokens[j + 1]: completion tokens sit at p-1 .. p+c-2. An
-        # episode's environment tokens are context, never trained on: mask 0.
-        mask[i, p - 1 : p - 1 + c] = 1.0 if s.loss_mask is None else s.loss_mask
         behavior[i, p - 1 : p - 1 + c] = s.behavior_logprobs * mask[i, p - 1 : p - 1 + c]
     return Batch(mx.array(tokens), mx.array(mask), mx.array(behavior), lengths, prompt_lengths)
+
+
+def batch_mask(samples: list[TrainRow]) -> np.ndarray:
+    """make_batch's mask of these rows: [B, longest row - 1], 1 where position j predicts a
+    trained completion token (tokens[j + 1])."""
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    mask = np.zeros((len(samples), max(lengths) - 1), dtype=np.float32)
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        # Completion tokens sit at p-1 .. p+c-2. An episode's environment tokens are
+        # context, never trained on: mask 0.
+        mask[i, p - 1 : p - 1 + c] = 1.0 if s.loss_mask is None else s.loss_mask
+    return mask
 
 
 def token_rows(samples: list[TrainRow], values: list[np.ndarray]) -> np.ndarray:

@@ -1,11 +1,13 @@
 """Groups on their way from the rollout socket to a batch: scored by the reward
 functions (in-process at once, external workers when they answer), kept or filtered by
 the algorithm (DAPO drops equal-reward groups), queued, and taken `batch_size` at a time,
-dropping those too stale to train on. Every group leaves through the ledger.
+dropping those too stale to train on: as they come, `batch_size` in all, while the
+learner builds a batch's gradient group by group. Every group leaves through the ledger.
 
 The queue keeps the order the groups arrived in, whatever order their rewards come back
-in (several reward workers): a batch's rows, and so its update to the last bit, do not
-depend on which worker was quicker.
+in (several reward workers): a batch's rows, and so its update, do not depend on which
+worker was quicker (to the last bit with `train.stream_groups = false`; learning the
+groups as they come cuts them into takes as the timing has it, the same to float rounding).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Intake:
         self.unscored: list[Group] = []  # received, not yet sent to the rewards
         self.awaiting: dict[str, Group] = {}  # waiting for an external reward
         self.queue: list[tuple[int, Group]] = []  # scored and kept, by arrival
-        self.taken: list[tuple[int, Group]] = []  # the batch being trained
+        self.taken: list[tuple[int, Group]] = []  # the batch being built and trained
         self.arrival: dict[int, int] = {}  # id(group) -> its place in the order of arrival
         self.counter = itertools.count()
 
@@ -72,20 +74,27 @@ class Intake:
         for key, error in errors:
             self.reward_failed(self.awaiting.pop(key), RewardError(error))
 
-    def next_batch(self, policy_version: int, batch_size: int, max_staleness: int) -> list[Group] | None:
-        """`batch_size` groups to train policy `policy_version` on, dropping those more than
-        `max_staleness` versions old; None until there are enough."""
+    def next_groups(self, policy_version: int, most: int, least: int, max_staleness: int) -> list[Group]:
+        """Up to `most` groups to train policy `policy_version` on, in their order of
+        arrival, dropping those more than `max_staleness` versions old; none until `least`
+        are queued. They stay taken, part of the batch being built, until it is trained
+        (`settle`) or put back."""
         for entry in [e for e in self.queue if policy_version - e[1].policy_version > max_staleness]:
             self.queue.remove(entry)
             self.drop(entry[1], "stale")
-        if len(self.queue) < batch_size:
-            return None
-        self.taken, self.queue = self.queue[:batch_size], self.queue[batch_size:]
-        return [g for _, g in self.taken]
+        if len(self.queue) < max(least, 1):
+            return []
+        got, self.queue = self.queue[:most], self.queue[most:]
+        self.taken += got
+        return [g for _, g in got]
+
+    def settle(self) -> None:
+        """The batch taken so far is trained: its groups are the ledger's now."""
+        self.taken = []
 
     def put_back(self) -> None:
-        """The last batch was not trained (a stop in the middle of its step): its groups are
-        queued again, in their order of arrival."""
+        """The batch taken so far was not trained (a stop in the middle of it): its groups
+        are queued again, in their order of arrival."""
         self.queue = sorted(self.taken + self.queue, key=lambda entry: entry[0])
         self.taken = []
 

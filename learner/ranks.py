@@ -4,15 +4,17 @@ Started by `mlx.launch` around `python -m learner` (the ring backend over TCP or
 Thunderbolt; JACCL and MPI alike), K learner processes train one adapter. Rank 0 is the
 learner the rest of the project knows: it owns the sockets, the ledger, the metrics, the
 published weights and the checkpoints. The other ranks own a model and an optimizer and
-nothing else: rank 0 sends them each batch (tokens, masks, behavior logprobs, advantages),
-every rank takes its rows, and every optimizer step adds the ranks' gradients (`all_sum`)
-before the same clip and update on every rank. Each row's loss is divided by the *whole*
-batch's normaliser (as micro-batches are, `learner.trainer`), so the summed gradient is the
+nothing else: rank 0 sends them the rows of each batch as its groups arrive (tokens, masks,
+behavior logprobs, advantages), every rank takes its share of them through forward and
+backward at once, and once the batch is complete every optimizer step adds the ranks'
+gradients (`all_sum`) before the same clip and update on every rank. Each row's loss is
+divided by the *whole* batch's normaliser (RankShare), so the summed gradient is the
 one-rank gradient of the whole batch, to float rounding.
 
 Everything between ranks is an MLX collective; "rank 0 sends" is an `all_sum` to which
-the others add zeros. Before each batch and each optimizer step rank 0 says whether one
-follows, so a stop between steps never leaves a rank waiting in a collective.
+the others add zeros. Before each collective rank 0 says what follows (Command): rows,
+a step, or the end. A stop on rank 0 between two of them leaves no rank waiting in one:
+the others end at the STOP that rank 0's close sends.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from learner.algorithms import algorithm_class
 from learner.batching import Batch, Prepared
-from learner.trainer import Trainer, combine_stats
+from learner.trainer import Gradient, Trainer, combine_stats
 from policy.memory import apply_memory_share
 from policy.model import dequantizes, load_policy
-from runtime import lifecycle
+from runtime import lifecycle, spans
 from runtime.config import Config, read_run_config
 from runtime.heartbeat import learner_name, start_heartbeat
 
@@ -43,9 +45,10 @@ log = logging.getLogger("learner")
 class Command(enum.IntEnum):
     """What rank 0 tells the other ranks before each collective they take part in."""
 
-    STOP = 0  # no more batches (or iterations): end
-    GO = 1  # a batch follows (with its rows and length), or the next iteration of one
+    STOP = 0  # the run is over: end
+    GO = 1  # the batch is complete: an optimizer step on it (its normaliser follows)
     COUNT = 2  # a tree of this many arrays follows (start-up)
+    ROWS = 3  # rows of the batch being built follow (their number, length, advantages' rank)
 
 
 @dataclass
@@ -104,21 +107,18 @@ class Ranks:
         code, a, b, c = (int(v) for v in np.array(got))
         return Command(code), a, b, c
 
-    def share_batch(self, batch: Batch, advantages: np.ndarray) -> None:
-        """Rank 0: send the batch to the other ranks (advantages [B], or [B, T] per token
-        laid out as the batch's mask)."""
+    def share_rows(self, batch: Batch, advantages: np.ndarray) -> None:
+        """Rank 0: send rows of the batch being built (their advantages [B], or [B, T] per
+        token laid out as their mask) to the other ranks."""
         if self.group is not None:
             rows, length = batch.tokens.shape
-            self.broadcast(Command.GO, rows, length, advantages.ndim)
+            self.broadcast(Command.ROWS, rows, length, advantages.ndim)
             adv = mx.array(advantages.astype(np.float32))
             lengths = [mx.array(batch.lengths, mx.int32), mx.array(batch.prompt_lengths, mx.int32)]
             self.from_rank0([batch.tokens, batch.mask, batch.behavior, adv, *lengths])
 
-    def receive_batch(self) -> tuple[Batch, np.ndarray] | None:
-        """A rank above 0: the next batch from rank 0, or None when it says stop."""
-        command, rows, length, adv_ndim = self.broadcast()
-        if command == Command.STOP:
-            return None
+    def receive_rows(self, rows: int, length: int, adv_ndim: int) -> tuple[Batch, np.ndarray]:
+        """A rank above 0, told ROWS: the rows rank 0 sends, and their advantages."""
         tokens, mask, behavior, adv, lengths, prompt_lengths = self.from_rank0(
             [
                 mx.zeros((rows, length), mx.int32),
@@ -130,6 +130,11 @@ class Ranks:
             ]
         )
         return Batch(tokens, mask, behavior, np.array(lengths), np.array(prompt_lengths)), np.array(adv)
+
+    def share_norm(self, norm: float = 0.0) -> float:
+        """Rank 0's loss normaliser of the batch on every rank (rank 0 passes it), in the
+        float32 every rank divides by alike."""
+        return float(np.array(self.from_rank0(mx.array([norm], dtype=mx.float32)))[0])
 
     def combine(
         self, stats: dict[str, float], weight: tuple[float, float], per_completion: frozenset[str]
@@ -160,38 +165,68 @@ class Ranks:
 
 
 class RankShare:
-    """This rank's rows of a batch, ready for its optimizer steps."""
+    """This rank's rows of a batch, taken as the batch's groups arrive (`take`), and its
+    optimizer steps once the batch is complete (`step`).
 
-    def __init__(self, trainer: Trainer, ranks: Ranks, batch: Batch, advantages: np.ndarray) -> None:
-        """`advantages`: [B], or [B, T] per token laid out as the batch's mask: its rows
-        are this rank's as the batch's are (the part's batch may be shorter: a row's
-        positions keep their columns)."""
-        n = batch.tokens.shape[0]
-        rows = np.arange(ranks.rank * n // ranks.size, (ranks.rank + 1) * n // ranks.size)
+    The first step's gradient is built as the rows come, each micro-batch's loss summed
+    unnormalised, and divided by the whole batch's normaliser when the batch is complete:
+    the normaliser of a loss (completions, tokens, Dr. GRPO's constant) is known only then,
+    and dividing a sum once is the same as dividing each term. Later iterations
+    (num_iterations > 1) go over the kept micro-batches again, the normaliser known."""
+
+    def __init__(self, trainer: Trainer, ranks: Ranks) -> None:
         self.trainer, self.ranks = trainer, ranks
-        norm = trainer.algorithm.normalizer(np.array(batch.mask))  # the whole batch's
-        self.prepared: Prepared = trainer.prepare(batch.take(rows), norm)
-        self.advantages = advantages[rows]
-        self.stats = self.combine(self.prepared.stats)  # the whole batch's
+        self.parts: list[tuple[Prepared, np.ndarray]] = []  # this rank's rows, as taken
+        self.first = Gradient()  # the first step's, unnormalised
+        self.steps = 0
+        self.stats: dict[str, float] = {}  # the old-policy pass's (this rank's), once complete
 
-    def step(self) -> dict[str, float]:
-        """One optimizer step on every rank; the whole batch's metrics."""
-        all_sum = self.ranks.all_sum if self.ranks.size > 1 else None
-        return self.combine(self.trainer.step(self.prepared, self.advantages, all_sum))
+    def take(self, batch: Batch, advantages: np.ndarray) -> None:
+        """Some rows of the batch (every rank gets the same): this rank's share of them
+        prepared and, for the first step, through forward and backward. Which ranks get a
+        row more turns with each take, so small takes spread over the ranks."""
+        n, size = batch.tokens.shape[0], self.ranks.size
+        place = (self.ranks.rank + len(self.parts)) % size
+        rows = np.arange(place * n // size, (place + 1) * n // size)
+        if len(rows) == 0:
+            return
+        with spans.span("old and reference logprobs", rows=len(rows)):
+            prepared = self.trainer.prepare(batch.take(rows), norm=1.0)
+        self.trainer.accumulate(self.first, prepared, advantages[rows], 1.0)
+        self.parts.append((prepared, advantages[rows]))
 
-    def combine(self, stats: dict[str, float]) -> dict[str, float]:
-        return self.ranks.combine(stats, self.prepared.weight, self.trainer.per_completion)
+    def step(self, norm: float) -> dict[str, float]:
+        """One optimizer step on every rank, the batch complete and `norm` its loss
+        normaliser; the whole batch's metrics (the old-policy pass's too)."""
+        if self.steps == 0:
+            gradient = self.first
+            gradient.normalize(norm)
+            self.stats = self.trainer.prepared_stats([p for p, _ in self.parts])
+        else:
+            gradient = Gradient()
+            for prepared, advantages in self.parts:
+                self.trainer.accumulate(gradient, prepared, advantages, norm)
+        self.steps += 1
+        stats = self.trainer.update(gradient, self.ranks.all_sum if self.ranks.size > 1 else None)
+        if self.ranks.size == 1:
+            return {**self.stats, **stats}
+        tokens, completions = zip(*(p.weight for p, _ in self.parts)) if self.parts else ((0.0,), (0.0,))
+        weight = (sum(tokens), sum(completions))
+        return self.ranks.combine({**self.stats, **stats}, weight, self.trainer.per_completion)
 
 
 def follow(trainer: Trainer, ranks: Ranks) -> None:
-    """A rank above 0: train on its rows of every batch rank 0 sends, until it says stop."""
+    """A rank above 0: take its share of the rows rank 0 sends and step when it says the
+    batch is complete, until it says stop. Rows after a step begin the next batch."""
     ranks.sync_state(trainer)
-    while (got := ranks.receive_batch()) is not None:
-        part = RankShare(trainer, ranks, *got)
-        for _ in range(trainer.num_iterations):
-            if ranks.broadcast()[0] == Command.STOP:
-                break
-            part.step()
+    share = RankShare(trainer, ranks)
+    while (said := ranks.broadcast())[0] != Command.STOP:
+        command, rows, length, adv_ndim = said
+        if command == Command.ROWS:
+            share = share if share.steps == 0 else RankShare(trainer, ranks)
+            share.take(*ranks.receive_rows(rows, length, adv_ndim))
+        elif command == Command.GO:
+            share.step(ranks.share_norm())
 
 
 def load_trainer(cfg: Config) -> tuple[nn.Module, Any, dict, Trainer]:

@@ -1,10 +1,12 @@
 """The learner process: intake -> rewards -> advantages -> step -> publish weights.
 
 Its loop (`run`) reads as what it does: take in the rollouts that arrived (the rollout
-socket), score them and queue those kept (the intake), train on every `batch_size` of
-them (`learn`: `num_iterations` optimizer steps, each published at once and written to
-the metrics), checkpoint every `checkpoint_every` steps, and keep each actor's credit
-flowing. The ledger knows where every group is: trained, dropped with a reason, or queued.
+socket), score them and queue those kept (the intake), learn each group as it comes
+(`learn`: its forward and backward while the batch's other groups are still sampled,
+learner/building.py) and, once `batch_size` groups are in, take `num_iterations`
+optimizer steps, each published at once and written to the metrics; checkpoint every
+`checkpoint_every` steps, and keep each actor's credit flowing. The ledger knows where
+every group is: trained, dropped with a reason, or queued.
 `Learner.from_run_dir` builds it, and its parts, from the run directory.
 """
 
@@ -17,14 +19,13 @@ from pathlib import Path
 
 import protocol
 import transport
-from learner.advantages import advantages
-from learner.batching import make_batch
+from learner.building import Building
 from learner.evaluator import Evaluator
-from learner.groups import Group, group_from_message
+from learner.groups import group_from_message
 from learner.intake import Intake
 from learner.ledger import Ledger
 from learner.metrics import batch_metrics, batch_tokens
-from learner.ranks import Command, Ranks, RankShare, load_trainer
+from learner.ranks import Command, Ranks, load_trainer
 from learner.records import Checkpoints, Reports
 from learner.rollout_socket import RolloutSocket
 from learner.trainer import StepStopped, Trainer
@@ -64,6 +65,8 @@ class Learner:
         self.signals, self.ranks, self.net = signals, ranks, net
         if ranks.size == 1:  # ranks end a step together; a learner alone stops between micro-batches
             trainer.stopping = lambda: signals.requested
+        self.building = Building.new(trainer, ranks)
+        self.streams = cfg.train.stream_groups and trainer.algorithm.group_local
         self.step = checkpoints.step or 0  # optimizer steps taken: the weights' version (policy_version)
         self.num_tokens = checkpoints.num_tokens  # prompt and completion tokens trained on (TRL's num_tokens)
 
@@ -136,11 +139,10 @@ class Learner:
                 with spans.span("score", groups=len(arrived)):
                     self.intake.add(arrived)
                     self.intake.score()
-                batch = self.intake.next_batch(self.step, train.batch_size, train.max_staleness)
-                if batch is not None:
-                    self.learn(batch)
+                stepped = self.learn()
                 self.rollouts.send_credits()
-                self.reports.write_phase(self.step, at_once=batch is not None)
+                self.reports.write_phase(self.step, at_once=stepped)
+            self.intake.put_back()  # a batch begun, not complete at a stop: queued again
             if self.step >= train.steps:
                 self.evaluate()  # a run resumed at its last step; otherwise done already
         except RewardError:
@@ -150,54 +152,67 @@ class Learner:
         self.checkpoints.write(self.step, self.num_tokens)
         self.write_status(Phase.DONE if self.step >= train.steps else Phase.STOPPED)
 
-    def learn(self, groups: list[Group]) -> None:
-        """Train on one batch: `num_iterations` optimizer steps, each published at once. A
-        stop between two micro-batches ends it unfinished: a batch not trained yet goes back
-        to the queue (a checkpoint counts queued groups as not received: a resumed actor
-        samples their prompts again), and the step's partial work is thrown away."""
-        first_step = self.step
-        self.write_status(Phase.STEPPING, since=time.time())
+    def learn(self) -> bool:
+        """Take the groups at hand into the batch being built, through forward and backward
+        at once (all at once when its advantages need the whole batch, or with
+        `train.stream_groups = false`), and train the batch once it is complete:
+        `num_iterations` optimizer steps, each published at once. True when a step was taken.
+
+        A stop between two micro-batches ends the batch unfinished: its groups go back to
+        the queue if its first step was not taken (a checkpoint counts queued groups as not
+        received: a resumed actor samples their prompts again), and the step's partial
+        work is thrown away."""
+        train, first_step = self.cfg.train, self.step
+        want = train.batch_size - len(self.building.groups)
+        groups = self.intake.next_groups(self.step, want, 1 if self.streams else want, train.max_staleness)
+        if not groups:
+            return False
+        if not self.building.groups:
+            self.write_status(Phase.STEPPING, since=time.time())
         try:
-            self.train_batch(groups)
+            self.building.take(groups, self.cfg, self.pad_id)
+            if len(self.building.groups) == train.batch_size:
+                self.train_batch()
         except StepStopped:
             if self.step == first_step:
                 self.intake.put_back()
+            self.building = Building.new(self.trainer, self.ranks)
             log.info("stopped in the middle of step %d: nothing of it was applied", self.step + 1)
+        return self.step > first_step
 
-    def train_batch(self, groups: list[Group]) -> None:
+    def train_batch(self) -> None:
+        """The complete batch's optimizer steps, its metrics and its completions."""
         t0, started = time.perf_counter(), time.time()
-        samples = [sample for g in groups for sample in g.samples()]
-        batch = make_batch(samples, self.pad_id)
-        a = advantages(groups, samples, self.cfg, self.trainer.algorithm)
-        self.ranks.share_batch(batch, a.trained)
-        with spans.span("old and reference logprobs", groups=len(groups)):
-            part = RankShare(self.trainer, self.ranks, batch, a.trained)  # this rank's rows: all, alone
+        groups, share = self.building.groups, self.building.share
+        samples, a, norm = self.building.complete(self.cfg)
         num_tokens = self.num_tokens + batch_tokens(samples)
         self.reports.write_batch(self.step + 1, self.trainer.num_iterations, groups, a.rows)
         batch_stats = batch_metrics(groups, samples, a.rewards, a.rows, self.step, self.scorer.metric_name)
-        shared = {**batch_stats, **part.stats, **a.stats, "num_tokens": num_tokens}
+        shared, busy_s = {**batch_stats, **a.stats, "num_tokens": num_tokens}, self.building.busy_s
         for iteration in range(self.trainer.num_iterations):
-            go = iteration == 0 or not (self.step >= self.cfg.train.steps or self.signals.requested)
-            self.ranks.broadcast(Command.GO if go else Command.STOP)  # the other ranks step (or not) with us
-            if not go:
+            if iteration and (self.step >= self.cfg.train.steps or self.signals.requested):
                 break
+            self.ranks.broadcast(Command.GO)  # the other ranks step with us
             with spans.span("optimizer step", iteration=iteration):
-                stats = part.step()
+                stats = share.step(self.ranks.share_norm(norm))
             self.step += 1
             with spans.span("publish weights"):
                 self.rollouts.publish(self.step)
             if iteration == 0:
                 self.num_tokens = num_tokens
                 self.ledger.train([(g.sender, g.cursor, g.start_cursor) for g in groups])
-            step_s = time.perf_counter() - t0
-            spans.record("step", started, step_s, step=self.step)  # what step_s measures
+                self.intake.settle()
+            final_s = time.perf_counter() - t0
+            spans.record("step", started, final_s, step=self.step)  # since the batch was complete
             spans.mark("step", step=self.step)
+            step_s = busy_s + final_s  # the learner's time on it, as its groups came too
             self.reports.write_step(self.step, iteration, {**shared, **stats}, step_s)
             self.ledger.say_drops(self.step)
             if (every := self.cfg.train.checkpoint_every) and self.step % every == 0:
                 self.checkpoints.write(self.step, self.num_tokens)
             self.evaluate()
-            t0, started = time.perf_counter(), time.time()
+            t0, started, busy_s = time.perf_counter(), time.time(), 0.0
+        self.building = Building.new(self.trainer, self.ranks)
 
     def evaluate(self) -> None:
         """Evaluate on the held-out prompts when [eval] says this step is due."""

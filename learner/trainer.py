@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import cast
 
 import mlx.core as mx
@@ -118,6 +119,29 @@ def _chunked_value_and_grad(
     return (value, diag), grads
 
 
+@dataclass
+class Gradient:
+    """The loss gradient in the adapters, summed over micro-batches on its way to an
+    optimizer step, with the loss and each micro-batch's diagnostics."""
+
+    grads: dict | None = None
+    loss: float = 0.0
+    parts: list[Weighted] = field(default_factory=list)
+
+    def add(self, grads: dict) -> None:
+        self.grads = grads if self.grads is None else tree_map(mx.add, self.grads, grads)
+
+    def normalize(self, norm: float) -> None:
+        """Divide what was summed over `norm`, the whole batch's loss normaliser: the
+        gradient, the loss and each part's share of the surrogate loss (the other
+        diagnostics are averages, whatever the normaliser)."""
+        assert self.grads is not None  # a batch has at least one row
+        self.grads = tree_map(lambda g: g / norm, self.grads)
+        self.loss /= norm
+        for diag, _ in self.parts:
+            diag["surrogate_loss"] /= norm
+
+
 class Trainer:
     """The optimizer step with the run's settings, as the learner's loop and the benchmarks
     run it: a batch is prepared once, then each `step` is one optimizer update and its
@@ -178,11 +202,21 @@ class Trainer:
                 self.check_stop()
                 with adapters_disabled(self.model):
                     m.ref = _logprobs(self.model, m.rows, self.temperature, self.logits, self.head)[0]
-        stats = combine_stats(parts, self.per_completion) if parts else {}
         real = int(batch.lengths.sum()) - len(batch.lengths)  # a row of n tokens predicts n - 1
-        stats["learner/padding_ratio"] = sum(m.positions for m in micro) / max(real, 1)
         norm = self.algorithm.normalizer(np.array(batch.mask)) if norm is None else norm
-        return Prepared(micro, norm, stats)
+        prepared = Prepared(micro, norm, {}, parts, real)
+        prepared.stats = self.prepared_stats([prepared])
+        return prepared
+
+    def prepared_stats(self, parts: list[Prepared]) -> dict[str, float]:
+        """The old-policy pass's diagnostics of a batch prepared in `parts` (the groups that
+        were at hand each time), and its padding: what its forwards compute over what its
+        rows predict."""
+        old = [p for prepared in parts for p in prepared.old_parts]
+        stats = combine_stats(old, self.per_completion) if old else {}
+        positions = sum(m.positions for prepared in parts for m in prepared.micro)
+        stats["learner/padding_ratio"] = positions / max(sum(prepared.real for prepared in parts), 1)
+        return stats
 
     def micro_batches(self, batch: Batch) -> list[Micro]:
         """The batch's micro-batches (see micro_batch_rows), each with its prompts once
@@ -216,26 +250,38 @@ class Trainer:
     def step(
         self, prepared: Prepared, advantages: np.ndarray, all_sum: Callable[[dict], dict] | None = None
     ) -> dict[str, float]:
-        """One optimizer step, accumulating gradients over the micro-batches.
-
-        Each micro-batch's loss is its rows' summed terms over the whole batch's normaliser,
-        so the accumulated gradient equals the full batch's exactly (up to float rounding).
+        """One optimizer step on a whole prepared batch (see `accumulate` and `update`).
         A learner rank (learner.ranks) passes `all_sum`, which adds every rank's gradients
-        before the clip and the update. `advantages`: [B], or [B, T] per token laid out as
-        the batch's mask (GiGPO), which each micro-batch lays out as its own (Micro.per_token)."""
+        before the clip and the update."""
+        gradient = Gradient()
+        self.accumulate(gradient, prepared, advantages, prepared.norm)
+        return self.update(gradient, all_sum)
+
+    def accumulate(self, gradient: Gradient, prepared: Prepared, advantages: np.ndarray, norm: float) -> None:
+        """Add the gradient of the prepared rows' loss to `gradient`, micro-batch by micro-batch.
+
+        Each micro-batch's loss is its rows' summed terms over `norm`: the whole batch's
+        normaliser, so the accumulated gradient equals the full batch's exactly (up to
+        float rounding); or 1 while the batch's groups are still arriving, and
+        `Gradient.normalize` divides the sum once the batch is complete. `advantages`:
+        [B], or [B, T] per token laid out as the batch's mask (GiGPO), which each
+        micro-batch lays out as its own (Micro.per_token)."""
         adv = mx.array(advantages.astype(np.float32)) if advantages.ndim == 1 else None
-        grads, loss, parts = None, 0.0, []
         for m in prepared.micro:
             self.check_stop()
             rows_adv = adv[mx.array(m.index.astype(np.int32))] if adv is not None else m.per_token(advantages)
             with spans.span("forward and backward", rows=len(m.index), positions=m.positions):
-                (part_loss, diag), part_grads = self._value_and_grad(m, rows_adv, prepared.norm)
-                grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
-                mx.eval(part_loss, diag, grads)
-            loss += scalar(part_loss)
-            parts.append(({k: scalar(v) for k, v in diag.items()}, m.weight))
+                (loss, diag), grads = self._value_and_grad(m, rows_adv, norm)
+                gradient.add(grads)
+                mx.eval(loss, diag, gradient.grads)
+            gradient.loss += scalar(loss)
+            gradient.parts.append(({k: scalar(v) for k, v in diag.items()}, m.weight))
+
+    def update(self, gradient: Gradient, all_sum: Callable[[dict], dict] | None = None) -> dict[str, float]:
+        """The optimizer step on an accumulated (and normalised) gradient, and its metrics.
+        `all_sum` (learner ranks): adds every rank's gradients before the clip."""
+        grads, timing = gradient.grads, {}
         assert grads is not None  # a batch has at least one row
-        timing = {}
         if all_sum is not None:
             t0 = time.perf_counter()
             grads = all_sum(grads)
@@ -247,10 +293,10 @@ class Trainer:
             mx.eval(self.model.parameters(), self.optimizer.state, grad_norm)
         lr = scalar(mx.array(self.optimizer.learning_rate))
         return {
-            "loss": loss,
+            "loss": gradient.loss,
             "grad_norm": scalar(grad_norm),
             "learning_rate": lr,
-            **combine_stats(parts, self.per_completion),
+            **combine_stats(gradient.parts, self.per_completion),
             **timing,
         }
 

@@ -181,6 +181,13 @@ class TrainConfig:
         "completions per forward/backward; gradients accumulate exactly over micro-batches; 0 = whole batch",
         _range(0),
     )
+    stream_groups: bool = key(
+        True,
+        "learn each group as it arrives: its forward and backward run while the batch's "
+        "other groups are still sampled, and the update, once the batch is complete, is "
+        "the same; false: wait for the whole batch. Batch-scaled advantages "
+        '(`algorithm.scale_rewards = "batch"`) always wait',
+    )
     sort_by_length: bool = key(
         True,
         "form micro-batches of rows of similar length, each padded only to "

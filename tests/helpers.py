@@ -358,7 +358,7 @@ def check_chaos(tmp_path: Path, scenario: str) -> None:
         "no stall over 30 s",
         "workers and remote actor stayed to the end",
         "final adapters load",
-        "resume twice, identical adapters",
+        "resume twice, the same adapters",
         "no process left",
     ):
         assert f"| {check} | PASS |" in out, out

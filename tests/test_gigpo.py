@@ -24,7 +24,7 @@ from learner.gigpo import (
     turn_values,
 )
 from learner.groups import group_from_message
-from learner.ranks import Ranks
+from learner.ranks import Command, Ranks
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
 from runtime.config import ALGORITHM_NAMES, ConfigError, LoraConfig, validate
 from tests.helpers import TINY_MODEL, trainer_for
@@ -297,9 +297,12 @@ def test_learner_ranks_share_per_token_advantages():
     per_token, _ = batch_advantages(groups, samples, episode, gamma=0.5, omega=1.0, scale_rewards="group")
     for adv in (episode, per_token):
         wire: list = []
-        Loopback(0, wire).share_batch(batch, adv)
-        got = Loopback(1, wire).receive_batch()
-        assert got is not None and not wire
+        Loopback(0, wire).share_rows(batch, adv)
+        follower = Loopback(1, wire)
+        command, rows, length, adv_ndim = follower.broadcast()
+        assert command == Command.ROWS
+        got = follower.receive_rows(rows, length, adv_ndim)
+        assert not wire
         np.testing.assert_array_equal(got[1], adv.astype(np.float32))
         np.testing.assert_array_equal(np.array(got[0].mask), np.array(batch.mask))
 

@@ -131,11 +131,11 @@ def test_the_intake_scores_filters_and_batches_dropping_stale_groups(scorer):
     assert intake.queued == 3
     intake.score()
     assert ledger.dropped == {"filtered: equal rewards": 1} and intake.queued == 2
-    assert intake.next_batch(policy_version=2, batch_size=2, max_staleness=1) is None  # "old" is stale
+    assert intake.next_groups(policy_version=2, most=2, least=2, max_staleness=1) == []  # "old" is stale
     assert ledger.dropped["stale"] == 1
     intake.add([group("newer", (1, 2), version=2)])
     intake.score()
-    batch = intake.next_batch(policy_version=2, batch_size=2, max_staleness=1)
+    batch = intake.next_groups(policy_version=2, most=2, least=2, max_staleness=1)
     assert [g.group_id for g in batch] == ["new", "newer"]
     np.testing.assert_array_equal(batch[0].rewards, [3.0, 1.0])
 
@@ -151,13 +151,13 @@ def test_the_queue_keeps_the_order_of_arrival_whatever_order_rewards_come_back_i
     intake.unscored.clear()
     answers = [Scored(f"{A.hex()}/{name}", np.array([1.0, 2.0])) for name in ("third", "first", "second")]
     intake.take(answers[:1], [], [])
-    assert intake.next_batch(policy_version=0, batch_size=2, max_staleness=0) is None
+    assert intake.next_groups(policy_version=0, most=2, least=2, max_staleness=0) == []
     intake.take(answers[1:], [], [])
-    assert [g.group_id for g in intake.next_batch(policy_version=0, batch_size=2, max_staleness=0)] == [
+    assert [g.group_id for g in intake.next_groups(policy_version=0, most=2, least=2, max_staleness=0)] == [
         "first",
         "second",
     ]
-    third = intake.next_batch(policy_version=0, batch_size=1, max_staleness=0)
+    third = intake.next_groups(policy_version=0, most=1, least=1, max_staleness=0)
     assert [g.group_id for g in third] == ["third"]
 
 
@@ -520,17 +520,21 @@ def test_the_plot_s_reward_band_stays_inside_the_range_the_rewards_took():
 
 
 def test_a_batch_put_back_is_queued_again_in_its_order_of_arrival():
-    """A step stopped before it trained its batch (learner.trainer.StepStopped): the
-    groups go back ahead of those that arrived after them, in their order."""
+    """A step stopped before it trained its batch (learner.trainer.StepStopped), taken in
+    two pieces as its groups arrived: the groups go back ahead of those that arrived
+    after them, in their order."""
     from learner.intake import Intake
     from learner.ledger import Ledger
 
     intake = Intake(None, lambda rewards: True, Ledger())  # type: ignore[arg-type]  # no scoring here
     groups = [type("G", (), {"policy_version": 0, "name": n})() for n in "abcde"]
     intake.queue = list(enumerate(groups))
-    taken = intake.next_batch(0, 3, 1)
+    taken = intake.next_groups(0, 2, 1, 1) + intake.next_groups(0, 1, 1, 1)  # as they arrived
     assert [g.name for g in taken] == ["a", "b", "c"]
     intake.queue.append((5, type("G", (), {"policy_version": 0, "name": "f"})()))
     intake.put_back()
     assert [g.name for _, g in intake.queue] == ["a", "b", "c", "d", "e", "f"]
-    assert [g.name for g in intake.next_batch(0, 3, 1)] == ["a", "b", "c"]
+    assert [g.name for g in intake.next_groups(0, 3, 3, 1)] == ["a", "b", "c"]
+    intake.settle()  # trained: nothing to put back any more
+    intake.put_back()
+    assert [g.name for _, g in intake.queue] == ["d", "e", "f"]

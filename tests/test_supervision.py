@@ -79,7 +79,9 @@ def test_restarts_are_bounded(tmp_path):
 
 def test_a_resumed_run_repeats_the_uninterrupted_run(tmp_path):
     """Run A trains 4 steps; run B trains 2, stops, and is resumed to 4. B's steps 3 and 4
-    equal A's: same adapters (digest), rewards and loss within 1e-6."""
+    equal A's: the same adapters (to float rounding), rewards and loss within 1e-6."""
+    import mlx.core as mx
+
     extra = "[train]\ncheckpoint_every = 2\nkeep_checkpoints = 100"
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
@@ -101,11 +103,19 @@ def test_a_resumed_run_repeats_the_uninterrupted_run(tmp_path):
     for x, y in zip(ma, mb):
         for key in ("reward", "loss", "kl", "mismatch_kl", "completions/mean_length", "num_tokens"):
             assert y[key] == pytest.approx(x[key], abs=1e-6), (x["step"], key)
-    digests = [
-        json.loads((r / "run" / "checkpoints" / "step_000004" / "state.json").read_text())["adapters_digest"]
+    # The same adapters, to float rounding: each run learns a batch's groups as they
+    # arrive, cut into takes as the timing has it (tests/test_streamed_step.py).
+    ends = [
+        mx.load(str(r / "run" / "checkpoints" / "step_000004" / "adapters" / "adapters.safetensors"))
         for r in (a, b)
     ]
-    assert digests[0] == digests[1]
+    start = mx.load(str(b / "run" / "checkpoints" / "step_000002" / "adapters" / "adapters.safetensors"))
+    moved = max(float(mx.abs(ends[0][k] - start[k]).max()) for k in start)
+    assert moved > 1e-4
+    for k in start:
+        np.testing.assert_allclose(
+            np.array(ends[1][k]), np.array(ends[0][k]), rtol=1e-3, atol=1e-3 * moved, err_msg=k
+        )
     assert np.isfinite([m["loss"] for m in mb]).all()
 
 

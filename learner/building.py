@@ -1,0 +1,57 @@
+"""The batch being built as its groups arrive: each group's rows prepared (old-policy and
+reference logprobs) and through forward and backward at once, on every learner rank's
+share, while the batch's other groups are still being sampled. The learner's step
+(learner/service.py) takes its optimizer steps once the batch is complete.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from learner.advantages import Advantages, advantages
+from learner.batching import TrainRow, batch_mask, make_batch
+from learner.groups import Group
+from learner.ranks import Ranks, RankShare
+from learner.trainer import Trainer
+from runtime import spans
+from runtime.config import Config
+
+
+@dataclass
+class Building:
+    """A batch's groups so far, this rank's share of their rows (with the first step's
+    gradient as it grows), and the learner's time on it."""
+
+    share: RankShare
+    groups: list[Group] = field(default_factory=list)
+    busy_s: float = 0.0
+
+    @classmethod
+    def new(cls, trainer: Trainer, ranks: Ranks) -> Building:
+        return cls(RankShare(trainer, ranks))
+
+    def take(self, groups: list[Group], cfg: Config, pad_id: int) -> None:
+        """These groups' rows into the batch: sent to the other ranks, and this rank's
+        share through its old-policy and reference passes and the first step's forward and
+        backward. A group's advantages are its own rewards' (Algorithm.group_local), so
+        they are the same whether it comes alone or with the whole batch."""
+        t0 = time.perf_counter()
+        with spans.span("learn groups", groups=len(groups)):
+            samples = [sample for g in groups for sample in g.samples()]
+            batch = make_batch(samples, pad_id)
+            a = advantages(groups, samples, cfg, self.share.trainer.algorithm)
+            self.share.ranks.share_rows(batch, a.trained)
+            self.share.take(batch, a.trained)
+        self.groups += groups
+        self.busy_s += time.perf_counter() - t0  # the span's time, to a few µs
+
+    def complete(self, cfg: Config) -> tuple[list[TrainRow], Advantages, float]:
+        """The whole batch's rows, advantages (for its metrics) and loss normaliser."""
+        samples = [sample for g in self.groups for sample in g.samples()]
+        algorithm = self.share.trainer.algorithm
+        return (
+            samples,
+            advantages(self.groups, samples, cfg, algorithm),
+            algorithm.normalizer(batch_mask(samples)),
+        )
