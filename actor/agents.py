@@ -67,6 +67,7 @@ log = logging.getLogger("actor")
 CALL_SEED_STRIDE = 1_000_003
 CALLS_PER_ATTEMPT = 1_000  # an attempt's calls draw apart from the attempt before
 STARTED_OVER = "the actor started over: this session will start again, whole"  # a 503
+NO_AGENT = "no agent to start (agent.function and agent.command unset, or the actor closed)"
 
 
 class AgentError(ValueError):
@@ -250,8 +251,14 @@ class AgentRunner:
     def launch(self, s: Session) -> None:
         # A copy per session: an agent that appends to row["prompt"] changes only its own.
         row = copy.deepcopy({"prompt": s.group.drawn.prompt.prompt, **s.group.drawn.prompt.columns})
-        run = self.run_function if self.function is not None else self.run_command
-        threading.Thread(target=run, args=(s, row), name="agent", daemon=True).start()
+        if self.function is not None:
+            threading.Thread(target=self.run_function, args=(s, row), name="agent", daemon=True).start()
+        elif self.lifeline is not None:
+            # The lifeline goes with the command: its program must die with the actor.
+            args = (s, row, self.lifeline)
+            threading.Thread(target=self.run_command, args=args, name="agent", daemon=True).start()
+        else:  # none configured (its sessions are called from outside), or the runner closed
+            self.end(s, NO_AGENT)
 
     def run_function(self, s: Session, row: dict) -> None:
         fn = cast(Callable[..., Any], self.function)
@@ -265,9 +272,8 @@ class AgentRunner:
         except Exception as e:
             self.end(s, f"the agent raised {type(e).__name__}: {e}")
 
-    def run_command(self, s: Session, row: dict) -> None:
+    def run_command(self, s: Session, row: dict, lifeline: Lifeline) -> None:
         env = {**os.environ, "OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": s.key}
-        lifeline = cast(Lifeline, self.lifeline)
         try:
             # Its own process group, which the shim ends when we die (by any signal) and
             # we end when the session is over.
@@ -424,6 +430,7 @@ class AgentRunner:
         self.clear()
         if self.lifeline is not None:
             self.lifeline.close()
+            self.lifeline = None  # its descriptors' numbers may be reused: none to hand on
 
     @property
     def busy(self) -> bool:

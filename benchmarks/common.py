@@ -115,6 +115,15 @@ def timeline_table(runs: dict[str, list[dict]]) -> str:
     return "\n".join(rows) + "\n" + work_table(runs)
 
 
+def learner_step_s(timeline: dict) -> float | None:
+    """A learner step's seconds: its takes of groups as they arrived ("learn groups") and
+    what followed once its batch was complete ("step")."""
+    spans = timeline.get("spans", {})
+    if "step" not in spans:
+        return None
+    return spans["step"] + spans.get("learn groups", 0.0)
+
+
 def work_table(runs: dict[str, list[dict]]) -> str:
     """What each timed step cost the learner and the actor, by the timeline's spans
     (medians over repeats): the learner's forwards and backwards, the actor's decode steps,
@@ -136,7 +145,7 @@ def work_table(runs: dict[str, list[dict]]) -> str:
             continue
         cells = [
             value(rs, "learner", lambda t: t.get("spans", {}).get("forward and backward")),
-            value(rs, "learner", lambda t: t.get("spans", {}).get("step")),
+            value(rs, "learner", learner_step_s),
             value(rs, "actor", lambda t: t.get("spans", {}).get("decode step")),
             value(rs, "actor", lambda t: t.get("decode_steps")),
             value(rs, "actor", lambda t: t.get("rows_per_decode_step")),

@@ -74,6 +74,13 @@ def exposure_note(cfg: Config, run_dir: Path) -> str | None:
     )
 
 
+def signalled_first(procs: dict[str, subprocess.Popen]) -> list[str]:
+    """The names, those a signal ended first (stable otherwise). One learner rank killed
+    from outside breaks the ring, and the others then exit on their own (code 1), often
+    before the next poll: blaming the first dead rank by rank order would name a victim."""
+    return sorted(procs, key=lambda name: not ((procs[name].poll() or 0) < 0))
+
+
 class Supervisor:
     """Starts the learner and the actors, restarts them when they fail, reports progress.
 
@@ -275,7 +282,8 @@ class Supervisor:
             self.poll_progress()
             if self.children["learner"].proc.poll() == lifecycle.EXIT_OK:
                 break
-            for name in (*self.learners, *self.actors, *self.env_workers):
+            learners = signalled_first({name: self.children[name].proc for name in self.learners})
+            for name in (*learners, *self.actors, *self.env_workers):
                 why = self.failure(name)
                 if why is not None:
                     self.restart(name, why)

@@ -95,13 +95,17 @@ def test_actor_applies_each_weight_version_it_receives(tmp_path, engine):
             reported, ours = group_logprobs(model, m, 0.7)
             np.testing.assert_allclose(reported, ours, atol=1e-4)
 
-        # Version 1: different LoRA weights, then credit for the first batch.
+        # Version 1: different LoRA weights, then credit for the first batch. Not much
+        # larger (at 0.3, attention scores reached ~3000: float32 rounding in the order of
+        # the sums then moved a logprob by up to 0.017 between cached and full forwards).
         rng = np.random.default_rng(0)
-        v1 = {k: v + rng.normal(0, 0.3, v.shape).astype(np.float32) for k, v in v0.items()}
+        v1 = {k: v + rng.normal(0, 0.05, v.shape).astype(np.float32) for k, v in v0.items()}
         send(protocol.WEIGHTS, {"version": 1}, v1)
         send(protocol.CREDIT, {"groups_consumed": batch})
         second = [recv(sock)[1] for _ in range(batch)]
         assert all(m["policy_version"] == 1 for m in second)
+        # Every token under version 1: with max_staleness = 0 no group straddles the switch.
+        assert all(set(m.arrays.get("policy_versions", np.array([1])).tolist()) == {1} for m in second)
         old_model_gap = 0.0
         for m in second:
             reported, under_v0 = group_logprobs(model, m, 0.7)
@@ -109,8 +113,8 @@ def test_actor_applies_each_weight_version_it_receives(tmp_path, engine):
         set_adapter_weights(model, v1)
         for m in second:
             reported, under_v1 = group_logprobs(model, m, 0.7)
-            # v1's large random LoRA weights make large logits: batched cached decoding and
-            # this full forward then differ by float32 rounding up to ~2e-4 (threaded BLAS).
+            # Batched cached decoding and this full forward sum in different orders: v1's
+            # random LoRA weights make that differ by up to ~5e-5 (seen in 2000 draws).
             np.testing.assert_allclose(reported, under_v1, atol=1e-3)
         # The same sampled IDs score differently under the weights the actor replaced.
         assert old_model_gap > 1e-2

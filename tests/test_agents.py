@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from actor.agents import AgentRunner
+from actor.agents import NO_AGENT, AgentRunner
 from actor.completions import Policy
 from actor.gateway import Gateway
 from actor.rollout import PlacedPrompt
@@ -730,9 +730,11 @@ def test_up_evaluates_an_agent_before_the_first_step_and_after_the_last(tmp_path
     assert log.count("eval/pass@1") == 2  # the base model's, then the trained adapters'
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_an_agent_s_reward_is_checked(served):
     """A reward that is no number, or turn_rewards that are not one per call, fail the
-    session with the reason (it is started again, then its group dropped)."""
+    session with the reason (it is started again, then its group dropped). This runner
+    has no agent to start again: each new attempt fails at once, without a thread."""
     from actor.sessions import parse_reward
 
     assert parse_reward(0.5) == (0.5, None)
@@ -745,6 +747,10 @@ def test_an_agent_s_reward_is_checked(served):
     served.runner.report(s, {"reward": 1.0, "turn_rewards": [0.5, 0.5]})
     served.runner.end(s, None)
     assert s.failed == "the agent gave 2 turn_rewards for its 1 calls"
+    deadline = time.monotonic() + 10
+    while s.group.lost is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.group.lost == f"agent: {NO_AGENT} (3 attempts)"
 
 
 @pytest.mark.slow

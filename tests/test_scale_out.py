@@ -152,10 +152,12 @@ def test_an_actor_from_another_machine_joins_over_curve_tcp(tmp_path):
 
 def test_two_learner_ranks_under_mlx_launch_train_the_adapter_one_rank_trains(tmp_path):
     """The same run twice (`orchestrator prepare`, then the learner and an actor started by
-    hand), from the same rollouts: a learner alone, and two learner ranks started by
-    `mlx.launch --backend ring` on localhost, each training half of every batch
-    of 2 groups x 4 completions. After 3 steps the adapters agree to float tolerance, the
-    metrics agree, and every checkpoint was written by rank 0."""
+    hand), from the same rollouts: a learner alone that waits for each whole batch
+    (`train.stream_groups = false`), and two learner ranks started by `mlx.launch
+    --backend ring` on localhost that learn each batch's groups as they arrive, each rank
+    half of the rows of every take, of 2 groups x 4 completions a batch. After 3 steps
+    the adapters agree to float tolerance, the metrics agree, and every checkpoint was
+    written by rank 0."""
     import subprocess
     import sys
 
@@ -165,9 +167,10 @@ def test_two_learner_ranks_under_mlx_launch_train_the_adapter_one_rank_trains(tm
     from orchestrator.launch import free_ports
     from tests.helpers import ROOT
 
-    def start(name: str, learner: list[str]) -> tuple[Path, list]:
+    def start(name: str, learner: list[str], stream: bool) -> tuple[Path, list]:
         (tmp_path / name).mkdir()
-        extra = "[train]\ncheckpoint_every = 1\nkeep_checkpoints = 5\n[lora]\ndropout = 0.0"
+        extra = f"[train]\ncheckpoint_every = 1\nkeep_checkpoints = 5\nstream_groups = {str(stream).lower()}"
+        extra += "\n[lora]\ndropout = 0.0"
         cfg = write_config(tmp_path / name, extra, steps=3)
         run = tmp_path / name / "run"
         prepared = subprocess.run(
@@ -206,7 +209,8 @@ def test_two_learner_ranks_under_mlx_launch_train_the_adapter_one_rank_trains(tm
         "--",
         sys.executable,
     ]
-    runs = [start("alone", [sys.executable]), start("ranks", launch)]
+    # The learner alone waits for each whole batch; the ranks learn its groups as they come.
+    runs = [start("alone", [sys.executable], stream=False), start("ranks", launch, stream=True)]
     try:
         for _, procs in runs:
             for proc in procs:
@@ -264,12 +268,37 @@ def test_up_runs_two_learner_ranks_and_restarts_them_together(tmp_path):
     os.kill(pid_of(run, "learner-1"), signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
-    # Rank 1's death, or rank 0's when the broken ring ends it first: one restart of both.
-    assert re.search(r"learner(-1)? exited with code -?\d+; restarting it \(1/3\)", out), out
+    assert "learner-1 exited with code -9; restarting it (1/3)" in out, out
     assert_steps_once_and_nothing_lost(read_metrics(run), steps)
     log = (run / "learner-1.log").read_text()
     assert log.count("learner rank 1 of 2") == 2 and "rank 0 says stop" in log
     assert json.loads((run / "ranks.json").read_text())[1][0].startswith("127.0.0.1:")
+
+
+def test_the_supervisor_names_the_rank_a_signal_ended_before_the_ranks_it_took_along():
+    """Rank 1 SIGKILLed, rank 0 ended by the broken ring (code 1), both dead at one poll:
+    the supervisor blames rank 1 whatever the rank order; a live rank keeps its place."""
+    import subprocess
+    import sys
+
+    from orchestrator.supervisor import signalled_first
+
+    def python(code: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    ring_broke, killed, alive = (
+        python("raise SystemExit(1)"),
+        python("import time; time.sleep(60)"),
+        python("import time; time.sleep(60)"),
+    )
+    try:
+        killed.kill()
+        assert ring_broke.wait(timeout=30) == 1 and killed.wait(timeout=30) == -signal.SIGKILL
+        procs = {"learner": ring_broke, "learner-1": killed, "learner-2": alive}
+        assert signalled_first(procs) == ["learner-1", "learner", "learner-2"]
+    finally:
+        alive.kill()
+        alive.wait()
 
 
 REMOTE = "[actor]\ncount = 2\nremote = 1\n[train]\ncheckpoint_every = 0\n"
