@@ -64,6 +64,7 @@ FLAT_SHAPE = dict(
     vocab_size=512,
 )
 BEFORE = ("actor.engine=static", "train.sort_by_length=false", "train.share_prompts=false")
+WHOLE_BATCHES = ("train.stream_groups=false",)  # --pair: the learner waits for each whole batch
 
 
 def table(runs: dict[str, list[dict]], k: int = 1) -> str:
@@ -86,6 +87,9 @@ def table(runs: dict[str, list[dict]], k: int = 1) -> str:
         f"Long tail against uniform lengths, completion tokens/s at k={k}: "
         f"{tail['completion_tok_s'] / uniform['completion_tok_s']:.2f}x"
     )
+    if (whole := med.get(f"long tail, k={k}, whole batches")) is not None:
+        gain = tail["it_s"] / whole["it_s"]
+        text += f"; learning groups as they arrive against whole batches: {gain:.2f}x it/s"
     if "long tail, k=1, before" in med:
         text += f"; it/s at k=1 against before: {tail['it_s'] / med['long tail, k=1, before']['it_s']:.2f}x"
     lines.append(text + ".")
@@ -102,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--pair",
         action="store_true",
-        help="only the long tail and uniform runs at max_staleness 1 (no mlxrl)",
+        help="only the long tail and uniform runs at max_staleness 1 (no mlxrl), and the long tail "
+        "with the learner waiting for whole batches (train.stream_groups = false)",
     )
     p.add_argument("--staleness", type=int, default=1, help="--pair: at this max_staleness")
     p.add_argument("--shape", choices=["small", "flat"], default="small", help="flat: FLAT_SHAPE, 101 M")
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     k_pair = a.staleness if a.pair else 1
     if a.pair:
-        names = [f"long tail, k={k_pair}", f"uniform, k={k_pair}"]
+        names = [f"long tail, k={k_pair}", f"long tail, k={k_pair}, whole batches", f"uniform, k={k_pair}"]
     runs: dict[str, list[dict]] = {name: [] for name in names}
     bs = a.batch_size
     with tempfile.TemporaryDirectory(prefix="e2el") as tmp:
@@ -134,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
                 runs["mlxrl"].append(run_mlxrl(tail, work, f"mlxrl{r}", a, "best", bs))
             for k in (k_pair,) if a.pair else (0, 1, 2):
                 runs[f"long tail, k={k}"].append(run_ours(tail, work, f"k{k}r{r}", k, a, batch_size=bs))
-            if not a.pair:
+            if a.pair:  # the learner waiting for each whole batch, as before it learned groups as they came
+                whole = run_ours(tail, work, f"w{r}", k_pair, a, batch_size=bs, sets=WHOLE_BATCHES)
+                runs[f"long tail, k={k_pair}, whole batches"].append(whole)
+            else:
                 before = run_ours(tail, work, f"b{r}", 1, a, batch_size=bs, sets=BEFORE)
                 runs["long tail, k=1, before"].append(before)
             runs[f"uniform, k={k_pair}"].append(

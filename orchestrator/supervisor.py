@@ -294,8 +294,9 @@ class Supervisor:
     def step_under_way(self) -> float:
         """If the learner is in the middle of an optimizer step, say so and return how long
         the rest of it may take (twice the last step's time): the learner leaves a step
-        between two micro-batches, throwing it away, but a step of one forward and backward
-        (or of several learner ranks) is finished first."""
+        between two takes of groups or two micro-batches, throwing it away, but one
+        forward and backward, the update at the end, and with several learner ranks a
+        take on rank 0 or a later iteration, are finished first."""
         try:
             status = json.loads((self.run_dir / "status.json").read_text())
         except (OSError, ValueError):

@@ -23,7 +23,11 @@ pytestmark = pytest.mark.slow  # real processes end to end: left out of the fast
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_metrics.json"
 # examples/tiny.toml, short, with the KL term and top-p truncation switched on so the
 # reference pass and the sampler's truncation are covered too.
+# The learner waits for whole batches: learning groups as they arrive cuts them into takes
+# as the timing has it, which moves float metrics by rounding from run to run (its update
+# is held to the whole batch's by tests/test_streamed_step.py).
 ARGS = ["--steps", "8", "--set", "algorithm.beta=0.04", "--set", "sampling.top_p=0.95"]
+ARGS += ["--set", "train.stream_groups=false"]
 # Measured, not computed: they differ between any two runs.
 UNPINNED = ("_s", "tokens_per_s", "peak_mb", "share_mb")
 
