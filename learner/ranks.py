@@ -164,6 +164,15 @@ class Ranks:
         log.info("rank %d of %d: adapter weights and optimizer state as rank 0's", self.rank, self.size)
 
 
+def rows_of_rank(n: int, rank: int, size: int, take: int) -> np.ndarray:
+    """Which of a take's `n` rows a rank trains: a contiguous share (a group's rows stay
+    together, so their prompt is shared), every row on one rank. Which ranks get a row
+    more turns with `take`, the take's number in its batch (the same on every rank), so
+    takes smaller than the ranks spread over them."""
+    place = (rank + take) % size
+    return np.arange(place * n // size, (place + 1) * n // size)
+
+
 class RankShare:
     """This rank's rows of a batch, taken as the batch's groups arrive (`take`), and its
     optimizer steps once the batch is complete (`step`).
@@ -178,16 +187,14 @@ class RankShare:
         self.trainer, self.ranks = trainer, ranks
         self.parts: list[tuple[Prepared, np.ndarray]] = []  # this rank's rows, as taken
         self.first = Gradient()  # the first step's, unnormalised
-        self.steps = 0
+        self.takes, self.steps = 0, 0
         self.stats: dict[str, float] = {}  # the old-policy pass's (this rank's), once complete
 
     def take(self, batch: Batch, advantages: np.ndarray) -> None:
         """Some rows of the batch (every rank gets the same): this rank's share of them
-        prepared and, for the first step, through forward and backward. Which ranks get a
-        row more turns with each take, so small takes spread over the ranks."""
-        n, size = batch.tokens.shape[0], self.ranks.size
-        place = (self.ranks.rank + len(self.parts)) % size
-        rows = np.arange(place * n // size, (place + 1) * n // size)
+        (rows_of_rank) prepared and, for the first step, through forward and backward."""
+        rows = rows_of_rank(batch.tokens.shape[0], self.ranks.rank, self.ranks.size, self.takes)
+        self.takes += 1
         if len(rows) == 0:
             return
         with spans.span("old and reference logprobs", rows=len(rows)):

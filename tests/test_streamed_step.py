@@ -143,6 +143,46 @@ def test_the_normaliser_is_the_whole_batch_s_not_each_take_s():
     assert first < whole / 2  # so a per-take normaliser would be off by more than any tolerance
 
 
+class Place:
+    """A rank's place among `n` ranks, as mx.distributed.Group gives it."""
+
+    def __init__(self, rank: int, n: int) -> None:
+        self.rank, self.size = (lambda: rank), (lambda: n)
+
+
+class Recorder:
+    """A trainer that notes which rows (by their advantages) each take trained."""
+
+    def __init__(self) -> None:
+        self.trained: list[float] = []
+
+    def prepare(self, batch, norm):
+        return batch
+
+    def accumulate(self, gradient, prepared, advantages, norm):
+        self.trained += advantages.tolist()
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_every_row_of_every_take_is_on_one_rank_and_small_takes_spread(size):
+    """Takes of 1 to 9 rows, one after the other: each row is trained by exactly one rank,
+    whichever ranks a take left without a row, and the rows of takes smaller than the
+    ranks do not all land on the same rank."""
+    takes = [1, 1, 1, 1, 2, 3, 5, 9, 1, 2]
+    rows = [TrainRow(np.array([1, 2]), np.array([3]), np.array([-0.5]), "stop")]
+    recorders = [Recorder() for _ in range(size)]
+    shares = [RankShare(r, Ranks(Place(rank, size))) for rank, r in enumerate(recorders)]  # type: ignore[arg-type]
+    first = 0
+    for n in takes:
+        batch, ids = make_batch(rows * n, 0), np.arange(first, first + n, dtype=np.float32)
+        for share in shares:
+            share.take(batch, ids)
+        first += n
+    trained = sorted(row for r in recorders for row in r.trained)
+    assert trained == list(range(sum(takes)))  # each once
+    assert min(len(r.trained) for r in recorders) >= 3  # 26 rows: no rank left out
+
+
 RANK_SCRIPT = """
 import sys
 
