@@ -338,7 +338,7 @@ def check_chaos(tmp_path: Path, scenario: str) -> None:
             "--scenario",
             scenario,
             "--steps-per-kill",
-            "4",
+            "3",
             "--work-dir",
             str(tmp_path),
         ],

@@ -252,12 +252,13 @@ def malformed_requests(rng: random.Random, n: int):
             yield kind, post(path, json.dumps(rng.choice([[], [1, 2], "s", 3, None, True])).encode())
 
 
-def test_ten_thousand_malformed_requests_never_end_the_server(tmp_path):
-    """A fuzz of 10,000 requests no client should send (broken and non-UTF-8 JSON, wrong
-    types, out-of-range and out-of-vocabulary ids, huge max_tokens and bodies, non-HTTP
-    bytes), and two clients that stall: every one is answered with an error naming what
-    is wrong (never a 500, and never a body that is not JSON), the server stays up, and a
-    good request made before is answered the same after."""
+def test_thousands_of_malformed_requests_never_end_the_server(tmp_path):
+    """A fuzz of 4,000 requests no client should send, 400 of each of ten kinds (broken
+    and non-UTF-8 JSON, wrong types, out-of-range and out-of-vocabulary ids, huge
+    max_tokens and bodies, non-HTTP bytes), and two clients that stall: every one is
+    answered with an error naming what is wrong (never a 500, and never a body that is
+    not JSON), the server stays up, and a good request made before is answered the same
+    after."""
     proc, url = start_server("--config", str(EXAMPLES / "tiny.toml"))
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     good = post(
@@ -268,7 +269,7 @@ def test_ten_thousand_malformed_requests_never_end_the_server(tmp_path):
         status, before = http(port, good)
         assert status == 200
         statuses = collections.Counter()
-        for kind, raw in malformed_requests(random.Random(0), 10_000):
+        for kind, raw in malformed_requests(random.Random(0), 4_000):
             status, body = http(port, raw)
             statuses[status] += 1
             if status == 0 and kind == 7:
@@ -283,7 +284,7 @@ def test_ten_thousand_malformed_requests_never_end_the_server(tmp_path):
             conn.close()
         assert proc.poll() is None
         assert status == 200 and json.loads(after)["choices"] == json.loads(before)["choices"]
-        assert statuses[400] > 5000, statuses
+        assert statuses[400] > 2000, statuses  # most are refused as bad requests
     finally:
         stop(proc)
 

@@ -45,7 +45,7 @@ def status(run: Path) -> dict:
 def test_ctrl_c_in_a_long_learner_step_stops_within_5_s_and_resume_goes_on(tmp_path):
     (tmp_path / "slow_loss.py").write_text(SLOW_LOSS)
     extra = '[algorithm]\nname = "slow_loss:SlowGRPO"\n[train]\nmicro_batch_size = 1\ncheckpoint_every = 1\n'
-    config = write_config(tmp_path, extra, steps=3)  # 2 groups of 4: 8 micro-batches a step
+    config = write_config(tmp_path, extra, steps=2)  # 2 groups of 4: 8 micro-batches a step
     run = tmp_path / "run"
     proc = orchestrator("up", "--config", str(config))
     try:
@@ -85,4 +85,4 @@ def test_ctrl_c_in_a_long_learner_step_stops_within_5_s_and_resume_goes_on(tmp_p
             resumed.kill()
             resumed.wait()
     assert resumed.returncode == 0, out
-    assert_nothing_lost(read_metrics(run), 3, 2)  # steps 1-3 once each, 6 groups trained
+    assert_nothing_lost(read_metrics(run), 2, 2)  # steps 1 and 2 once each, 4 groups trained
