@@ -10,12 +10,22 @@ import time
 from dataclasses import dataclass, field
 
 from learner.advantages import Advantages, advantages
+from learner.algorithms import Algorithm
 from learner.batching import TrainRow, batch_mask, make_batch
 from learner.groups import Group
 from learner.ranks import Ranks, RankShare
 from learner.trainer import Trainer
 from runtime import spans
 from runtime.config import Config
+
+
+def streams(cfg: Config, algorithm: Algorithm, ranks: int) -> bool:
+    """Whether the learner learns a batch's groups as they arrive: asked for
+    (`train.stream_groups`), each group's advantages its own (Algorithm.group_local), and
+    every learner rank sure of a row in every take (a group's `group_size` rows, or more,
+    shared among the ranks). With more ranks than that a small take would leave some rank
+    with nothing to add to the step; the whole batch has a row for each (config checks)."""
+    return cfg.train.stream_groups and algorithm.group_local and ranks <= cfg.sampling.group_size
 
 
 @dataclass
@@ -26,6 +36,7 @@ class Building:
     share: RankShare
     groups: list[Group] = field(default_factory=list)
     busy_s: float = 0.0
+    started: float | None = None  # time.time() of its first take
 
     @classmethod
     def new(cls, trainer: Trainer, ranks: Ranks) -> Building:
@@ -37,6 +48,7 @@ class Building:
         backward. A group's advantages are its own rewards' (Algorithm.group_local), so
         they are the same whether it comes alone or with the whole batch."""
         t0 = time.perf_counter()
+        self.started = self.started or time.time()
         with spans.span("learn groups", groups=len(groups)):
             samples = [sample for g in groups for sample in g.samples()]
             batch = make_batch(samples, pad_id)

@@ -39,8 +39,8 @@ class Intake:
 
     @property
     def queued(self) -> int:
-        """Groups received and neither trained nor dropped yet."""
-        return len(self.queue) + len(self.unscored) + len(self.awaiting)
+        """Groups received and neither trained nor dropped yet (the batch being built's too)."""
+        return len(self.queue) + len(self.taken) + len(self.unscored) + len(self.awaiting)
 
     def add(self, groups: list[Group]) -> None:
         for g in groups:

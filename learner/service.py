@@ -19,7 +19,7 @@ from pathlib import Path
 
 import protocol
 import transport
-from learner.building import Building
+from learner.building import Building, streams
 from learner.evaluator import Evaluator
 from learner.groups import group_from_message
 from learner.intake import Intake
@@ -66,7 +66,7 @@ class Learner:
         if ranks.size == 1:  # ranks end a step together; a learner alone stops between micro-batches
             trainer.stopping = lambda: signals.requested
         self.building = Building.new(trainer, ranks)
-        self.streams = cfg.train.stream_groups and trainer.algorithm.group_local
+        self.streams = streams(cfg, trainer.algorithm, ranks.size)
         self.step = checkpoints.step or 0  # optimizer steps taken: the weights' version (policy_version)
         self.num_tokens = checkpoints.num_tokens  # prompt and completion tokens trained on (TRL's num_tokens)
 
@@ -146,6 +146,7 @@ class Learner:
             if self.step >= train.steps:
                 self.evaluate()  # a run resumed at its last step; otherwise done already
         except RewardError:
+            self.intake.put_back()  # the batch begun: queued, as the checkpoint counts it
             self.checkpoints.write(self.step, self.num_tokens)
             self.write_status(Phase.FAILED)
             raise
@@ -167,8 +168,8 @@ class Learner:
         groups = self.intake.next_groups(self.step, want, 1 if self.streams else want, train.max_staleness)
         if not groups:
             return False
-        if not self.building.groups:
-            self.write_status(Phase.STEPPING, since=time.time())
+        # Before every take: a stop now waits for what cannot be cut short (supervisor).
+        self.write_status(Phase.STEPPING, since=self.building.started or time.time())
         try:
             self.building.take(groups, self.cfg, self.pad_id)
             if len(self.building.groups) == train.batch_size:

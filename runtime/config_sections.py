@@ -186,7 +186,8 @@ class TrainConfig:
         "learn each group as it arrives: its forward and backward run while the batch's "
         "other groups are still sampled, and the update, once the batch is complete, is "
         "the same; false: wait for the whole batch. Batch-scaled advantages "
-        '(`algorithm.scale_rewards = "batch"`) always wait',
+        '(`algorithm.scale_rewards = "batch"`), and more learner ranks than '
+        "`sampling.group_size`, always wait",
     )
     sort_by_length: bool = key(
         True,

@@ -137,6 +137,9 @@ def test_the_intake_scores_filters_and_batches_dropping_stale_groups(scorer):
     intake.score()
     batch = intake.next_groups(policy_version=2, most=2, least=2, max_staleness=1)
     assert [g.group_id for g in batch] == ["new", "newer"]
+    assert intake.queued == 2  # taken into the batch being built, not trained yet: still queued
+    intake.settle()
+    assert intake.queued == 0
     np.testing.assert_array_equal(batch[0].rewards, [3.0, 1.0])
 
 
@@ -517,6 +520,39 @@ def test_the_plot_s_reward_band_stays_inside_the_range_the_rewards_took():
     ]
     low, high = band(rows, "reward", "reward_std")
     assert low == pytest.approx([0.6, 0.0, 0.25]) and high == pytest.approx([1.0, 0.3, 0.75])
+
+
+def test_the_learner_says_it_is_stepping_before_every_take_of_a_batch():
+    """status.json says "stepping" before each take of groups, not only the first: `up`
+    gives a step under way its time before it kills the learner (Supervisor.step_under_way),
+    and between takes the phase the sockets say has replaced it."""
+    from types import SimpleNamespace
+
+    from learner.intake import Intake
+    from learner.ledger import Ledger
+    from learner.service import Learner
+    from runtime.config import TrainConfig
+    from runtime.rundir import Phase
+
+    said: list[str] = []
+
+    class Building:
+        groups: list = []
+        started = None
+
+        def take(self, groups, cfg, pad_id):
+            said.append(f"take {len(groups)}")
+            self.groups = [*self.groups, *groups]
+
+    learner = Learner.__new__(Learner)
+    learner.cfg = SimpleNamespace(train=TrainConfig(batch_size=3))  # type: ignore[assignment]
+    learner.step, learner.streams, learner.pad_id, learner.building = 0, True, 0, Building()  # type: ignore[assignment]
+    learner.intake = Intake(None, lambda rewards: True, Ledger())  # type: ignore[arg-type]
+    learner.write_status = lambda phase, **extra: said.append(phase)  # type: ignore[method-assign]
+    for arrived in ("a", "b"):  # one group, then another: two takes
+        learner.intake.queue.append((len(said), SimpleNamespace(policy_version=0, name=arrived)))
+        assert learner.learn() is False
+    assert said == [Phase.STEPPING, "take 1", Phase.STEPPING, "take 1"]
 
 
 def test_a_batch_put_back_is_queued_again_in_its_order_of_arrival():

@@ -14,7 +14,7 @@ from learner import batching
 from learner.algorithms import ALGORITHMS
 from learner.batching import TrainRow, batch_mask, make_batch, token_rows
 from learner.correction import Correction
-from learner.ranks import Ranks, RankShare
+from learner.ranks import Ranks, RankShare, rows_of_rank
 from policy.engine import sample_groups
 from policy.model import adapter_weights_numpy
 from runtime.config import SamplingConfig
@@ -183,6 +183,31 @@ def test_every_row_of_every_take_is_on_one_rank_and_small_takes_spread(size):
     assert min(len(r.trained) for r in recorders) >= 3  # 26 rows: no rank left out
 
 
+@pytest.mark.parametrize(
+    "ranks, group_size, batch_size", [(6, 2, 3), (5, 2, 3), (8, 2, 4), (7, 3, 3), (2, 4, 2)]
+)
+def test_with_more_ranks_than_a_group_has_rows_the_learner_waits_for_the_whole_batch(
+    ranks, group_size, batch_size
+):
+    """A take of one group then could leave a rank with no row in the whole batch (6 ranks,
+    G 2, B 3: takes of 2 groups then 1 give ranks 0 and 3 nothing), which has no gradient
+    to add: the learner streams only when every take has a row for every rank, and the
+    whole batch has one for each."""
+    from types import SimpleNamespace
+
+    from learner.building import streams
+    from runtime.config import SamplingConfig, TrainConfig
+
+    train, sampling = TrainConfig(batch_size=batch_size), SamplingConfig(group_size=group_size)
+    cfg = SimpleNamespace(train=train, sampling=sampling)
+    algorithm = trainer_for(model_with()[0]).algorithm
+    assert streams(cfg, algorithm, ranks) == (ranks <= group_size)
+    whole = batch_size * group_size
+    assert all(len(rows_of_rank(whole, rank, ranks, 0)) > 0 for rank in range(ranks))
+    one_group = [rows_of_rank(group_size, rank, ranks, k) for rank in range(ranks) for k in range(3)]
+    assert all(len(rows) > 0 for rows in one_group) == (ranks <= group_size)
+
+
 RANK_SCRIPT = """
 import sys
 
@@ -191,7 +216,7 @@ import numpy as np
 
 from learner.batching import batch_mask, make_batch
 from learner.correction import Correction
-from learner.ranks import Ranks, RankShare
+from learner.ranks import Ranks, RankShare, rows_of_rank
 from policy.model import adapter_weights_numpy
 from tests.helpers import trainer_for
 from tests.test_step import model_with, perturbed
