@@ -47,16 +47,16 @@ class Building:
         share through its old-policy and reference passes and the first step's forward and
         backward. A group's advantages are its own rewards' (Algorithm.group_local), so
         they are the same whether it comes alone or with the whole batch."""
-        t0 = time.perf_counter()
         self.started = self.started or time.time()
         with spans.span("learn groups", groups=len(groups)):
+            t0 = time.perf_counter()  # inside: the span's time, not its writing
             samples = [sample for g in groups for sample in g.samples()]
             batch = make_batch(samples, pad_id)
             a = advantages(groups, samples, cfg, self.share.trainer.algorithm)
             self.share.ranks.share_rows(batch, a.trained)
             self.share.take(batch, a.trained)
+            self.busy_s += time.perf_counter() - t0
         self.groups += groups
-        self.busy_s += time.perf_counter() - t0  # the span's time, to a few µs
 
     def complete(self, cfg: Config) -> tuple[list[TrainRow], Advantages, float]:
         """The whole batch's rows, advantages (for its metrics) and loss normaliser."""
