@@ -152,16 +152,10 @@ def make_batch(samples: list[TrainRow], pad_id: int) -> Batch:
 
 
 def batch_mask(samples: list[TrainRow]) -> np.ndarray:
-    """make_batch's mask of these rows: [B, longest row - 1], 1 where position j predicts a
-    trained completion token (tokens[j + 1])."""
-    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-    mask = np.zeros((len(samples), max(lengths) - 1), dtype=np.float32)
-    for i, s in enumerate(samples):
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        # Completion tokens sit at p-1 .. p+c-2. An episode's environment tokens are
-        # context, never trained on: mask 0.
-        mask[i, p - 1 : p - 1 + c] = 1.0 if s.loss_mask is None else s.loss_mask
-    return mask
+    """make_batch's mask of these rows: 1 where position j predicts a trained completion
+    token (tokens[j + 1]); an episode's environment tokens are context, never trained on."""
+    trained = [np.ones(len(s.completion_ids)) if s.loss_mask is None else s.loss_mask for s in samples]
+    return token_rows(samples, trained)
 
 
 def token_rows(samples: list[TrainRow], values: list[np.ndarray]) -> np.ndarray:

@@ -215,11 +215,12 @@ class RankShare:
                 self.trainer.accumulate(gradient, prepared, advantages, norm)
         self.steps += 1
         stats = self.trainer.update(gradient, self.ranks.all_sum if self.ranks.size > 1 else None)
-        if self.ranks.size == 1:
-            return {**self.stats, **stats}
-        tokens, completions = zip(*(p.weight for p, _ in self.parts)) if self.parts else ((0.0,), (0.0,))
-        weight = (sum(tokens), sum(completions))
-        return self.ranks.combine({**self.stats, **stats}, weight, self.trainer.per_completion)
+        return self.ranks.combine({**self.stats, **stats}, self.weight, self.trainer.per_completion)
+
+    @property
+    def weight(self) -> tuple[float, float]:
+        """This rank's completion tokens and completions: what its metrics average over."""
+        return sum(p.weight[0] for p, _ in self.parts), sum(p.weight[1] for p, _ in self.parts)
 
 
 def follow(trainer: Trainer, ranks: Ranks) -> None:
