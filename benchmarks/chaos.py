@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.chaos_kills import SCENARIOS, Chaos, Scenario, alive, externals, python, steps_done
@@ -158,8 +159,12 @@ def check_resume_twice(scenario: Scenario, work: Path, run: Path, steps: int, ex
     resume that lost its place in the data would be off by about the update itself."""
     import mlx.core as mx
 
-    a = mx.load(str(resume_copy(scenario, work, run, "resume-a", steps + extra)))
-    b = mx.load(str(resume_copy(scenario, work, run, "resume-b", steps + extra)))
+    # Side by side: each copy first waits out the remote slot that never attaches.
+    with ThreadPoolExecutor(2) as pool:
+        copies = pool.map(
+            lambda name: resume_copy(scenario, work, run, name, steps + extra), ("resume-a", "resume-b")
+        )
+        a, b = (mx.load(str(path)) for path in list(copies))
     start = mx.load(str(checkpoint_adapters(run, steps)))
     apart = max(float(mx.abs(a[k] - b[k]).max()) for k in a)
     moved = max(float(mx.abs(a[k] - start[k]).max()) for k in a)

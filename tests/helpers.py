@@ -339,6 +339,8 @@ def check_chaos(tmp_path: Path, scenario: str) -> None:
             scenario,
             "--steps-per-kill",
             "3",
+            "--extra-steps",
+            "2",
             "--work-dir",
             str(tmp_path),
         ],

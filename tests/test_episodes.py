@@ -173,7 +173,10 @@ def test_a_three_turn_episode_trains_on_exactly_the_sampled_ids_with_ratio_one(t
     assert micro.old is not None and micro.is_weight is not None
     old, behavior = np.array(micro.old), np.array(batch.behavior)
     assert int(mask.sum()) == sum(len(a) for a in actions.values())
-    assert np.abs((old - behavior)[mask == 1]).max() < 1e-5
+    # 1e-4, as every other ratio-one check: the actor's cached decode and the learner's
+    # whole-row forward sum in different orders (measured up to 1.1e-5 on CI's machine),
+    # while a token off by one position is off by about 1.
+    assert np.abs((old - behavior)[mask == 1]).max() < 1e-4
     assert (behavior[mask == 0] == 0).all()
 
     # Zero loss weight: the loss's gradient in the logprobs vanishes on environment tokens.
@@ -196,7 +199,7 @@ def test_the_digits_example_learns(tmp_path):
     metrics = read_metrics(tmp_path / "run")
     first, last = (np.mean([m["reward"] for m in part]) for part in (metrics[:4], metrics[-4:]))
     assert last > first + 0.15, (first, last)  # measured: 0.58 -> 0.88
-    assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-5
+    assert metrics[0]["sampling/sampling_logp_difference/max"] < 1e-4
     assert metrics[-1]["episodes/mean_model_turns"] == 3.0
     assert metrics[-1]["episodes/finish/env_done"] == 1.0
     assert_nothing_lost(metrics, 10, 8)
