@@ -8,8 +8,8 @@ several numbers of rows.
     python -m benchmarks.decode_step --quick          # a small shape: checks the harness
 
 The default model's next-token distribution is nearly flat on purpose (benchmarks/
-real_shape.py), so top-p cannot cut among a few candidates and the sampler sorts the
-whole vocabulary for every row; a trained model's peaked distribution takes the fast path.
+real_shape.py), so top-p cannot cut among a few candidates and the sampler draws by mass
+(policy/sampler.py); a trained model's peaked distribution takes the candidates' path.
 """
 
 from __future__ import annotations

@@ -18,10 +18,14 @@ other rows share the batch, and the whole batch's noise is a few array operation
 
 Cost at a large vocabulary. Truncation is a cut on the logprobs (`threshold`), found among
 the 1,024 most likely tokens (a partition, then a sort of those few) and noise is drawn
-for them alone; a full sort of the vocabulary (75 ms at 151,936 tokens and 4 rows on a
-CPU, as long as the output layer) happens only when the cut is not inside the candidates.
+for them alone. When the cut is not inside the candidates (a nearly flat distribution: top-p
+keeps most of the vocabulary), the token is drawn without the cut (`_draw_by_mass`): the
+Gumbel-max over every token, then a check of the drawn token's mass above it against top-p,
+and a draw again above it if top-p cuts it. A full sort of the vocabulary (75 ms at 151,936
+tokens and 4 rows on a CPU, as long as the output layer) is left for top-k cuts outside
+the candidates and for the rows whose mass is too close to top-p for float32 sums to tell.
 `reference_sample` draws one row at a time without a KV cache, by the definition (a sort
-of the whole vocabulary, noise for every token); tests check both give the same tokens.
+of the whole vocabulary, noise for every token); tests check all three give the same tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from policy.logprobs import picked_logprobs, tempered
@@ -128,14 +133,15 @@ def sample_tokens(
     With truncation, the cut is found among the CANDIDATES most likely tokens (a partition,
     not a sort of the vocabulary), and noise is drawn for them only. That is exact when
     the cut lies strictly inside the candidates, which a trained model's peaked
-    distribution almost always gives; otherwise (a flat distribution, a large top-k) the
-    step falls back to the definition, a sort of the whole vocabulary. Both give the same
-    token: the same logprobs plus the same noise, ties to the smallest id."""
+    distribution almost always gives. Otherwise (a flat distribution) top-p and min-p are
+    drawn by mass (`_draw_by_mass`), and a top-k cut beyond the candidates by the
+    definition, a sort of the whole vocabulary. All give the same token: the same
+    logprobs plus the same noise, ties to the smallest id."""
     scaled = tempered(logits, p.temperature)
     lse = mx.logsumexp(scaled, axis=-1)
     vocab = scaled.shape[-1]
     k = max(CANDIDATES, 2 * p.top_k)
-    if truncating(p) and k < vocab:
+    if truncating(p) and k < vocab and not _top_p_beyond(scaled, lse, p, k):
         ids = mx.argpartition(-scaled, k - 1, axis=-1)[:, :k]
         logprobs = mx.take_along_axis(scaled, ids, axis=-1) - lse[:, None]
         cut = threshold(mx.sort(logprobs, axis=-1)[:, ::-1], p)
@@ -144,7 +150,76 @@ def sample_tokens(
             best = score == mx.max(score, axis=-1, keepdims=True)
             tokens = mx.min(mx.where(best, ids, vocab), axis=-1)
             return tokens, picked_logprobs(scaled, lse, tokens)
+    if truncating(p) and not 0 < p.top_k < vocab:
+        tokens = _draw_by_mass(scaled, lse, row_keys, t, p)
+        return tokens, picked_logprobs(scaled, lse, tokens)
     return _sample_all(scaled, lse, row_keys, t, p)
+
+
+def _top_p_beyond(scaled: mx.array, lse: mx.array, p: SamplingConfig, k: int) -> bool:
+    """Whether top-p alone certainly keeps more than the `k` most likely tokens in every
+    row (k of them hold less than top_p even at the most likely one's probability): the
+    candidates cannot hold the cut, so the sampler does not look among them."""
+    if p.top_k or p.min_p > 0.0 or p.top_p >= 1.0:
+        return False
+    return bool(mx.all(k * mx.exp(mx.max(scaled, axis=-1) - lse) < p.top_p).item())
+
+
+# Rounds of `_draw_by_mass` before its rows go to the definition: a round draws again only
+# where top-p cut the token drawn, which happens about (1 - top_p) of the time.
+ROUNDS = 8
+
+
+def mass_margin(vocab: int) -> float:
+    """How far two float32 sums of up to `vocab` probabilities (totalling at most 1) can be
+    apart when their exact sums are equal, whatever order each adds in: each is off by at
+    most (n - 1) * 2**-24 of its total; a few units more for `threshold`'s subtraction."""
+    return (vocab + 8) * 2.0**-23
+
+
+def _draw_by_mass(
+    scaled: mx.array, lse: mx.array, row_keys: mx.array, t: int | mx.array, p: SamplingConfig
+) -> mx.array:
+    """The definition's token under top-p and min-p, without a sort of the vocabulary.
+
+    min-p's cut is max + log(min_p), exact without a sort. Top-p keeps a token when the mass
+    of the tokens more likely than it is below top_p (`threshold`), so the kept tokens are
+    the most likely ones: if the Gumbel-max over every token min-p keeps is kept by top-p,
+    it is also the Gumbel-max over the kept ones (the same sums of logprob and noise, ties
+    to the smallest id); if top-p cuts it, so it does every token as likely or less, and
+    the draw is made again above it. The mass above a token is a masked sum here and a
+    cumulative sum in sorted order in `threshold`: a row whose mass is within
+    `mass_margin` of top_p could go either way, and is drawn by the definition."""
+    logprobs = scaled - lse[:, None]
+    vocab = logprobs.shape[-1]
+    floor = mx.max(logprobs, axis=-1) + math.log(p.min_p) if p.min_p > 0.0 else mx.array(-mx.inf)
+    above_floor = logprobs >= (floor[:, None] if p.min_p > 0.0 else floor)
+    probs = mx.where(above_floor, mx.exp(logprobs), 0.0)
+    # `threshold` keeps no token whose probability is 0 (exp underflows) when top-p cuts.
+    candidates = probs > 0 if p.top_p < 1.0 else above_floor
+    score = mx.where(candidates, logprobs + _noise(row_keys, t, mx.arange(vocab)[None]), -mx.inf)
+    tokens = mx.argmax(score, axis=-1)
+    if p.top_p >= 1.0:
+        return tokens
+    margin = mass_margin(vocab)
+    undecided = np.ones(len(tokens), dtype=bool)
+    for _ in range(ROUNDS):
+        at = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
+        mass = mx.sum(mx.where(logprobs > at, probs, 0.0), axis=-1)
+        cut, sure = np.array(mass >= p.top_p + margin), np.array(mx.abs(mass - p.top_p) >= margin)
+        undecided = cut | ~sure
+        if not cut.any():
+            break
+        cut_rows = mx.array(cut)
+        score = mx.where(cut_rows[:, None] & (logprobs <= at), -mx.inf, score)
+        tokens = mx.where(cut_rows, mx.argmax(score, axis=-1), tokens)
+    if not undecided.any():
+        return tokens
+    rows = mx.array(np.flatnonzero(undecided))
+    steps = t if isinstance(t, int) else t[rows]
+    drawn = np.array(tokens)
+    drawn[undecided] = np.array(_sample_all(scaled[rows], lse[rows], row_keys[rows], steps, p)[0])
+    return mx.array(drawn)
 
 
 def _sample_all(

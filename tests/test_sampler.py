@@ -306,5 +306,69 @@ def test_candidate_sampling_equals_the_full_sort_definition(params, spread, ties
     truncates = params.top_k or params.min_p or params.top_p < 1
     if spread > 1 and truncates and params.top_k != 2000:
         assert not calls  # the cut was among the candidates every time: no sort of the vocabulary
-    if not truncates or spread < 1 and params.top_p > 0.5 and not params.top_k:
-        assert len(calls) == 5  # no truncation, or a flat distribution: the definition draws
+    if spread < 1 and truncates and not params.top_k:
+        assert not calls  # a flat distribution under top-p and min-p: drawn by mass, no sort
+    if not truncates:
+        assert len(calls) == 5  # no truncation: noise for every token, as the definition draws
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingConfig(temperature=0.7, top_p=0.95),
+        SamplingConfig(top_p=0.5),
+        SamplingConfig(top_p=0.05),
+        SamplingConfig(temperature=1.3, top_p=0.8, min_p=0.2),
+    ],
+    ids=["p=0.95", "p=0.5", "p=0.05", "min_p"],
+)
+@pytest.mark.parametrize("per_row_steps", [False, True], ids=["one-step", "row-steps"])
+def test_a_flat_distribution_is_drawn_by_mass_as_the_definition_draws(params, per_row_steps, monkeypatch):
+    """Nearly flat logits at a vocabulary larger than the candidates: the sampler draws
+    without a sort (the Gumbel-max over every token, then again above it where top-p cuts
+    it), the very tokens and logprobs of the definition. At top_p 0.5 about half the first
+    draws are cut, so a sampler that kept them would differ on most steps."""
+    import policy.sampler as sampler
+
+    vocab, rows = 6000, 16
+    logits = random_logits(rows, vocab, 0.5, False, seed=5)
+    full = sampler._sample_all
+    sorted_rows = []
+    monkeypatch.setattr(sampler, "_sample_all", lambda *a: sorted_rows.append(len(a[0])) or full(*a))
+    redrawn = 0
+    for t in range(6):
+        keys = noise_keys(3, list(range(rows)))
+        steps = mx.array([t + 7 * r for r in range(rows)], dtype=mx.uint32) if per_row_steps else t
+        tokens, lps = sample_tokens(logits, keys, steps, params)
+        scaled = logits / params.temperature
+        lse = mx.logsumexp(scaled, axis=-1)
+        ref_tokens, ref_lps = full(scaled, lse, keys, steps, params)
+        assert np.array(tokens).tolist() == np.array(ref_tokens).tolist()
+        np.testing.assert_array_equal(np.array(lps), np.array(ref_lps))
+        untruncated = SamplingConfig(temperature=params.temperature, min_p=params.min_p)
+        first, _ = full(scaled, lse, keys, steps, untruncated)  # the draw before top-p's check
+        redrawn += int((np.array(first) != np.array(tokens)).sum())
+    assert not sorted_rows  # no row needed the sort
+    if params.top_p <= 0.5:
+        assert redrawn > rows  # top-p cut many first draws, which were drawn again
+
+
+@pytest.mark.parametrize("margin", [0.2, 2.0], ids=["some-rows", "every-row"])
+def test_rows_whose_mass_is_too_close_to_top_p_are_drawn_by_the_definition(margin, monkeypatch):
+    """With a margin made wide, the rows whose mass above the drawn token is within it of
+    top_p go through the sort (some rows, or every row), each with its own step, and the
+    batch's tokens are still the definition's."""
+    import policy.sampler as sampler
+
+    vocab, rows, params = 6000, 16, SamplingConfig(top_p=0.5)
+    logits = random_logits(rows, vocab, 0.5, False, seed=9)
+    full = sampler._sample_all
+    sorted_rows = []
+    monkeypatch.setattr(sampler, "_sample_all", lambda *a: sorted_rows.append(len(a[0])) or full(*a))
+    monkeypatch.setattr(sampler, "mass_margin", lambda vocab: margin)
+    keys = noise_keys(5, list(range(rows)))
+    steps = mx.array(list(range(rows)), dtype=mx.uint32)
+    tokens, _ = sample_tokens(logits, keys, steps, params)
+    ref_tokens, _ = full(logits, mx.logsumexp(logits, axis=-1), keys, steps, params)
+    assert np.array(tokens).tolist() == np.array(ref_tokens).tolist()
+    assert sorted_rows == [rows] if margin > 1 else 0 < sorted_rows[0] < rows
