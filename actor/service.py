@@ -304,6 +304,7 @@ class Actor:
         in_flight = self.cfg.train.max_staleness >= 1 and not engine.static
         if self.pending is not None and (in_flight or not engine.busy):
             self.apply_pending()
+            self.give_up_stale()
         # Groups added and not yet sent count against the credit.
         room = self.window - (self.groups_sent - self.groups_consumed) - len(self.decoding)
         if self.policy_version is None or (room <= 0 and not engine.busy):
@@ -327,6 +328,28 @@ class Actor:
             self.send_group(drawn, fields, arrays, self.decode_s / len(done))
         if done:
             self.decode_s = 0.0
+
+    def give_up_stale(self) -> None:
+        """Stop decoding the groups the learner can no longer train on: their oldest token
+        came from weights more than `max_staleness` versions before the ones just applied,
+        and the learner's version only grows, so it would drop them as stale when they
+        arrived. Each is sent at once as a group dropped as "stale" (PROTOCOL.md, `error`),
+        which holds its place in the data; its credit comes back now, not when its longest
+        row would have ended. Under long-tailed lengths these are the longest groups."""
+        if self.policy_version is None:
+            return
+        for key in self.engine.started_before(self.policy_version - self.cfg.train.max_staleness):
+            self.engine.cancel(key)
+            drawn = self.decoding.pop(cast(int, key))
+            log.info(
+                "data row %s: stopped sampling its group, stale under weights version %d (max_staleness %d)",
+                drawn.prompt.index,
+                self.policy_version,
+                self.cfg.train.max_staleness,
+            )
+            empty = [Completion([], [], "length")] * self.sampling.group_size
+            fields, arrays = self.completions(drawn.prompt, empty)
+            self.send_group(drawn, {**fields, "error": "stale"}, arrays, 0.0)
 
     def run_sessions(self) -> None:
         """Agent sessions (actor/agents.py): new groups start as the credit allows, every

@@ -75,12 +75,23 @@ def table(runs: dict[str, list[dict]], k: int = 1) -> str:
         if rs
     }
     base = med.get("mlxrl")
-    lines = ["| run | it/s | completion tok/s | it/s vs mlxrl | it/s vs before |", "|---|---|---|---|---|"]
+    lines = [
+        "| run | it/s | completion tok/s | it/s vs mlxrl | it/s vs before | groups dropped as stale |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, m in med.items():
         vs_mlxrl = f"{m['it_s'] / base['it_s']:.2f}x" if base else "-"
         before = med.get("long tail, k=1, before")
         vs_before = f"{m['it_s'] / before['it_s']:.2f}x" if before else "-"
-        lines.append(f"| {name} | {m['it_s']:.3f} | {m['completion_tok_s']:.0f} | {vs_mlxrl} | {vs_before} |")
+        stale = "-"
+        if all("dropped_stale" in r for r in runs[name]):  # summed over repeats
+            dropped, received = (
+                sum(r[key] for r in runs[name]) for key in ("dropped_stale", "groups_received")
+            )
+            stale = f"{dropped} of {received}"
+        lines.append(
+            f"| {name} | {m['it_s']:.3f} | {m['completion_tok_s']:.0f} | {vs_mlxrl} | {vs_before} | {stale} |"
+        )
     tail, uniform = med[f"long tail, k={k}"], med[f"uniform, k={k}"]
     lines.append("")
     text = (

@@ -198,6 +198,9 @@ dir = "{run_dir}"
         "planned_learner_mb": plan["learner"],
         "planned_actor_mb": plan["actor"],
         "reward_mean": statistics.mean(x["reward"] for x in run.metrics),
+        # Over the whole run: groups sampled and then dropped as too stale to train on.
+        "groups_received": run.metrics[-1]["groups_received"],
+        "dropped_stale": run.metrics[-1].get("dropped_reasons", {}).get("stale", 0),
         "timeline": timeline_summary(run_dir, a.steps),
     }
 

@@ -172,6 +172,26 @@ class Engine:
         """Drop the KV cache kept for `key` (its episode ended)."""
         self.kept.pop(key, None)
 
+    def started_before(self, version: int) -> list[Hashable]:
+        """The decoding groups whose oldest token came from weights older than `version`
+        (a row yet to sample: the weights that computed its first logits). Waiting groups
+        have no tokens yet, and are not among them."""
+        oldest: dict[Hashable, int] = {}
+        for k, entry in enumerate(self.live):
+            if entry is not None:
+                group, row = entry
+                first = row.versions[0] if row.versions else self.made_by[k]
+                oldest[group.key] = min(first, oldest.get(group.key, first))
+        return [key for key, first in oldest.items() if first < version]
+
+    def cancel(self, key: Hashable) -> None:
+        """Stop decoding the group `key`, waiting or live: its rows are dead, and it never
+        completes. The other rows' tokens are unchanged (each row's noise is its own)."""
+        self.waiting = deque(g for g in self.waiting if g.key != key)
+        self.live = [None if entry is not None and entry[0].key == key else entry for entry in self.live]
+        if self.live and self.live.count(None) == len(self.live):
+            self._drop_dead()
+
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.live)

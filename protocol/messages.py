@@ -380,9 +380,10 @@ class Rollout(Definition):
     )
     error: str | None = header(
         "string",
-        "the actor could not complete this group (an episode failed `env.max_attempts` times): the "
-        "learner counts it as dropped with this reason and reads nothing else but `cursor` and "
-        "`start_cursor` (its place in the data: held, not sampled again)",
+        "the actor could not complete this group (an episode failed `env.max_attempts` times), or "
+        'stopped sampling it as too stale to train on (`"stale"`: see `credit`): the learner counts '
+        "it as dropped with this reason and reads nothing else but `cursor` and `start_cursor` (its "
+        "place in the data: held, not sampled again)",
         optional=True,
     )
     prompt_ids: np.ndarray = array(

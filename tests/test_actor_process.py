@@ -263,3 +263,62 @@ def test_groups_go_out_as_they_finish_and_a_restarted_actor_samples_what_the_lea
     assert len(seen) == len(set(seen)), "a prompt sampled twice"
     stream = PromptStream(load_prompts(cfg.data.prompts, tok, 1024), False, 0)
     assert sorted(seen) == [(next(stream), stream.cursor)[1] for _ in seen]  # and none skipped
+
+
+def test_a_group_certain_to_be_stale_stops_decoding_and_goes_out_as_dropped(tmp_path):
+    """max_staleness 1, a batch of one group, two groups decoding together under version 0.
+    The first comes back; the test sends version 2 while the other still decodes: that
+    one can no longer be trained (its oldest tokens are 2 versions old), so the actor
+    stops it and sends it at once with `error: "stale"` and its place in the data, well
+    before its rows would have ended. With credit for both, the next two groups are
+    version 2's, and the four cursors chain: nothing skipped, nothing twice."""
+    import json
+    import shutil
+
+    from tests.helpers import TINY_MODEL
+
+    path = tmp_path / "long-model"
+    shutil.copytree(TINY_MODEL, path)
+    config = json.loads((path / "config.json").read_text())
+    # Rarely sampled: rows end far apart. Here the first group ends at 65 tokens, and the
+    # other would run to max_tokens, 400: it is stopped long before.
+    config["eos_token_id"] = [5, 9]
+    (path / "config.json").write_text(json.dumps(config))
+    extra = (
+        f'[model]\npath = "{path}"\n[sampling]\ngroup_size = 2\nmax_tokens = 400\ntemperature = 1.5\n'
+        "[train]\nbatch_size = 1\nmax_staleness = 1\n[actor]\nmax_rows = 4"
+    )
+    cfg = load_config(write_config(tmp_path, extra))
+    run = prepare_run_dir(cfg)
+    with peer(run, "actor") as (actor, sock):
+        model, tok, _ = load_policy(cfg.model.path, cfg.lora)
+        identity, hello = recv(sock)
+
+        def send(kind, header, arrays=None):
+            sock.send_multipart([identity, *protocol.encode(kind, header, arrays)])
+
+        send(
+            protocol.HELLO,
+            {
+                "role": "learner",
+                "model": cfg.model.path,
+                "tokenizer": hello["tokenizer"],
+                "lora": as_dict(cfg.lora),
+                "pid": os.getpid(),
+            },
+        )
+        weights = adapter_weights_numpy(model)
+        send(protocol.WEIGHTS, {"version": 0}, weights)
+        first = recv(sock)[1]
+        send(protocol.WEIGHTS, {"version": 2}, weights)
+        gave_up = recv(sock)[1]
+        send(protocol.CREDIT, {"groups_consumed": 2})
+        later = [recv(sock)[1] for _ in range(2)]
+        send(protocol.STOP, {"reason": "test over"})
+        assert actor.wait(30) == 0
+    assert first.header.get("error") is None and first["policy_version"] == 0
+    assert gave_up.header["error"] == "stale" and gave_up.arrays["completion_lens"].tolist() == [0, 0]
+    assert all(m.header.get("error") is None and m["policy_version"] == 2 for m in later)
+    spans = sorted((m["start_cursor"], m["cursor"]) for m in (first, gave_up, *later))
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
+    assert "stopped sampling its group, stale under weights version 2" in (run / "actor.log").read_text()

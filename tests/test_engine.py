@@ -269,3 +269,41 @@ def test_a_kept_cache_holds_its_own_row_not_the_batch_s(policy):  # noqa: F811
     del kept
     gc.collect()
     assert before - mx.get_active_memory() < 4 * own
+
+
+def test_a_group_given_up_never_comes_back_and_the_others_are_as_sampled_without_it(policy):  # noqa: F811
+    """Three groups decode together under version 0, a fourth waits for room; at step 3
+    version 2 arrives. `started_before(1)` names the three (not the waiting one, which has
+    no tokens yet); cancelling the first lets the fourth join in its rows, and every group
+    but the first comes back with the reference sampler's tokens: a row's noise is its own.
+    A group cancelled while waiting never joins; cancelling the last live group empties
+    the engine."""
+    model, tok = policy
+    params = SamplingConfig(temperature=0.7, top_p=0.9, max_tokens=12)
+    eos = set(tok.eos_token_ids)
+    prompts = [tok.encode(t) for t in ("repeat 5", "hi", "x", "ab", "repeat 777")]
+    engine = Engine(model, params, eos, 4, max_rows=3 * G)
+    for i, p in enumerate(prompts):
+        engine.add(i, p, [i * G + j for j in range(G)])
+    engine.cancel(4)  # waiting: never joins
+    out: dict = {}
+    for _ in range(3):
+        out.update(engine.step(0))
+    assert not out and sorted(engine.started_before(1)) == [0, 1, 2] and engine.started_before(0) == []
+    engine.cancel(0)
+    out.update(engine.step(2))
+    live = {group.key for group, _ in filter(None, engine.live)}
+    assert live == {1, 2, 3}, live  # the fourth took the first's rows while the others decode
+    while engine.busy:
+        out.update(engine.step(2))
+        assert 0 not in engine.started_before(3)
+    assert sorted(out) == [1, 2, 3]
+    for i in (1, 2, 3):
+        assert_same(out[i], reference_sample(model, prompts[i], G, params, eos, 4, noise_offset=i * G))
+    assert all(set(row.versions) == {2} for row in out[3])  # joined after the change
+
+    engine.add("alone", prompts[0], list(range(G)))
+    engine.step(5)
+    assert engine.started_before(6) == ["alone"]
+    engine.cancel("alone")
+    assert not engine.busy and engine.step(6) == []
