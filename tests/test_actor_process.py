@@ -57,6 +57,17 @@ def group_logprobs(model, msg: protocol.Message, temperature: float) -> tuple[np
     return msg.arrays["logprobs"], np.concatenate(ours)
 
 
+def learner_hello(cfg, actor_hello: protocol.Message) -> dict:
+    """The `hello` a learner answers the actor's with (no data cursor: from the start)."""
+    return {
+        "role": "learner",
+        "model": cfg.model.path,
+        "tokenizer": actor_hello["tokenizer"],
+        "lora": as_dict(cfg.lora),
+        "pid": os.getpid(),
+    }
+
+
 @pytest.mark.parametrize("engine", ["continuous", "static"])
 def test_actor_applies_each_weight_version_it_receives(tmp_path, engine):
     """Either engine setting; a static batch's rollouts carry no per-token versions (one
@@ -75,16 +86,7 @@ def test_actor_applies_each_weight_version_it_receives(tmp_path, engine):
 
         # Garbage first: the actor must log it, drop it and carry on.
         sock.send_multipart([identity, b"\x00garbage"])
-        send(
-            protocol.HELLO,
-            {
-                "role": "learner",
-                "model": cfg.model.path,
-                "tokenizer": hello["tokenizer"],
-                "lora": as_dict(cfg.lora),
-                "pid": os.getpid(),
-            },
-        )
+        send(protocol.HELLO, learner_hello(cfg, hello))
         v0 = adapter_weights_numpy(model)
         send(protocol.WEIGHTS, {"version": 0}, v0)
         batch = cfg.train.batch_size
@@ -297,16 +299,7 @@ def test_a_group_certain_to_be_stale_stops_decoding_and_goes_out_as_dropped(tmp_
         def send(kind, header, arrays=None):
             sock.send_multipart([identity, *protocol.encode(kind, header, arrays)])
 
-        send(
-            protocol.HELLO,
-            {
-                "role": "learner",
-                "model": cfg.model.path,
-                "tokenizer": hello["tokenizer"],
-                "lora": as_dict(cfg.lora),
-                "pid": os.getpid(),
-            },
-        )
+        send(protocol.HELLO, learner_hello(cfg, hello))
         weights = adapter_weights_numpy(model)
         send(protocol.WEIGHTS, {"version": 0}, weights)
         first = recv(sock)[1]
