@@ -171,9 +171,10 @@ ROUNDS = 8
 
 
 def mass_margin(vocab: int) -> float:
-    """How far two float32 sums of up to `vocab` probabilities (totalling at most 1) can be
+    """How far two float32 sums of up to `vocab` probabilities (totalling about 1) can be
     apart when their exact sums are equal, whatever order each adds in: each is off by at
-    most (n - 1) * 2**-24 of its total; a few units more for `threshold`'s subtraction."""
+    most (n - 1) * 2**-24 of its total (the order-free bound for sums of nonnegative terms,
+    Jeannerod and Rump 2013), plus a few units for `threshold`'s subtraction."""
     return (vocab + 8) * 2.0**-23
 
 
@@ -189,7 +190,9 @@ def _draw_by_mass(
     to the smallest id); if top-p cuts it, so it does every token as likely or less, and
     the draw is made again above it. The mass above a token is a masked sum here and a
     cumulative sum in sorted order in `threshold`: a row whose mass is within
-    `mass_margin` of top_p could go either way, and is drawn by the definition."""
+    `mass_margin` of top_p could go either way, and is drawn by the definition. Both take
+    the same `mx.exp` of the same logprobs, which MLX computes alike wherever an element
+    sits in its array (the margin's slack would absorb a unit of difference anyway)."""
     logprobs = scaled - lse[:, None]
     vocab = logprobs.shape[-1]
     floor = mx.max(logprobs, axis=-1) + math.log(p.min_p) if p.min_p > 0.0 else mx.array(-mx.inf)
