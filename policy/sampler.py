@@ -139,9 +139,11 @@ def sample_tokens(
     logprobs plus the same noise, ties to the smallest id."""
     scaled = tempered(logits, p.temperature)
     lse = mx.logsumexp(scaled, axis=-1)
+    if not truncating(p):
+        return _sample_all(scaled, lse, row_keys, t, p)
     vocab = scaled.shape[-1]
     k = max(CANDIDATES, 2 * p.top_k)
-    if truncating(p) and k < vocab and not _top_p_beyond(scaled, lse, p, k):
+    if k < vocab and not _top_p_beyond(scaled, lse, p, k):
         ids = mx.argpartition(-scaled, k - 1, axis=-1)[:, :k]
         logprobs = mx.take_along_axis(scaled, ids, axis=-1) - lse[:, None]
         cut = threshold(mx.sort(logprobs, axis=-1)[:, ::-1], p)
@@ -150,7 +152,7 @@ def sample_tokens(
             best = score == mx.max(score, axis=-1, keepdims=True)
             tokens = mx.min(mx.where(best, ids, vocab), axis=-1)
             return tokens, picked_logprobs(scaled, lse, tokens)
-    if truncating(p) and not 0 < p.top_k < vocab:
+    if not 0 < p.top_k < vocab:
         tokens = _draw_by_mass(scaled, lse, row_keys, t, p)
         return tokens, picked_logprobs(scaled, lse, tokens)
     return _sample_all(scaled, lse, row_keys, t, p)
@@ -195,8 +197,8 @@ def _draw_by_mass(
     sits in its array (the margin's slack would absorb a unit of difference anyway)."""
     logprobs = scaled - lse[:, None]
     vocab = logprobs.shape[-1]
-    floor = mx.max(logprobs, axis=-1) + math.log(p.min_p) if p.min_p > 0.0 else mx.array(-mx.inf)
-    above_floor = logprobs >= (floor[:, None] if p.min_p > 0.0 else floor)
+    floor = mx.max(logprobs, axis=-1, keepdims=True) + math.log(p.min_p) if p.min_p > 0.0 else -math.inf
+    above_floor = logprobs >= floor
     probs = mx.where(above_floor, mx.exp(logprobs), 0.0)
     # `threshold` keeps no token whose probability is 0 (exp underflows) when top-p cuts.
     candidates = probs > 0 if p.top_p < 1.0 else above_floor
