@@ -57,14 +57,15 @@ def group_logprobs(model, msg: protocol.Message, temperature: float) -> tuple[np
     return msg.arrays["logprobs"], np.concatenate(ours)
 
 
-def learner_hello(cfg, actor_hello: protocol.Message) -> dict:
-    """The `hello` a learner answers the actor's with (no data cursor: from the start)."""
+def learner_hello(cfg, actor_hello: protocol.Message, **extra) -> dict:
+    """The `hello` a learner answers the actor's with (`extra`: e.g. where its data goes on)."""
     return {
         "role": "learner",
         "model": cfg.model.path,
         "tokenizer": actor_hello["tokenizer"],
         "lora": as_dict(cfg.lora),
         "pid": os.getpid(),
+        **extra,
     }
 
 
@@ -200,19 +201,7 @@ def test_groups_go_out_as_they_finish_and_a_restarted_actor_samples_what_the_lea
         assert hello.kind == protocol.HELLO
         ledger.attach(identity, 0)
         cursor, skip = ledger.cursor_for(0)
-        send(
-            identity,
-            protocol.HELLO,
-            {
-                "role": "learner",
-                "model": cfg.model.path,
-                "pid": os.getpid(),
-                "tokenizer": hello["tokenizer"],
-                "lora": as_dict(cfg.lora),
-                "data_cursor": cursor,
-                "data_skip": skip,
-            },
-        )
+        send(identity, protocol.HELLO, learner_hello(cfg, hello, data_cursor=cursor, data_skip=skip))
         send(identity, protocol.WEIGHTS, {"version": 0}, adapter_weights_numpy(model))
         return identity
 
