@@ -19,9 +19,11 @@ other rows share the batch, and the whole batch's noise is a few array operation
 Cost at a large vocabulary. Truncation is a cut on the logprobs (`threshold`), found among
 the 1,024 most likely tokens (a partition, then a sort of those few) and noise is drawn
 for them alone. When the cut is not inside the candidates (a nearly flat distribution: top-p
-keeps most of the vocabulary), the token is drawn without the cut (`_draw_by_mass`): the
-Gumbel-max over every token, then a check of the drawn token's mass above it against top-p,
-and a draw again above it if top-p cuts it. A full sort of the vocabulary (75 ms at 151,936
+keeps most of the vocabulary, which a bound on the candidates' mass often tells before
+looking), the token is drawn without the cut (`_draw_by_mass`): the Gumbel-max over every
+token, then a check of the drawn token's mass above it against top-p, and a draw again
+above it if top-p cuts it. Each path takes its probabilities and the logsumexp from one
+exponential of the vocabulary (`Softmax`). A full sort of the vocabulary (75 ms at 151,936
 tokens and 4 rows on a CPU, as long as the output layer) is left for top-k cuts outside
 the candidates and for the rows whose mass is too close to top-p for float32 sums to tell.
 `reference_sample` draws one row at a time without a KV cache, by the definition (a sort
@@ -58,10 +60,43 @@ class Completion:
     versions: list[int] | None = None
 
 
-def threshold(desc: mx.array, p: SamplingConfig) -> mx.array:
+@dataclass
+class Softmax:
+    """Tempered logits [rows, V] and what one exponential of the vocabulary gives: each
+    row's logsumexp, and its probabilities exp(scaled - max) / their sum (`probs`).
+
+    These are the probabilities top-p sums wherever it sums them (`threshold`,
+    `_draw_by_mass`), so that two sums of one token's mass differ only in their order.
+    The logsumexp is max + log of that sum, as `mx.logsumexp` computes it (bit for bit on
+    the CPU backend, tests/test_sampler.py). One exponential, not two: on a CPU it costs
+    as much as the draw."""
+
+    scaled: mx.array
+    lse: mx.array
+    _exp: mx.array
+    _total: mx.array
+
+    @classmethod
+    def of(cls, scaled: mx.array) -> Softmax:
+        peak = mx.max(scaled, axis=-1, keepdims=True)
+        e = mx.exp(scaled - peak)
+        total = e.sum(-1, keepdims=True)
+        return cls(scaled, (peak + mx.log(total))[:, 0], e, total)
+
+    def probs(self, ids: mx.array | None = None) -> mx.array:
+        """Every token's probability, or those of `ids` [rows, n] (the same values)."""
+        e = self._exp if ids is None else mx.take_along_axis(self._exp, ids, axis=-1)
+        return e / self._total
+
+    def rows(self, index: mx.array) -> Softmax:
+        return Softmax(self.scaled[index], self.lse[index], self._exp[index], self._total[index])
+
+
+def threshold(desc: mx.array, desc_probs: mx.array, p: SamplingConfig) -> mx.array:
     """The smallest logprob that top-k, min-p and top-p keep, per row, from the row's
     largest logprobs sorted in descending order ([rows, n]; all of them, or candidates
-    that hold the cut). A token is kept when its logprob is at least this.
+    that hold the cut) and their probabilities in the same order (`Softmax`). A
+    token is kept when its logprob is at least this.
 
     top-k keeps the k largest (and any tied with the k-th); min-p those within log(min_p)
     of the best; top-p then keeps a token if the mass of the tokens more likely than it,
@@ -73,18 +108,22 @@ def threshold(desc: mx.array, p: SamplingConfig) -> mx.array:
     if p.min_p > 0.0:
         cut = mx.maximum(cut, desc[:, 0] + math.log(p.min_p))
     if p.top_p < 1.0:
-        probs = mx.where(desc >= cut[:, None], mx.exp(desc), 0.0)
+        probs = mx.where(desc >= cut[:, None], desc_probs, 0.0)
         before = mx.cumsum(probs, axis=-1) - probs  # mass strictly before each, in order
         kept = ((before < p.top_p) & (probs > 0)).sum(-1)
         cut = mx.take_along_axis(desc, mx.maximum(kept - 1, 0)[:, None], axis=-1)[:, 0]
     return cut
 
 
-def truncate(logprobs: mx.array, p: SamplingConfig) -> mx.array:
+def truncate(logprobs: mx.array, p: SamplingConfig, probs: mx.array | None = None) -> mx.array:
     """Mask (to -inf) the tokens that top-k, top-p and min-p exclude from sampling: the
     definition, by a sort of the whole vocabulary. The sampler finds the same cut from a
-    few candidates (`sample_tokens`)."""
-    cut = threshold(mx.sort(logprobs, axis=-1)[:, ::-1], p)
+    few candidates (`sample_tokens`). `probs`: the rows' `Softmax` probabilities (by
+    default those of `logprobs`)."""
+    probs = Softmax.of(logprobs).probs() if probs is None else probs
+    order = mx.argsort(-logprobs, axis=-1)
+    desc, desc_probs = (mx.take_along_axis(a, order, axis=-1) for a in (logprobs, probs))
+    cut = threshold(desc, desc_probs, p)
     return mx.where(logprobs >= cut[:, None], logprobs, -mx.inf)
 
 
@@ -137,34 +176,49 @@ def sample_tokens(
     drawn by mass (`_draw_by_mass`), and a top-k cut beyond the candidates by the
     definition, a sort of the whole vocabulary. All give the same token: the same
     logprobs plus the same noise, ties to the smallest id."""
-    scaled = tempered(logits, p.temperature)
-    lse = mx.logsumexp(scaled, axis=-1)
+    sm = Softmax.of(tempered(logits, p.temperature))
     if not truncating(p):
-        return _sample_all(scaled, lse, row_keys, t, p)
-    vocab = scaled.shape[-1]
+        return _sample_all(sm, row_keys, t, p)
+    vocab = sm.scaled.shape[-1]
     k = max(CANDIDATES, 2 * p.top_k)
-    if k < vocab and not _top_p_beyond(scaled, lse, p, k):
-        ids = mx.argpartition(-scaled, k - 1, axis=-1)[:, :k]
-        logprobs = mx.take_along_axis(scaled, ids, axis=-1) - lse[:, None]
-        cut = threshold(mx.sort(logprobs, axis=-1)[:, ::-1], p)
+    if k < vocab and not _top_p_beyond(sm, p, k):
+        ids = mx.argpartition(-sm.scaled, k - 1, axis=-1)[:, :k]
+        logprobs = mx.take_along_axis(sm.scaled, ids, axis=-1) - sm.lse[:, None]
+        order = mx.argsort(-logprobs, axis=-1)
+        desc, desc_probs = (mx.take_along_axis(a, order, axis=-1) for a in (logprobs, sm.probs(ids)))
+        cut = threshold(desc, desc_probs, p)
         if mx.all(mx.min(logprobs, axis=-1) < cut).item():  # every kept token is a candidate
             score = mx.where(logprobs >= cut[:, None], logprobs + _noise(row_keys, t, ids), -mx.inf)
             best = score == mx.max(score, axis=-1, keepdims=True)
             tokens = mx.min(mx.where(best, ids, vocab), axis=-1)
-            return tokens, picked_logprobs(scaled, lse, tokens)
+            return tokens, picked_logprobs(sm.scaled, sm.lse, tokens)
     if not 0 < p.top_k < vocab:
-        tokens = _draw_by_mass(scaled, lse, row_keys, t, p)
-        return tokens, picked_logprobs(scaled, lse, tokens)
-    return _sample_all(scaled, lse, row_keys, t, p)
+        tokens = _draw_by_mass(sm, row_keys, t, p)
+        return tokens, picked_logprobs(sm.scaled, sm.lse, tokens)
+    return _sample_all(sm, row_keys, t, p)
 
 
-def _top_p_beyond(scaled: mx.array, lse: mx.array, p: SamplingConfig, k: int) -> bool:
+def _top_p_beyond(sm: Softmax, p: SamplingConfig, k: int) -> bool:
     """Whether top-p alone certainly keeps more than the `k` most likely tokens in every
-    row (k of them hold less than top_p even at the most likely one's probability): the
-    candidates cannot hold the cut, so the sampler does not look among them."""
+    row: then the candidates cannot hold the cut, and the sampler does not look among them.
+
+    The k most likely tokens hold at most k times the most likely one's probability, and
+    at most S + k * tau, S the mass of the tokens at least tau likely (the others among
+    the k add less than tau each). With tau = top_p / 4k the second bound decides a nearly
+    flat row whose most likely token is still far above the average (a random model's at
+    16,384 tokens: S about 0.4 against 0.45 for its 1,024 most likely); it is not tried
+    when a row's most likely token alone holds 3/4 of top_p (S is at least that). Only
+    speed depends on the answer: the other path draws the same token."""
     if p.top_k or p.min_p > 0.0 or p.top_p >= 1.0:
         return False
-    return bool(mx.all(k * mx.exp(mx.max(scaled, axis=-1) - lse) < p.top_p).item())
+    top = 1.0 / sm._total[:, 0]  # the most likely token's exp is exp(0)
+    if mx.all(k * top < p.top_p).item():
+        return True
+    if mx.any(top >= 0.75 * p.top_p).item():
+        return False
+    tau = p.top_p / (4 * k)
+    above = mx.sum(mx.where(sm._exp >= tau * sm._total, sm._exp, 0.0), axis=-1) / sm._total[:, 0]
+    return bool(mx.all(above + k * tau < p.top_p).item())
 
 
 # Rounds of `_draw_by_mass` before its rows go to the definition: a round draws again only
@@ -180,9 +234,7 @@ def mass_margin(vocab: int) -> float:
     return (vocab + 8) * 2.0**-23
 
 
-def _draw_by_mass(
-    scaled: mx.array, lse: mx.array, row_keys: mx.array, t: int | mx.array, p: SamplingConfig
-) -> mx.array:
+def _draw_by_mass(sm: Softmax, row_keys: mx.array, t: int | mx.array, p: SamplingConfig) -> mx.array:
     """The definition's token under top-p and min-p, without a sort of the vocabulary.
 
     min-p's cut is max + log(min_p), exact without a sort. Top-p keeps a token when the mass
@@ -192,16 +244,16 @@ def _draw_by_mass(
     to the smallest id); if top-p cuts it, so it does every token as likely or less, and
     the draw is made again above it. The mass above a token is a masked sum here and a
     cumulative sum in sorted order in `threshold`: a row whose mass is within
-    `mass_margin` of top_p could go either way, and is drawn by the definition. Both take
-    the same `mx.exp` of the same logprobs, which MLX computes alike wherever an element
-    sits in its array (the margin's slack would absorb a unit of difference anyway)."""
-    logprobs = scaled - lse[:, None]
+    `mass_margin` of top_p could go either way, and is drawn by the definition. Both sum
+    the same `Softmax` probabilities, which MLX computes alike wherever an element sits in
+    its array (the margin's slack would absorb a unit of difference anyway)."""
+    logprobs = sm.scaled - sm.lse[:, None]
     vocab = logprobs.shape[-1]
     floor = mx.max(logprobs, axis=-1, keepdims=True) + math.log(p.min_p) if p.min_p > 0.0 else -math.inf
     above_floor = logprobs >= floor
-    probs = mx.where(above_floor, mx.exp(logprobs), 0.0)
+    kept = mx.where(above_floor, sm.probs(), 0.0)
     # `threshold` keeps no token whose probability is 0 (exp underflows) when top-p cuts.
-    candidates = probs > 0 if p.top_p < 1.0 else above_floor
+    candidates = kept > 0 if p.top_p < 1.0 else above_floor
     score = mx.where(candidates, logprobs + _noise(row_keys, t, mx.arange(vocab)[None]), -mx.inf)
     tokens = mx.argmax(score, axis=-1)
     if p.top_p >= 1.0:
@@ -210,7 +262,7 @@ def _draw_by_mass(
     undecided = np.ones(len(tokens), dtype=bool)
     for _ in range(ROUNDS):
         at = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
-        mass = mx.sum(mx.where(logprobs > at, probs, 0.0), axis=-1)
+        mass = mx.sum(mx.where(logprobs > at, kept, 0.0), axis=-1)
         cut, sure = np.array(mass >= p.top_p + margin), np.array(mx.abs(mass - p.top_p) >= margin)
         undecided = cut | ~sure
         if not cut.any():
@@ -223,17 +275,19 @@ def _draw_by_mass(
     rows = mx.array(np.flatnonzero(undecided))
     steps = t if isinstance(t, int) else t[rows]
     drawn = np.array(tokens)
-    drawn[undecided] = np.array(_sample_all(scaled[rows], lse[rows], row_keys[rows], steps, p)[0])
+    drawn[undecided] = np.array(_sample_all(sm.rows(rows), row_keys[rows], steps, p)[0])
     return mx.array(drawn)
 
 
 def _sample_all(
-    scaled: mx.array, lse: mx.array, row_keys: mx.array, t: int | mx.array, p: SamplingConfig
+    sm: Softmax, row_keys: mx.array, t: int | mx.array, p: SamplingConfig
 ) -> tuple[mx.array, mx.array]:
     """The definition: noise for every token of the vocabulary, the cut by a full sort."""
-    logprobs = truncate(scaled - lse[:, None], p) if truncating(p) else scaled - lse[:, None]
-    tokens = mx.argmax(logprobs + _noise(row_keys, t, mx.arange(scaled.shape[-1])[None]), axis=-1)
-    return tokens, picked_logprobs(scaled, lse, tokens)
+    logprobs = sm.scaled - sm.lse[:, None]
+    if truncating(p):
+        logprobs = truncate(logprobs, p, sm.probs())
+    tokens = mx.argmax(logprobs + _noise(row_keys, t, mx.arange(logprobs.shape[-1])[None]), axis=-1)
+    return tokens, picked_logprobs(sm.scaled, sm.lse, tokens)
 
 
 class Stopped(Exception):
@@ -290,7 +344,7 @@ def reference_sample(
             logits = model(mx.array(ids)[None])[:, -1, :]
             scaled = tempered(logits, params.temperature)
             keys = noise_keys(seed, [noise_offset + j])
-            tok, lp = _sample_all(scaled, mx.logsumexp(scaled, axis=-1), keys, t, params)
+            tok, lp = _sample_all(Softmax.of(scaled), keys, t, params)
             ids.append(cast(int, tok.item()))
             lps.append(cast(float, lp.item()))
             if stop := ids[-1] in eos_ids:

@@ -10,7 +10,7 @@ import pytest
 from policy.engine import sample_groups
 from policy.logprobs import sequence_logprobs, token_logprobs
 from policy.model import adapter_weights_numpy, load_policy, set_adapter_weights
-from policy.sampler import noise_keys, reference_sample, sample_tokens, truncate
+from policy.sampler import Softmax, noise_keys, reference_sample, sample_tokens, truncate
 from runtime.config import LoraConfig, SamplingConfig
 from tests.helpers import TINY_MODEL
 
@@ -296,7 +296,7 @@ def test_candidate_sampling_equals_the_full_sort_definition(params, spread, ties
         keys = noise_keys(11, list(range(rows)))
         tokens, lps = sample_tokens(logits, keys, t, params)
         scaled = logits / params.temperature
-        ref_tokens, ref_lps = full(scaled, mx.logsumexp(scaled, axis=-1), keys, t, params)
+        ref_tokens, ref_lps = full(Softmax.of(scaled), keys, t, params)
         assert np.array(tokens).tolist() == np.array(ref_tokens).tolist()
         np.testing.assert_array_equal(np.array(lps), np.array(ref_lps))
     logprobs = logits / params.temperature
@@ -334,19 +334,18 @@ def test_a_flat_distribution_is_drawn_by_mass_as_the_definition_draws(params, pe
     logits = random_logits(rows, vocab, 0.5, False, seed=5)
     full = sampler._sample_all
     sorted_rows = []
-    monkeypatch.setattr(sampler, "_sample_all", lambda *a: sorted_rows.append(len(a[0])) or full(*a))
+    monkeypatch.setattr(sampler, "_sample_all", lambda *a: sorted_rows.append(len(a[0].lse)) or full(*a))
     redrawn = 0
     for t in range(6):
         keys = noise_keys(3, list(range(rows)))
         steps = mx.array([t + 7 * r for r in range(rows)], dtype=mx.uint32) if per_row_steps else t
         tokens, lps = sample_tokens(logits, keys, steps, params)
         scaled = logits / params.temperature
-        lse = mx.logsumexp(scaled, axis=-1)
-        ref_tokens, ref_lps = full(scaled, lse, keys, steps, params)
+        ref_tokens, ref_lps = full(Softmax.of(scaled), keys, steps, params)
         assert np.array(tokens).tolist() == np.array(ref_tokens).tolist()
         np.testing.assert_array_equal(np.array(lps), np.array(ref_lps))
         untruncated = SamplingConfig(temperature=params.temperature, min_p=params.min_p)
-        first, _ = full(scaled, lse, keys, steps, untruncated)  # the draw before top-p's check
+        first, _ = full(Softmax.of(scaled), keys, steps, untruncated)  # the draw before top-p's check
         redrawn += int((np.array(first) != np.array(tokens)).sum())
     assert not sorted_rows  # no row needed the sort
     if params.top_p <= 0.5:
@@ -364,11 +363,60 @@ def test_rows_whose_mass_is_too_close_to_top_p_are_drawn_by_the_definition(margi
     logits = random_logits(rows, vocab, 0.5, False, seed=9)
     full = sampler._sample_all
     sorted_rows = []
-    monkeypatch.setattr(sampler, "_sample_all", lambda *a: sorted_rows.append(len(a[0])) or full(*a))
+    monkeypatch.setattr(sampler, "_sample_all", lambda *a: sorted_rows.append(len(a[0].lse)) or full(*a))
     monkeypatch.setattr(sampler, "mass_margin", lambda vocab: margin)
     keys = noise_keys(5, list(range(rows)))
     steps = mx.array(list(range(rows)), dtype=mx.uint32)
     tokens, _ = sample_tokens(logits, keys, steps, params)
-    ref_tokens, _ = full(logits, mx.logsumexp(logits, axis=-1), keys, steps, params)
+    ref_tokens, _ = full(Softmax.of(logits), keys, steps, params)
     assert np.array(tokens).tolist() == np.array(ref_tokens).tolist()
     assert sorted_rows == [rows] if margin > 1 else 0 < sorted_rows[0] < rows
+
+
+def test_one_exponential_gives_the_logsumexp_and_the_probabilities():
+    """Softmax's logsumexp is mx.logsumexp's (bit for bit on this backend, the CPU), and
+    its probabilities are exp(logprob) to float32 rounding and sum to 1: the top-p masses
+    the sampler sums are the distribution's."""
+    for rows, vocab, spread in ((3, 7, 1.0), (8, 6000, 0.5), (4, 50_000, 6.0)):
+        scaled = random_logits(rows, vocab, spread, False, seed=rows)
+        sm = Softmax.of(scaled)
+        reference = mx.logsumexp(scaled, axis=-1)
+        if mx.default_device() == mx.cpu:
+            np.testing.assert_array_equal(np.array(sm.lse), np.array(reference))
+        np.testing.assert_allclose(np.array(sm.lse), np.array(reference), rtol=1e-6)
+        probs = np.array(sm.probs())
+        np.testing.assert_allclose(
+            probs, np.exp(np.array(scaled - reference[:, None])), rtol=1e-5, atol=1e-12
+        )
+        # To the float32 sum's rounding (MLX adds 50,000 terms in float32: about 3e-5 here).
+        np.testing.assert_allclose(probs.astype(np.float64).sum(-1), 1.0, rtol=1e-4)
+        ids = mx.array(np.argsort(-np.array(scaled), axis=-1)[:, :5].astype(np.int32))
+        np.testing.assert_array_equal(
+            np.array(sm.probs(ids)), np.take_along_axis(probs, np.array(ids), axis=-1)
+        )
+
+
+def test_a_flat_row_whose_top_token_is_far_above_the_average_skips_the_candidates(monkeypatch):
+    """At 6,000 tokens of spread 0.5 the most likely token is so far above the average that
+    k times its probability exceeds top_p, yet the 1,024 most likely hold far less than
+    0.95: the mass bound tells, and the sampler draws by mass without partitioning the
+    vocabulary, the definition's tokens. A row with one dominant token keeps the
+    candidates' path."""
+    import policy.sampler as sampler
+
+    params = SamplingConfig(temperature=0.7, top_p=0.95)
+    logits = random_logits(8, 6000, 0.5, False, seed=4)
+    sm = Softmax.of(logits / params.temperature)
+    assert (
+        sampler.CANDIDATES * np.array(sm.probs()).max(-1) > params.top_p
+    ).all()  # the old bound would not tell
+    partitions = []
+    real = mx.argpartition
+    monkeypatch.setattr(sampler.mx, "argpartition", lambda *a, **k: partitions.append(1) or real(*a, **k))
+    keys = noise_keys(2, list(range(8)))
+    tokens, _ = sample_tokens(logits, keys, 0, params)
+    assert not partitions
+    assert np.array(tokens).tolist() == np.array(sampler._sample_all(sm, keys, 0, params)[0]).tolist()
+    peaked = mx.concatenate([logits[:7], mx.array(np.eye(1, 6000, 17, dtype=np.float32) * 30.0)])
+    sample_tokens(peaked, keys, 0, params)
+    assert partitions  # a row the candidates hold: the batch looks among them
