@@ -23,8 +23,8 @@ keeps most of the vocabulary, which a bound on the candidates' mass often tells 
 looking), the token is drawn without the cut (`_draw_by_mass`): the Gumbel-max over every
 token, then a check of the drawn token's mass above it against top-p, and a draw again
 above it if top-p cuts it. Each path takes its probabilities and the logsumexp from one
-exponential of the vocabulary (`Softmax`). A full sort of the vocabulary (75 ms at 151,936
-tokens and 4 rows on a CPU, as long as the output layer) is left for top-k cuts outside
+exponential of the vocabulary (`Softmax`). A full sort of the vocabulary (on a CPU, tens of ms at
+151,936 tokens and 4 rows: as long as the output layer) is left for top-k cuts outside
 the candidates and for the rows whose mass is too close to top-p for float32 sums to tell.
 `reference_sample` draws one row at a time without a KV cache, by the definition (a sort
 of the whole vocabulary, noise for every token); tests check all three give the same tokens.
@@ -73,23 +73,24 @@ class Softmax:
 
     scaled: mx.array
     lse: mx.array
-    _exp: mx.array
-    _total: mx.array
+    exp: mx.array  # exp(scaled - max): the most likely token's is exp(0) = 1
+    total: mx.array  # [rows, 1]
 
     @classmethod
     def of(cls, scaled: mx.array) -> Softmax:
         peak = mx.max(scaled, axis=-1, keepdims=True)
+        peak = mx.where(mx.isinf(peak), 0.0, peak)  # a row of -inf: lse -inf, as mx.logsumexp's
         e = mx.exp(scaled - peak)
         total = e.sum(-1, keepdims=True)
         return cls(scaled, (peak + mx.log(total))[:, 0], e, total)
 
     def probs(self, ids: mx.array | None = None) -> mx.array:
         """Every token's probability, or those of `ids` [rows, n] (the same values)."""
-        e = self._exp if ids is None else mx.take_along_axis(self._exp, ids, axis=-1)
-        return e / self._total
+        e = self.exp if ids is None else mx.take_along_axis(self.exp, ids, axis=-1)
+        return e / self.total
 
     def rows(self, index: mx.array) -> Softmax:
-        return Softmax(self.scaled[index], self.lse[index], self._exp[index], self._total[index])
+        return Softmax(self.scaled[index], self.lse[index], self.exp[index], self.total[index])
 
 
 def threshold(desc: mx.array, desc_probs: mx.array, p: SamplingConfig) -> mx.array:
@@ -118,8 +119,13 @@ def threshold(desc: mx.array, desc_probs: mx.array, p: SamplingConfig) -> mx.arr
 def truncate(logprobs: mx.array, p: SamplingConfig, probs: mx.array | None = None) -> mx.array:
     """Mask (to -inf) the tokens that top-k, top-p and min-p exclude from sampling: the
     definition, by a sort of the whole vocabulary. The sampler finds the same cut from a
-    few candidates (`sample_tokens`). `probs`: the rows' `Softmax` probabilities (by
-    default those of `logprobs`)."""
+    few candidates (`sample_tokens`). `probs`: the rows' `Softmax` probabilities; by
+    default those of `logprobs` taken as logits (the tests' rows of logprobs).
+
+    Tied logprobs can hold different probabilities (a logprob rounds after the
+    logsumexp is subtracted, a probability does not), so the order of ties matters to
+    top-p's sums: argsort is stable in MLX, and ties come in vocabulary order, as they
+    do in the candidates' path."""
     probs = Softmax.of(logprobs).probs() if probs is None else probs
     order = mx.argsort(-logprobs, axis=-1)
     desc, desc_probs = (mx.take_along_axis(a, order, axis=-1) for a in (logprobs, probs))
@@ -182,7 +188,9 @@ def sample_tokens(
     vocab = sm.scaled.shape[-1]
     k = max(CANDIDATES, 2 * p.top_k)
     if k < vocab and not _top_p_beyond(sm, p, k):
-        ids = mx.argpartition(-sm.scaled, k - 1, axis=-1)[:, :k]
+        # In vocabulary order, so that tied logprobs are summed in the order the definition
+        # sums them (see truncate).
+        ids = mx.sort(mx.argpartition(-sm.scaled, k - 1, axis=-1)[:, :k], axis=-1)
         logprobs = mx.take_along_axis(sm.scaled, ids, axis=-1) - sm.lse[:, None]
         order = mx.argsort(-logprobs, axis=-1)
         desc, desc_probs = (mx.take_along_axis(a, order, axis=-1) for a in (logprobs, sm.probs(ids)))
@@ -211,14 +219,15 @@ def _top_p_beyond(sm: Softmax, p: SamplingConfig, k: int) -> bool:
     speed depends on the answer: the other path draws the same token."""
     if p.top_k or p.min_p > 0.0 or p.top_p >= 1.0:
         return False
-    top = 1.0 / sm._total[:, 0]  # the most likely token's exp is exp(0)
-    if mx.all(k * top < p.top_p).item():
+    top = 1.0 / sm.total[:, 0]  # the most likely token's probability
+    told = k * top < p.top_p
+    if mx.all(told).item():
         return True
-    if mx.any(top >= 0.75 * p.top_p).item():
+    if mx.any(~told & (top >= 0.75 * p.top_p)).item():
         return False
     tau = p.top_p / (4 * k)
-    above = mx.sum(mx.where(sm._exp >= tau * sm._total, sm._exp, 0.0), axis=-1) / sm._total[:, 0]
-    return bool(mx.all(above + k * tau < p.top_p).item())
+    above = mx.sum(mx.where(sm.exp >= tau * sm.total, sm.exp, 0.0), axis=-1) / sm.total[:, 0]
+    return bool(mx.all(told | (above + k * tau < p.top_p)).item())
 
 
 # Rounds of `_draw_by_mass` before its rows go to the definition: a round draws again only
@@ -251,9 +260,9 @@ def _draw_by_mass(sm: Softmax, row_keys: mx.array, t: int | mx.array, p: Samplin
     vocab = logprobs.shape[-1]
     floor = mx.max(logprobs, axis=-1, keepdims=True) + math.log(p.min_p) if p.min_p > 0.0 else -math.inf
     above_floor = logprobs >= floor
-    kept = mx.where(above_floor, sm.probs(), 0.0)
+    masses = mx.where(above_floor, sm.probs(), 0.0)
     # `threshold` keeps no token whose probability is 0 (exp underflows) when top-p cuts.
-    candidates = kept > 0 if p.top_p < 1.0 else above_floor
+    candidates = masses > 0 if p.top_p < 1.0 else above_floor
     score = mx.where(candidates, logprobs + _noise(row_keys, t, mx.arange(vocab)[None]), -mx.inf)
     tokens = mx.argmax(score, axis=-1)
     if p.top_p >= 1.0:
@@ -262,7 +271,7 @@ def _draw_by_mass(sm: Softmax, row_keys: mx.array, t: int | mx.array, p: Samplin
     undecided = np.ones(len(tokens), dtype=bool)
     for _ in range(ROUNDS):
         at = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)
-        mass = mx.sum(mx.where(logprobs > at, kept, 0.0), axis=-1)
+        mass = mx.sum(mx.where(logprobs > at, masses, 0.0), axis=-1)
         cut, sure = np.array(mass >= p.top_p + margin), np.array(mx.abs(mass - p.top_p) >= margin)
         undecided = cut | ~sure
         if not cut.any():

@@ -420,3 +420,38 @@ def test_a_flat_row_whose_top_token_is_far_above_the_average_skips_the_candidate
     peaked = mx.concatenate([logits[:7], mx.array(np.eye(1, 6000, 17, dtype=np.float32) * 30.0)])
     sample_tokens(peaked, keys, 0, params)
     assert partitions  # a row the candidates hold: the batch looks among them
+
+
+def test_near_ties_are_summed_in_the_definition_s_order_whatever_order_the_partition_gives(monkeypatch):
+    """Logits a few units of float32 apart round to one logprob (the logsumexp is larger
+    than they are) yet keep distinct probabilities, so top-p's sums depend on the order of
+    ties. With the partition handing its candidates back reversed (any order is a valid
+    partition), the sampler still draws the definition's token at every top_p that falls
+    on one of the definition's partial sums."""
+    import policy.sampler as sampler
+
+    rng = np.random.default_rng(0)
+    row = np.full(6000, -20.0, np.float32)
+    near = rng.choice(6000, 200, replace=False)
+    row[near] = np.float32(0.3) + rng.integers(0, 64, 200).astype(np.float32) * np.spacing(np.float32(0.3))
+    logits = mx.array(row[None])
+    sm = Softmax.of(logits)
+    logprobs, probs = np.array(sm.scaled - sm.lse[:, None])[0], np.array(sm.probs())[0]
+    assert len(set(logprobs[near])) < len(set(probs[near]))  # ties in logprob, not in probability
+    real = mx.argpartition
+    monkeypatch.setattr(
+        sampler.mx,
+        "argpartition",
+        lambda a, kth, axis: mx.concatenate(
+            [real(a, kth, axis=axis)[:, kth::-1], real(a, kth, axis=axis)[:, kth + 1 :]], axis=-1
+        ),
+    )
+    order = np.argsort(-logprobs, kind="stable")
+    sums = np.cumsum(probs[order], dtype=np.float32)
+    keys, differ = noise_keys(1, [0]), 0
+    for top_p in sums[1:199]:
+        params = SamplingConfig(top_p=float(top_p))
+        for t in range(8):
+            drawn = sample_tokens(logits, keys, t, params)[0]
+            differ += int(np.array(drawn)[0] != np.array(sampler._sample_all(sm, keys, t, params)[0])[0])
+    assert differ == 0
