@@ -100,7 +100,9 @@ class Actor:
         self.groups_consumed = 0
         self.timings: dict[str, float] = {}  # newest weight-sync times, sent with rollouts
         train = cfg.train
-        # Until the learner says otherwise: this slot's share, as if every actor were live.
+        # Until the learner says otherwise (its hello, its credit): the config's k, and this
+        # slot's share of the window as if every actor were live.
+        self.max_staleness = train.max_staleness
         self.window = credit_window(train.max_staleness, train.batch_size, cfg.actor.count)
         # The heartbeat thread shares the socket: every use of it holds this lock, briefly
         # (reentrant: a receive beats through `send` while it holds it).
@@ -222,6 +224,7 @@ class Actor:
             log.info("learner says stop: %s", msg["reason"])
         elif msg.kind == protocol.HELLO and msg.header.get("attached") is not False:
             log.info("learner pid %s accepted the handshake", msg["pid"])
+            self.keep_learner_staleness(msg.header.get("max_staleness"))
             # Where the slot's data continues (a restarted actor, a resumed run, a new
             # connection): after the groups the learner holds, skipping those it holds beyond.
             cursor, skip = msg.header.get("data_cursor"), msg.header.get("data_skip")
@@ -301,7 +304,7 @@ class Actor:
         Static, groups go in only when nothing decodes, at most a share of a batch at a
         time so that newer weights land between batches."""
         engine = self.engine
-        in_flight = self.cfg.train.max_staleness >= 1 and not engine.static
+        in_flight = self.max_staleness >= 1 and not engine.static
         if self.pending is not None and (in_flight or not engine.busy):
             self.apply_pending()
             self.give_up_stale()
@@ -329,6 +332,20 @@ class Actor:
         if done:
             self.decode_s = 0.0
 
+    def keep_learner_staleness(self, k: object) -> None:
+        """The learner's max_staleness is the run's: an actor started by hand with its own
+        copy of the config could otherwise mix versions the learner refuses, or give up
+        groups it would train."""
+        if type(k) is not int or k < 0 or k == self.max_staleness:
+            return
+        log.warning(
+            "the learner's max_staleness is %d, this actor's config says %d: keeping to %d",
+            k,
+            self.max_staleness,
+            k,
+        )
+        self.max_staleness = k
+
     def give_up_stale(self) -> None:
         """Stop decoding the groups the learner can no longer train on: their oldest token
         came from weights more than `max_staleness` versions before the ones just applied,
@@ -338,14 +355,14 @@ class Actor:
         row would have ended. Under long-tailed lengths these are the longest groups."""
         if self.policy_version is None:
             return
-        for key in self.engine.started_before(self.policy_version - self.cfg.train.max_staleness):
+        for key in self.engine.started_before(self.policy_version - self.max_staleness):
             self.engine.cancel(key)
             drawn = self.decoding.pop(cast(int, key))
             log.info(
                 "data row %s: stopped sampling its group, stale under weights version %d (max_staleness %d)",
                 drawn.prompt.index,
                 self.policy_version,
-                self.cfg.train.max_staleness,
+                self.max_staleness,
             )
             empty = [Completion([], [], "length")] * self.sampling.group_size
             fields, arrays = self.completions(drawn.prompt, empty)
@@ -357,7 +374,7 @@ class Actor:
         reported. Weights land between decode steps with max_staleness >= 1; with 0, only
         when no session runs."""
         agents = cast(AgentRunner, self.agents)
-        in_flight = self.cfg.train.max_staleness >= 1
+        in_flight = self.max_staleness >= 1
         if self.pending is not None and (in_flight or not agents.busy):
             self.apply_pending()
         room = self.window - (self.groups_sent - self.groups_consumed) - len(agents.groups)
@@ -385,7 +402,7 @@ class Actor:
         """The groups a batch at a time takes (static, episodes): our window's share of one
         batch, so that newer weights land between batches (Config.actor_share while every
         actor is live; the learner's window says when some are not)."""
-        return ceil_div(self.window, self.cfg.train.max_staleness + 1)
+        return ceil_div(self.window, self.max_staleness + 1)
 
     def send_group(self, drawn: PlacedPrompt, fields: dict, arrays: dict, gen_s: float) -> None:
         group_id = str(self.groups_sent)

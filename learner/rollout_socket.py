@@ -162,6 +162,8 @@ class RolloutSocket:
             self.peers.attach(actor)
             self.ledger.attach(actor, slot)
             hello["data_cursor"], hello["data_skip"] = self.ledger.cursor_for(slot)
+            # An actor started by hand (`--connect`) reads its own copy of the config.
+            hello["max_staleness"] = self.max_staleness
         log.info(
             "%s pid %s attached%s; sending weights of version %d",
             role,

@@ -261,6 +261,14 @@ class Hello(Definition):
         optional=True,
         lenient=True,
     )
+    max_staleness: int | None = header(
+        "int",
+        "the learner's, to an actor: the run's `train.max_staleness` k, which the actor then keeps "
+        "to, whatever its own config says: the versions a group's tokens may span, and the groups "
+        "it gives up as stale (see `credit`); absent (an older learner): the actor's own",
+        optional=True,
+        lenient=True,
+    )
     beats_while_working: bool | None = header(
         "bool",
         "a worker's (reward or env): `true` promises heartbeats even while it works on a request (see "

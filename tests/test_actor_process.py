@@ -258,13 +258,17 @@ def test_groups_go_out_as_they_finish_and_a_restarted_actor_samples_what_the_lea
     assert sorted(seen) == [(next(stream), stream.cursor)[1] for _ in seen]  # and none skipped
 
 
-def test_a_group_certain_to_be_stale_stops_decoding_and_goes_out_as_dropped(tmp_path):
+@pytest.mark.parametrize("own", [1, 3], ids=["its-config-s", "the-learner-s"])
+def test_a_group_certain_to_be_stale_stops_decoding_and_goes_out_as_dropped(tmp_path, own):
     """max_staleness 1, a batch of one group, two groups decoding together under version 0.
     The first comes back; the test sends version 2 while the other still decodes: that
     one can no longer be trained (its oldest tokens are 2 versions old), so the actor
     stops it and sends it at once with `error: "stale"` and its place in the data, well
     before its rows would have ended. With credit for both, the next two groups are
-    version 2's, and the four cursors chain: nothing skipped, nothing twice."""
+    version 2's, and the four cursors chain: nothing skipped, nothing twice.
+
+    k = 1 is the learner's, said in its hello: an actor whose own config says 3 (started
+    by hand with another copy of it) keeps to the learner's, and says so."""
     import json
     import shutil
 
@@ -279,7 +283,7 @@ def test_a_group_certain_to_be_stale_stops_decoding_and_goes_out_as_dropped(tmp_
     (path / "config.json").write_text(json.dumps(config))
     extra = (
         f'[model]\npath = "{path}"\n[sampling]\ngroup_size = 2\nmax_tokens = 400\ntemperature = 1.5\n'
-        "[train]\nbatch_size = 1\nmax_staleness = 1\n[actor]\nmax_rows = 4"
+        f"[train]\nbatch_size = 1\nmax_staleness = {own}\n[actor]\nmax_rows = 4"
     )
     cfg = load_config(write_config(tmp_path, extra))
     run = prepare_run_dir(cfg)
@@ -290,7 +294,8 @@ def test_a_group_certain_to_be_stale_stops_decoding_and_goes_out_as_dropped(tmp_
         def send(kind, header, arrays=None):
             sock.send_multipart([identity, *protocol.encode(kind, header, arrays)])
 
-        send(protocol.HELLO, learner_hello(cfg, hello))
+        send(protocol.HELLO, learner_hello(cfg, hello, max_staleness=1))
+        send(protocol.CREDIT, {"groups_consumed": 0, "window": 2})  # (k + 1) * B, the learner's
         weights = adapter_weights_numpy(model)
         send(protocol.WEIGHTS, {"version": 0}, weights)
         first = recv(sock)[1]
@@ -305,4 +310,6 @@ def test_a_group_certain_to_be_stale_stops_decoding_and_goes_out_as_dropped(tmp_
     assert all(m.header.get("error") is None and m["policy_version"] == 2 for m in later)
     spans = sorted((m["start_cursor"], m["cursor"]) for m in (first, gave_up, *later))
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
-    assert "stopped sampling its group, stale under weights version 2" in (run / "actor.log").read_text()
+    log = (run / "actor.log").read_text()
+    assert "stopped sampling its group, stale under weights version 2 (max_staleness 1)" in log
+    assert ("the learner's max_staleness is 1, this actor's config says 3" in log) == (own == 3)
