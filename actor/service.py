@@ -333,18 +333,24 @@ class Actor:
             self.decode_s = 0.0
 
     def keep_learner_staleness(self, k: object) -> None:
-        """The learner's max_staleness is the run's: an actor started by hand with its own
-        copy of the config could otherwise mix versions the learner refuses, or give up
-        groups it would train."""
-        if type(k) is not int or k < 0 or k == self.max_staleness:
-            return
-        log.warning(
-            "the learner's max_staleness is %d, this actor's config says %d: keeping to %d",
-            k,
-            self.max_staleness,
-            k,
-        )
-        self.max_staleness = k
+        """The learner's max_staleness is the run's (its hello says it; without it, our
+        config's): an actor started by hand with its own copy of the config could otherwise
+        mix versions the learner refuses, or give up groups it would train. The window, until
+        the learner's credit says it, is this slot's share of (k + 1) * B under that k."""
+        own = self.cfg.train
+        k = k if type(k) is int and k >= 0 else own.max_staleness
+        if k != self.max_staleness:
+            self.max_staleness = k
+            self.window = credit_window(k, own.batch_size, self.cfg.actor.count)
+        if k != own.max_staleness:
+            log.warning(
+                "the learner's max_staleness is %d, this actor's config says %d: keeping to %d "
+                "(a window of %d groups until the learner's credit says it)",
+                k,
+                own.max_staleness,
+                k,
+                self.window,
+            )
 
     def give_up_stale(self) -> None:
         """Stop decoding the groups the learner can no longer train on: their oldest token

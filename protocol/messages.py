@@ -264,8 +264,9 @@ class Hello(Definition):
     max_staleness: int | None = header(
         "int",
         "the learner's, to an actor: the run's `train.max_staleness` k, which the actor then keeps "
-        "to, whatever its own config says: the versions a group's tokens may span, and the groups "
-        "it gives up as stale (see `credit`); absent (an older learner): the actor's own",
+        "to, whatever its own config says: the versions a group's tokens may span, the groups it "
+        "gives up as stale, and its window until the first `credit` (see `credit`); absent (an "
+        "older learner): the actor's own",
         optional=True,
         lenient=True,
     )

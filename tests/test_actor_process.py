@@ -295,9 +295,11 @@ def test_a_group_certain_to_be_stale_stops_decoding_and_goes_out_as_dropped(tmp_
             sock.send_multipart([identity, *protocol.encode(kind, header, arrays)])
 
         send(protocol.HELLO, learner_hello(cfg, hello, max_staleness=1))
-        send(protocol.CREDIT, {"groups_consumed": 0, "window": 2})  # (k + 1) * B, the learner's
         weights = adapter_weights_numpy(model)
         send(protocol.WEIGHTS, {"version": 0}, weights)
+        # As the learner: credit after the weights, the window under its k, (1 + 1) * B. Until
+        # it arrives the actor's own window must already be the learner's k's.
+        send(protocol.CREDIT, {"groups_consumed": 0, "window": 2})
         first = recv(sock)[1]
         send(protocol.WEIGHTS, {"version": 2}, weights)
         gave_up = recv(sock)[1]
@@ -312,4 +314,5 @@ def test_a_group_certain_to_be_stale_stops_decoding_and_goes_out_as_dropped(tmp_
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
     log = (run / "actor.log").read_text()
     assert "stopped sampling its group, stale under weights version 2 (max_staleness 1)" in log
-    assert ("the learner's max_staleness is 1, this actor's config says 3" in log) == (own == 3)
+    told = "the learner's max_staleness is 1, this actor's config says 3: keeping to 1 (a window of 2 groups"
+    assert (told in log) == (own == 3)

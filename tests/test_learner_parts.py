@@ -233,6 +233,7 @@ def test_an_actor_that_matches_gets_hello_and_weights_and_one_that_does_not_is_t
     actor.send_multipart(actor_hello())
     _, (hello, weights, credit) = pump(sock, actor, 3)
     assert hello["instance"] == "i1" and hello["data_cursor"] == [0, 3]
+    assert hello["max_staleness"] == 0  # the run's k, which the actor keeps to
     assert credit.kind == protocol.CREDIT and credit["groups_consumed"] == 0
     assert weights["version"] == 5 and weights.arrays["w"].tolist() == [1, 1, 1]
     assert sock.weight_sync["weights_mb"] > 0
