@@ -85,7 +85,17 @@ def timeline_summary(run_dir: Path, steps: int) -> dict:
         if decode:
             out[process]["decode_steps"] = len(decode) / (steps - 1)
             out[process]["rows_per_decode_step"] = sum(decode) / len(decode)
+        if (per := ms_per_position(mine)) is not None:
+            out[process]["forward_backward_ms_per_position"] = per
     return out
+
+
+def ms_per_position(events: list[dict]) -> float | None:
+    """Milliseconds the learner's forwards and backwards took a position they computed
+    (their spans' `positions`): what a position costs, whatever the batch's shape."""
+    spans = [e for e in events if e["name"] == "forward and backward" and "positions" in e.get("args", {})]
+    positions = sum(e["args"]["positions"] for e in spans)
+    return sum(e["dur"] for e in spans) / 1e3 / positions if positions else None
 
 
 def of_process(summary: dict, process: str) -> dict:
@@ -126,18 +136,18 @@ def learner_step_s(timeline: dict) -> float | None:
 
 def work_table(runs: dict[str, list[dict]]) -> str:
     """What each timed step cost the learner and the actor, by the timeline's spans
-    (medians over repeats): the learner's forwards and backwards, the actor's decode steps,
-    and how many rows a decode step held on average."""
+    (medians over repeats): the learner's forwards and backwards (and what they took a
+    position), the actor's decode steps, and how many rows a decode step held on average."""
 
-    def value(rs: list[dict], process: str, get) -> str:
+    def value(rs: list[dict], process: str, get, form: str = "{:.1f}") -> str:
         found = [get(of_process(r["timeline"], process)) for r in rs]
         found = [f for f in found if f is not None]
-        return f"{statistics.median(found):.1f}" if found else "-"
+        return form.format(statistics.median(found)) if found else "-"
 
     rows = [
-        "| run | learner: forward and backward, s | learner: step, s | actor: decode steps, s | "
-        "decode steps | rows a decode step |",
-        "|---|---|---|---|---|---|",
+        "| run | learner: forward and backward, s | learner: ms a position | learner: step, s | "
+        "actor: decode steps, s | decode steps | rows a decode step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, rs in runs.items():
         rs = [r for r in rs if r.get("timeline")]
@@ -145,6 +155,7 @@ def work_table(runs: dict[str, list[dict]]) -> str:
             continue
         cells = [
             value(rs, "learner", lambda t: t.get("spans", {}).get("forward and backward")),
+            value(rs, "learner", lambda t: t.get("forward_backward_ms_per_position"), "{:.2f}"),
             value(rs, "learner", learner_step_s),
             value(rs, "actor", lambda t: t.get("spans", {}).get("decode step")),
             value(rs, "actor", lambda t: t.get("decode_steps")),

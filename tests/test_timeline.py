@@ -314,3 +314,27 @@ def test_log_timeline_false_records_nothing_and_the_command_says_so(tmp_path):
         timeout=60,
     )
     assert done.returncode == 2 and "log.timeline = false" in done.stderr
+
+
+def test_the_benchmarks_cost_of_a_position_is_the_forwards_time_over_their_positions(tmp_path):
+    """benchmarks' summary over steps 2..3 (1-4 s): forwards and backwards of 100 and 300
+    positions taking 0.2 and 0.4 s cost 600 ms / 400 positions = 1.5 ms a position; one
+    before the window, and one without positions, are not counted."""
+    from benchmarks.common import timeline_summary
+
+    s = 1_000_000
+    write(
+        tmp_path,
+        "learner",
+        [
+            span("forward and backward", 0, s // 2, positions=50),
+            mark(1, s),
+            span("forward and backward", s, s // 5, positions=100),
+            mark(2, 2 * s),
+            span("forward and backward", 2 * s, 2 * s // 5, positions=300),
+            span("forward and backward", 3 * s, s // 10),
+            mark(3, 4 * s),
+        ],
+    )
+    learner = timeline_summary(tmp_path, 3)["learner"]
+    assert learner["forward_backward_ms_per_position"] == pytest.approx(1.5)
