@@ -84,6 +84,9 @@ class Softmax:
         total = e.sum(-1, keepdims=True)
         return cls(scaled, (peak + mx.log(total))[:, 0], e, total)
 
+    def logprobs(self) -> mx.array:
+        return self.scaled - self.lse[:, None]
+
     def probs(self, ids: mx.array | None = None) -> mx.array:
         """Every token's probability, or those of `ids` [rows, n] (the same values)."""
         e = self.exp if ids is None else mx.take_along_axis(self.exp, ids, axis=-1)
@@ -93,25 +96,31 @@ class Softmax:
         return Softmax(self.scaled[index], self.lse[index], self.exp[index], self.total[index])
 
 
-def threshold(desc: mx.array, desc_probs: mx.array, p: SamplingConfig) -> mx.array:
+def threshold(logprobs: mx.array, probs: mx.array, p: SamplingConfig) -> mx.array:
     """The smallest logprob that top-k, min-p and top-p keep, per row, from the row's
-    largest logprobs sorted in descending order ([rows, n]; all of them, or candidates
-    that hold the cut) and their probabilities in the same order (`Softmax`). A
-    token is kept when its logprob is at least this.
+    largest logprobs ([rows, n]: all of them, or candidates that hold the cut) and their
+    `Softmax` probabilities. A token is kept when its logprob is at least this.
+
+    Tied logprobs can hold different probabilities (a logprob rounds after the logsumexp
+    is subtracted, a probability does not), so the order of ties matters to top-p's sums:
+    they are sorted stably (MLX's argsort is), ties in the order given, which callers make
+    the vocabulary's.
 
     top-k keeps the k largest (and any tied with the k-th); min-p those within log(min_p)
     of the best; top-p then keeps a token if the mass of the tokens more likely than it,
     among those still kept, is below top_p (tied tokens are kept or cut together). No
     truncation gives -inf."""
+    order = mx.argsort(-logprobs, axis=-1)
+    desc, desc_probs = (mx.take_along_axis(a, order, axis=-1) for a in (logprobs, probs))
     cut = mx.full(desc.shape[:1], -mx.inf, dtype=desc.dtype)
     if 0 < p.top_k < desc.shape[-1]:
         cut = mx.maximum(cut, desc[:, p.top_k - 1])
     if p.min_p > 0.0:
         cut = mx.maximum(cut, desc[:, 0] + math.log(p.min_p))
     if p.top_p < 1.0:
-        probs = mx.where(desc >= cut[:, None], desc_probs, 0.0)
-        before = mx.cumsum(probs, axis=-1) - probs  # mass strictly before each, in order
-        kept = ((before < p.top_p) & (probs > 0)).sum(-1)
+        mass = mx.where(desc >= cut[:, None], desc_probs, 0.0)
+        before = mx.cumsum(mass, axis=-1) - mass  # mass strictly before each, in order
+        kept = ((before < p.top_p) & (mass > 0)).sum(-1)
         cut = mx.take_along_axis(desc, mx.maximum(kept - 1, 0)[:, None], axis=-1)[:, 0]
     return cut
 
@@ -120,16 +129,9 @@ def truncate(logprobs: mx.array, p: SamplingConfig, probs: mx.array | None = Non
     """Mask (to -inf) the tokens that top-k, top-p and min-p exclude from sampling: the
     definition, by a sort of the whole vocabulary. The sampler finds the same cut from a
     few candidates (`sample_tokens`). `probs`: the rows' `Softmax` probabilities; by
-    default those of `logprobs` taken as logits (the tests' rows of logprobs).
-
-    Tied logprobs can hold different probabilities (a logprob rounds after the
-    logsumexp is subtracted, a probability does not), so the order of ties matters to
-    top-p's sums: argsort is stable in MLX, and ties come in vocabulary order, as they
-    do in the candidates' path."""
+    default those of `logprobs` taken as logits (the tests' rows of logprobs)."""
     probs = Softmax.of(logprobs).probs() if probs is None else probs
-    order = mx.argsort(-logprobs, axis=-1)
-    desc, desc_probs = (mx.take_along_axis(a, order, axis=-1) for a in (logprobs, probs))
-    cut = threshold(desc, desc_probs, p)
+    cut = threshold(logprobs, probs, p)
     return mx.where(logprobs >= cut[:, None], logprobs, -mx.inf)
 
 
@@ -189,12 +191,10 @@ def sample_tokens(
     k = max(CANDIDATES, 2 * p.top_k)
     if k < vocab and not _top_p_beyond(sm, p, k):
         # In vocabulary order, so that tied logprobs are summed in the order the definition
-        # sums them (see truncate).
+        # sums them (see threshold).
         ids = mx.sort(mx.argpartition(-sm.scaled, k - 1, axis=-1)[:, :k], axis=-1)
         logprobs = mx.take_along_axis(sm.scaled, ids, axis=-1) - sm.lse[:, None]
-        order = mx.argsort(-logprobs, axis=-1)
-        desc, desc_probs = (mx.take_along_axis(a, order, axis=-1) for a in (logprobs, sm.probs(ids)))
-        cut = threshold(desc, desc_probs, p)
+        cut = threshold(logprobs, sm.probs(ids), p)
         if mx.all(mx.min(logprobs, axis=-1) < cut).item():  # every kept token is a candidate
             score = mx.where(logprobs >= cut[:, None], logprobs + _noise(row_keys, t, ids), -mx.inf)
             best = score == mx.max(score, axis=-1, keepdims=True)
@@ -256,7 +256,7 @@ def _draw_by_mass(sm: Softmax, row_keys: mx.array, t: int | mx.array, p: Samplin
     `mass_margin` of top_p could go either way, and is drawn by the definition. Both sum
     the same `Softmax` probabilities, which MLX computes alike wherever an element sits in
     its array (the margin's slack would absorb a unit of difference anyway)."""
-    logprobs = sm.scaled - sm.lse[:, None]
+    logprobs = sm.logprobs()
     vocab = logprobs.shape[-1]
     floor = mx.max(logprobs, axis=-1, keepdims=True) + math.log(p.min_p) if p.min_p > 0.0 else -math.inf
     above_floor = logprobs >= floor
@@ -292,7 +292,7 @@ def _sample_all(
     sm: Softmax, row_keys: mx.array, t: int | mx.array, p: SamplingConfig
 ) -> tuple[mx.array, mx.array]:
     """The definition: noise for every token of the vocabulary, the cut by a full sort."""
-    logprobs = sm.scaled - sm.lse[:, None]
+    logprobs = sm.logprobs()
     if truncating(p):
         logprobs = truncate(logprobs, p, sm.probs())
     tokens = mx.argmax(logprobs + _noise(row_keys, t, mx.arange(logprobs.shape[-1])[None]), axis=-1)
