@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from policy.logprobs import Rows, output_head, plain_caches
+from policy.logprobs import PromptState, Rows, output_head, plain_caches
 from runtime.config import TrainConfig, logit_chunk_positions
 
 log = logging.getLogger(__name__)
@@ -91,13 +91,20 @@ class Micro:
     rows: Rows
     mask: mx.array  # 1 where the target is a trained completion token
     behavior: mx.array  # the actor's logprobs there, 0 elsewhere
-    positions: int  # what its forward computes (each prompt's once, with shared prompts)
+    positions: int  # what its forward computes (its own prompts once, with shared prompts)
+    # Which of the batch's carried prompts (Prepared.carried) its rows read, in the order
+    # they come after its own prompts (Rows.given).
+    given: list[int] = field(default_factory=list)
     old: mx.array | None = None
     is_weight: mx.array | None = None
     ref: mx.array | None = None
     # Where each row's first position sits in the batch's [B, T] arrays (None: at 0, whole
     # rows); what lays out a per-token array of the batch as this micro-batch's (per_token).
     offsets: np.ndarray | None = None
+
+    def rows_given(self, states: list[PromptState]) -> Rows:
+        """Its rows, given the carried prompts' `states` it reads (the batch's, in order)."""
+        return self.rows.with_given([states[i] for i in self.given])
 
     def per_token(self, values: np.ndarray) -> mx.array:
         """This micro-batch's part of `values`, an array laid out as the batch's mask
@@ -128,6 +135,14 @@ class Prepared:
     stats: dict[str, float]
     old_parts: list[tuple[dict[str, float], tuple[float, float]]] = field(default_factory=list)
     real: int = 0  # the positions its rows predict (a row of n tokens: n - 1)
+    # Prompts whose rows went to several micro-batches: each runs once a pass, its state
+    # given to those micro-batches (Rows.given), its gradient taken once (Trainer.accumulate).
+    carried: list[mx.array] = field(default_factory=list)
+
+    @property
+    def positions(self) -> int:
+        """What its forwards compute: the micro-batches' and the carried prompts'."""
+        return sum(m.positions for m in self.micro) + sum(len(p) for p in self.carried)
 
     @property
     def weight(self) -> tuple[float, float]:
@@ -181,11 +196,11 @@ def micro_batch_rows(
 ) -> list[np.ndarray]:
     """The rows of each micro-batch, at most `size` rows each (0: no limit), from the
     positions each row's forward needs (a whole row of n tokens: n - 1; a completion after
-    its shared prompt: its length). `prompts`: each row's shared prompt (a key and its
-    length), which a micro-batch runs once whatever rows of it it holds.
+    its shared prompt: its length). `prompts`: each row's shared prompt (a key and what a
+    micro-batch that reads it pays, in positions), paid once whatever rows of it it holds.
 
     by_length: longest rows first, cut where the micro-batches cost least in all: each
-    computes its rows padded to its longest, each of its distinct prompts once, and
+    computes its rows padded to its longest, pays for each of its distinct prompts, and
     FORWARD_POSITIONS for being a forward at all (an exact minimum over every cut of the
     sorted rows, by dynamic programming). Rows of similar length go together, and rows far
     apart in length go together too when running them apart would cost more (their
@@ -236,28 +251,50 @@ def prompt_keys(host: dict[str, np.ndarray], batch: Batch) -> list[tuple[bytes, 
     return [(host["tokens"][i, :n].tobytes(), int(n)) for i, n in enumerate(batch.prompt_lengths)]
 
 
+def carried_prompts(keys: list[tuple[bytes, int]], cuts: list[np.ndarray]) -> dict[bytes, int]:
+    """The prompts (prompt_keys) whose rows are in more than one of `cuts`, numbered: each
+    runs once for all of them, not once in each."""
+    reads: dict[bytes, int] = {}
+    for index in cuts:
+        for key in {keys[i][0] for i in index}:
+            reads[key] = reads.get(key, 0) + 1
+    return {key: n for n, key in enumerate(k for k, count in reads.items() if count > 1)}
+
+
 def shared_prompt_rows(
-    host: dict[str, np.ndarray], batch: Batch, index: np.ndarray, keys: list[tuple[bytes, int]]
+    host: dict[str, np.ndarray],
+    batch: Batch,
+    index: np.ndarray,
+    keys: list[tuple[bytes, int]],
+    carried: dict[bytes, int],
 ) -> Micro:
     """A micro-batch whose rows run each distinct prompt once and then their completions
     alone, right-padded to the longest (`host`: the batch's arrays in NumPy; `keys`: each
-    row's prompt_keys)."""
+    row's prompt_keys). A prompt in `carried` is not run here but given (Micro.given)."""
     starts, ends = batch.prompt_lengths[index], batch.lengths[index]
     width = int((ends - starts).max())
     completions = np.zeros((len(index), width), np.int32)
     mask, behavior = np.zeros((2, len(index), width), np.float32)
-    prompts: dict[bytes, int] = {}
+    own = list(dict.fromkeys(keys[i][0] for i in index if keys[i][0] not in carried))
+    given = list(dict.fromkeys(keys[i][0] for i in index if keys[i][0] in carried))
+    reads = {key: n for n, key in enumerate(own + given)}  # Rows.owner: own prompts, then given
     owner = []
     for k, (i, start, end) in enumerate(zip(index, starts, ends)):
-        owner.append(prompts.setdefault(keys[i][0], len(prompts)))
+        owner.append(reads[keys[i][0]])
         completions[k, : end - start] = host["tokens"][i, start:end]
         # The batch's position j predicts token j + 1: a completion's tokens sit at start-1 .. end-2.
         mask[k, : end - start] = host["mask"][i, start - 1 : end - 1]
         behavior[k, : end - start] = host["behavior"][i, start - 1 : end - 1]
-    ids = [mx.array(np.frombuffer(key, np.int32)) for key in prompts]
+    ids = [prompt_ids(key) for key in own]
     positions = sum(len(p) for p in ids) + len(index) * (width - 1)
     rows = Rows(mx.array(completions), ids, owner)
-    return Micro(index, rows, mx.array(mask), mx.array(behavior), positions, offsets=starts - 1)
+    given_ids = [carried[key] for key in given]
+    return Micro(index, rows, mx.array(mask), mx.array(behavior), positions, given_ids, offsets=starts - 1)
+
+
+def prompt_ids(key: bytes) -> mx.array:
+    """A prompt_keys key's token ids."""
+    return mx.array(np.frombuffer(key, np.int32))
 
 
 def scalar(a: mx.array) -> float:

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from learner.algorithms import LossInputs, load_algorithm
 from learner.batching import (
@@ -25,8 +25,10 @@ from learner.batching import (
     Logits,
     Micro,
     Prepared,
+    carried_prompts,
     logits_plan,
     micro_batch_rows,
+    prompt_ids,
     prompt_keys,
     prompts_can_be_shared,
     scalar,
@@ -35,9 +37,11 @@ from learner.batching import (
 )
 from learner.correction import Correction, old_policy_terms
 from policy.logprobs import (
+    PromptState,
     Rows,
     chunked_sequence_terms,
     output_head,
+    run_prompt,
     sequence_logprobs,
     sequence_logprobs_and_entropy,
 )
@@ -97,9 +101,28 @@ def combine_stats(parts: list[Weighted], per_completion: frozenset[str] = frozen
     return out
 
 
+Grads = tuple[tuple[mx.array, dict], dict, list[PromptState]]
+
+
+def _arrays(tree: list[PromptState]) -> list[mx.array]:
+    return [a for _, a in cast(list[tuple[str, mx.array]], tree_flatten(tree))]
+
+
+def _value_and_grads(model: nn.Module, fn: Callable, given: list[PromptState]) -> Grads:
+    """fn(given)'s value, and its gradients in the model's trainable parameters and in
+    `given` (the states of prompts carried across micro-batches, Rows.given)."""
+
+    def inner(params: dict, given: list[PromptState]) -> tuple[mx.array, dict]:
+        model.update(params)
+        return fn(given)
+
+    value, (grads, dgiven) = mx.value_and_grad(inner, argnums=(0, 1))(model.trainable_parameters(), given)
+    return value, grads, dgiven
+
+
 def _chunked_value_and_grad(
     model: nn.Module, logits: Logits, rows: Rows, temperature: float, objective: Callable, entropy: bool
-) -> tuple[tuple[mx.array, dict], dict]:
+) -> Grads:
     """The objective's value and its gradient in the adapters, never holding more than one
     chunk's logits: the chain rule taken in three evaluated pieces,
 
@@ -115,8 +138,10 @@ def _chunked_value_and_grad(
     )
     (value, diag), dlogp = mx.value_and_grad(lambda lp: objective(lp, ent))(logp)
     dhidden = dlogp[..., None] * jac
-    _, grads = nn.value_and_grad(model, lambda m: (rows.outputs(m.model) * dhidden).sum())(model)
-    return (value, diag), grads
+    _, grads, dgiven = _value_and_grads(
+        model, lambda given: (rows.with_given(given).outputs(model.model) * dhidden).sum(), rows.given
+    )
+    return (value, diag), grads, dgiven
 
 
 @dataclass
@@ -195,16 +220,21 @@ class Trainer:
         The old-policy forwards run over the very micro-batches the optimizer steps will:
         identical shapes make the first step's ratio exactly 1. `norm`: the whole batch's
         loss normaliser, when `batch` is one learner rank's part of it."""
-        micro = self.micro_batches(batch)
-        parts = [(self._take_old(m), m.weight) for m in micro] if not self.fused else []
-        for m in micro:
-            if self.beta > 0:
-                self.check_stop()
-                with adapters_disabled(self.model):
-                    m.ref = _logprobs(self.model, m.rows, self.temperature, self.logits, self.head)[0]
+        micro, carried = self.micro_batches(batch)
+        parts = []
+        if not self.fused:
+            states = self.prompt_states(carried)
+            parts = [(self._take_old(m, states), m.weight) for m in micro]
+        if self.beta > 0:
+            with adapters_disabled(self.model):
+                states = self.prompt_states(carried)
+                for m in micro:
+                    self.check_stop()
+                    rows = m.rows_given(states)
+                    m.ref = _logprobs(self.model, rows, self.temperature, self.logits, self.head)[0]
         real = int(batch.lengths.sum()) - len(batch.lengths)  # a row of n tokens predicts n - 1
         norm = self.algorithm.normalizer(np.array(batch.mask)) if norm is None else norm
-        prepared = Prepared(micro, norm, {}, parts, real)
+        prepared = Prepared(micro, norm, {}, parts, real, carried)
         prepared.stats = self.prepared_stats([prepared])
         return prepared
 
@@ -214,16 +244,16 @@ class Trainer:
         rows predict."""
         old = [p for prepared in parts for p in prepared.old_parts]
         stats = combine_stats(old, self.per_completion) if old else {}
-        positions = sum(m.positions for prepared in parts for m in prepared.micro)
+        positions = sum(prepared.positions for prepared in parts)
         stats["learner/padding_ratio"] = positions / max(sum(prepared.real for prepared in parts), 1)
         return stats
 
-    def micro_batches(self, batch: Batch) -> list[Micro]:
-        """The batch's micro-batches (see micro_batch_rows), each with its prompts once
-        when they are shared."""
+    def micro_batches(self, batch: Batch) -> tuple[list[Micro], list[mx.array]]:
+        """The batch's micro-batches (see micro_batch_rows), and, when prompts are shared,
+        the prompts whose rows went to several of them (Prepared.carried)."""
         if not self.share_prompts:
             cuts = micro_batch_rows(batch.lengths - 1, self.micro_batch_size, self.sort_by_length)
-            return [whole_rows(batch, index, own_length=self.sort_by_length) for index in cuts]
+            return [whole_rows(batch, index, own_length=self.sort_by_length) for index in cuts], []
         host = {
             "tokens": np.array(batch.tokens),
             "mask": np.array(batch.mask),
@@ -231,17 +261,48 @@ class Trainer:
         }
         completions = batch.lengths - batch.prompt_lengths
         keys = prompt_keys(host, batch)
-        cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length, keys)
-        return [shared_prompt_rows(host, batch, index, keys) for index in cuts]
+        # A prompt read by several micro-batches runs once for all, plus once more without a
+        # graph (prompt_states): about half what its forward and backward cost. So a
+        # micro-batch pays half of each prompt it reads, and splitting a group's rows costs
+        # what carrying its prompt adds.
+        costs = [(key, (length + 1) // 2) for key, length in keys]
+        cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length, costs)
+        carried = carried_prompts(keys, cuts)
+        micro = [shared_prompt_rows(host, batch, index, keys, carried) for index in cuts]
+        return micro, [prompt_ids(key) for key in carried]
+
+    def _net(self, model: nn.Module) -> nn.Module:
+        """What a prompt runs through: the model's body when its logits go through the output
+        head, else the model (Rows.logits, chunked_sequence_terms)."""
+        return model.model if self.head is not None else model
+
+    def prompt_states(self, prompts: list[mx.array]) -> list[PromptState]:
+        """Carried prompts run at the current weights, evaluated, without a graph."""
+        states = [run_prompt(self._net(self.model), p) for p in prompts]
+        mx.eval(states)
+        return states
+
+    def _prompts_backward(self, prompts: list[mx.array], cotangents: list[PromptState]) -> dict:
+        """The carried prompts' share of the gradient: their forward again, differentiated,
+        with what the micro-batches' backwards sent to their states as its cotangent."""
+
+        def dot(model: nn.Module) -> mx.array:
+            states = [run_prompt(self._net(model), p) for p in prompts]
+            pairs = zip(_arrays(states), _arrays(cotangents))
+            return sum(((a * c).sum() for a, c in pairs), mx.array(0.0))
+
+        return nn.value_and_grad(self.model, dot)(self.model)[1]
 
     def check_stop(self) -> None:
         if self.stopping():
             raise StepStopped
 
-    def _take_old(self, m: Micro) -> dict[str, float]:
-        """The micro-batch's old-policy logprobs and correction weights; their diagnostics."""
+    def _take_old(self, m: Micro, states: list[PromptState]) -> dict[str, float]:
+        """The micro-batch's old-policy logprobs and correction weights; their diagnostics.
+        `states`: the carried prompts' (prompt_states)."""
         self.check_stop()
-        old, entropy = _logprobs(self.model, m.rows, self.temperature, self.logits, self.head, entropy=True)
+        rows = m.rows_given(states)
+        old, entropy = _logprobs(self.model, rows, self.temperature, self.logits, self.head, entropy=True)
         assert entropy is not None  # asked for
         m.old, (m.is_weight, stats) = old, old_policy_terms(old, entropy, m.behavior, m.mask, self.correction)
         mx.eval(m.is_weight, stats)
@@ -267,15 +328,25 @@ class Trainer:
         [B], or [B, T] per token laid out as the batch's mask (GiGPO), which each
         micro-batch lays out as its own (Micro.per_token)."""
         adv = mx.array(advantages.astype(np.float32)) if advantages.ndim == 1 else None
+        states = self.prompt_states(prepared.carried)
+        cotangents = tree_map(mx.zeros_like, states)  # what the micro-batches send back to them
         for m in prepared.micro:
             self.check_stop()
             rows_adv = adv[mx.array(m.index.astype(np.int32))] if adv is not None else m.per_token(advantages)
             with spans.span("forward and backward", rows=len(m.index), positions=m.positions):
-                (loss, diag), grads = self._value_and_grad(m, rows_adv, norm)
+                (loss, diag), grads, dgiven = self._value_and_grad(m, m.rows_given(states), rows_adv, norm)
                 gradient.add(grads)
-                mx.eval(loss, diag, gradient.grads)
+                for i, d in zip(m.given, dgiven):
+                    cotangents[i] = tree_map(mx.add, cotangents[i], d)
+                mx.eval(loss, diag, gradient.grads, cotangents)
             gradient.loss += scalar(loss)
             gradient.parts.append(({k: scalar(v) for k, v in diag.items()}, m.weight))
+        if prepared.carried:
+            self.check_stop()
+            positions = sum(len(p) for p in prepared.carried)
+            with spans.span("forward and backward", rows=0, positions=positions):
+                gradient.add(self._prompts_backward(prepared.carried, cotangents))
+                mx.eval(gradient.grads)
 
     def update(self, gradient: Gradient, all_sum: Callable[[dict], dict] | None = None) -> dict[str, float]:
         """The optimizer step on an accumulated (and normalised) gradient, and its metrics.
@@ -318,11 +389,13 @@ class Trainer:
         diag["surrogate_loss"] = diag["surrogate_loss"] / norm
         return total / norm, {**diag, **extra}
 
-    def _value_and_grad(self, m: Micro, adv: mx.array, norm: float) -> tuple[tuple[mx.array, dict], dict]:
-        rows, head = m.rows, self.head
+    def _value_and_grad(self, m: Micro, rows: Rows, adv: mx.array, norm: float) -> Grads:
+        """The micro-batch's loss and its gradients (in the adapters and in the carried
+        prompts' states that `rows` is given)."""
+        model, head = self.model, self.head
         if self.logits.chunked(rows.targets.size):
             return _chunked_value_and_grad(
-                self.model,
+                model,
                 self.logits,
                 rows,
                 self.temperature,
@@ -330,10 +403,12 @@ class Trainer:
                 self.fused,
             )
 
-        def whole(model: nn.Module) -> tuple[mx.array, dict]:
+        def whole(given: list[PromptState]) -> tuple[mx.array, dict]:
+            these = rows.with_given(given)
             if self.fused:
-                logp, entropy = sequence_logprobs_and_entropy(model, rows, self.temperature, head)
+                logp, entropy = sequence_logprobs_and_entropy(model, these, self.temperature, head)
                 return self._objective(m, adv, norm, logp, entropy)
-            return self._objective(m, adv, norm, sequence_logprobs(model, rows, self.temperature, head), None)
+            logp = sequence_logprobs(model, these, self.temperature, head)
+            return self._objective(m, adv, norm, logp, None)
 
-        return nn.value_and_grad(self.model, whole)(self.model)
+        return _value_and_grads(model, whole, rows.given)

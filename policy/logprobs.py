@@ -9,7 +9,7 @@ recomputed logprobs equal the actor's behavior logprobs (see docs/design.md).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -37,6 +37,20 @@ def token_logprobs(logits: mx.array, tokens: mx.array, temperature: float) -> mx
     return picked_logprobs(scaled, mx.logsumexp(scaled, axis=-1), tokens)
 
 
+# A prompt run once: its output at its last position (which predicts the first completion
+# token), and every layer's keys and values. Plain tuples and lists of arrays, so that a
+# gradient can be taken in them (learner/trainer.py carries them across micro-batches).
+PromptState = tuple[mx.array, list[mx.array], list[mx.array]]
+
+
+def run_prompt(net: nn.Module, prompt: mx.array) -> PromptState:
+    """`prompt` [P] through `net` (an mlx-lm model or its body, as Rows.outputs): what the
+    completions after it read."""
+    cache = [_Grown() for _ in net.layers]
+    last = net(prompt[None], cache=cache)[:, -1:, :]
+    return last, [c.keys for c in cache], [c.values for c in cache]
+
+
 @dataclass
 class Rows:
     """What one forward computes logprobs for.
@@ -46,34 +60,40 @@ class Rows:
     once into a KV cache, each row reads the cache of its prompt (`owner`), and `tokens`
     [n, C] are the completions alone, each its own target (the first one predicted from
     the prompt's last position). Both give the same logprobs: causal attention makes a
-    row's positions depend only on what precedes them, which the cache holds."""
+    row's positions depend only on what precedes them, which the cache holds.
+
+    `given`: prompts run elsewhere, once for several forwards (their states, run_prompt's
+    with the same net); `owner` counts them after `prompts`."""
 
     tokens: mx.array
     prompts: list[mx.array] | None = None
     owner: list[int] | None = None
+    given: list[PromptState] = field(default_factory=list)
 
     @property
     def targets(self) -> mx.array:
         return self.tokens if self.prompts is not None else self.tokens[:, 1:]
+
+    def with_given(self, given: list[PromptState]) -> Rows:
+        return replace(self, given=given)
 
     def outputs(self, net: nn.Module, head: Callable[[mx.array], mx.array] | None = None) -> mx.array:
         """`net`'s output at every position that predicts a target, [n, T, ...], then
         `head`'s if given: `net` is an mlx-lm model (logits) or its body `model.model`
         (hidden states, or logits through the model's `head`, which then never sees a
         prompt's other positions). Differentiable: gradients reach the weights through
-        the prompts' keys and values."""
+        the prompts' keys and values (and reach `given`'s arrays)."""
         out = (lambda h: h) if head is None else head
         if self.prompts is None:
             return out(net(self.tokens[:, :-1]))
         assert self.owner is not None  # given with the prompts
-        caches, lasts = [], []
-        for p in self.prompts:
-            cache = [_Grown() for _ in net.layers]
-            lasts.append(net(p[None], cache=cache)[:, -1:, :])
-            caches.append(cache)
-        first = mx.concatenate(lasts)[mx.array(self.owner)]
+        states = [run_prompt(net, p) for p in self.prompts] + self.given
+        first = mx.concatenate([last for last, _, _ in states])[mx.array(self.owner)]
         if self.tokens.shape[1] > 1:
-            layers = [_GrownBatch.of([c[i] for c in caches], self.owner) for i in range(len(net.layers))]
+            layers = [
+                _GrownBatch.of([k[i] for _, k, _ in states], [v[i] for _, _, v in states], self.owner)
+                for i in range(len(net.layers))
+            ]
             # Joined before the head: joining logits would make one more logits-sized copy.
             first = mx.concatenate([first, net(self.tokens[:, :-1], cache=layers)], axis=1)
         return out(first)
@@ -108,10 +128,11 @@ class _GrownBatch(BatchKVCache):
     values: Any
 
     @classmethod
-    def of(cls, prompts: list[_Grown], owner: list[int]) -> _GrownBatch:
-        """Row i continues prompt owner[i]: its keys and values, left-padded with zeros."""
-        width = max(c.offset for c in prompts)
-        pad = [width - c.offset for c in prompts]
+    def of(cls, keys: list[mx.array], values: list[mx.array], owner: list[int]) -> _GrownBatch:
+        """Row i continues prompt owner[i]: its keys and values (one layer's, a prompt's
+        [1, heads, P, dim]), left-padded with zeros."""
+        width = max(k.shape[2] for k in keys)
+        pad = [width - k.shape[2] for k in keys]
         rows = mx.array(owner)
 
         def padded(arrays: list[mx.array]) -> mx.array:
@@ -119,7 +140,7 @@ class _GrownBatch(BatchKVCache):
             return mx.concatenate(lefts)[rows]
 
         cache = cls([pad[o] for o in owner])
-        cache.keys, cache.values = padded([c.keys for c in prompts]), padded([c.values for c in prompts])
+        cache.keys, cache.values = padded(keys), padded(values)
         cache.offset += width
         cache._idx = width
         return cache

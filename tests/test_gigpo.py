@@ -220,7 +220,8 @@ def test_per_token_advantages_sit_on_the_batch_mask_and_every_micro_batch_layout
         for m in (
             whole_rows(batch, index, own_length=True),
             whole_rows(batch, index, own_length=False),
-            shared_prompt_rows(host, batch, index, keys),
+            shared_prompt_rows(host, batch, index, keys, {}),
+            shared_prompt_rows(host, batch, index, keys, {keys[0][0]: 0}),  # the first prompt carried
         ):
             laid = np.array(m.per_token(adv))
             assert laid.shape == m.mask.shape
