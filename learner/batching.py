@@ -93,8 +93,8 @@ class Micro:
     behavior: mx.array  # the actor's logprobs there, 0 elsewhere
     positions: int  # what its forward computes (its own prompts once, with shared prompts)
     # Which of the batch's carried prompts (Prepared.carried) its rows read, in the order
-    # they come after its own prompts (Rows.given).
-    given: list[int] = field(default_factory=list)
+    # their states come after its own prompts (Rows.given).
+    carried: list[int] = field(default_factory=list)
     old: mx.array | None = None
     is_weight: mx.array | None = None
     ref: mx.array | None = None
@@ -104,7 +104,7 @@ class Micro:
 
     def rows_given(self, states: list[PromptState]) -> Rows:
         """Its rows, given the carried prompts' `states` it reads (the batch's, in order)."""
-        return self.rows.with_given([states[i] for i in self.given])
+        return self.rows.with_given([states[i] for i in self.carried])
 
     def per_token(self, values: np.ndarray) -> mx.array:
         """This micro-batch's part of `values`, an array laid out as the batch's mask
@@ -140,9 +140,14 @@ class Prepared:
     carried: list[mx.array] = field(default_factory=list)
 
     @property
+    def carried_positions(self) -> int:
+        return sum(len(p) for p in self.carried)
+
+    @property
     def positions(self) -> int:
-        """What its forwards compute: the micro-batches' and the carried prompts'."""
-        return sum(m.positions for m in self.micro) + sum(len(p) for p in self.carried)
+        """What its forwards compute: the micro-batches' and the carried prompts' (once,
+        though a training pass runs them twice: Trainer.accumulate)."""
+        return sum(m.positions for m in self.micro) + self.carried_positions
 
     @property
     def weight(self) -> tuple[float, float]:
@@ -203,8 +208,8 @@ def micro_batch_rows(
     computes its rows padded to its longest, pays for each of its distinct prompts, and
     FORWARD_POSITIONS for being a forward at all (an exact minimum over every cut of the
     sorted rows, by dynamic programming). Rows of similar length go together, and rows far
-    apart in length go together too when running them apart would cost more (their
-    prompts again, another forward). Otherwise the rows in order (`train.sort_by_length =
+    apart in length go together too when running them apart would cost more (what their
+    prompts cost again, another forward). Otherwise the rows in order (`train.sort_by_length =
     false`)."""
     rows = len(positions)
     cap = size if 0 < size < rows else rows
@@ -270,14 +275,14 @@ def shared_prompt_rows(
 ) -> Micro:
     """A micro-batch whose rows run each distinct prompt once and then their completions
     alone, right-padded to the longest (`host`: the batch's arrays in NumPy; `keys`: each
-    row's prompt_keys). A prompt in `carried` is not run here but given (Micro.given)."""
+    row's prompt_keys). A prompt in `carried` is not run here but given (Micro.carried)."""
     starts, ends = batch.prompt_lengths[index], batch.lengths[index]
     width = int((ends - starts).max())
     completions = np.zeros((len(index), width), np.int32)
     mask, behavior = np.zeros((2, len(index), width), np.float32)
     own = list(dict.fromkeys(keys[i][0] for i in index if keys[i][0] not in carried))
-    given = list(dict.fromkeys(keys[i][0] for i in index if keys[i][0] in carried))
-    reads = {key: n for n, key in enumerate(own + given)}  # Rows.owner: own prompts, then given
+    others = list(dict.fromkeys(keys[i][0] for i in index if keys[i][0] in carried))
+    reads = {key: n for n, key in enumerate(own + others)}  # Rows.owner: own prompts, then given
     owner = []
     for k, (i, start, end) in enumerate(zip(index, starts, ends)):
         owner.append(reads[keys[i][0]])
@@ -288,8 +293,8 @@ def shared_prompt_rows(
     ids = [prompt_ids(key) for key in own]
     positions = sum(len(p) for p in ids) + len(index) * (width - 1)
     rows = Rows(mx.array(completions), ids, owner)
-    given_ids = [carried[key] for key in given]
-    return Micro(index, rows, mx.array(mask), mx.array(behavior), positions, given_ids, offsets=starts - 1)
+    numbers = [carried[key] for key in others]
+    return Micro(index, rows, mx.array(mask), mx.array(behavior), positions, numbers, offsets=starts - 1)
 
 
 def prompt_ids(key: bytes) -> mx.array:

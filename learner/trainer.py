@@ -41,6 +41,7 @@ from policy.logprobs import (
     Rows,
     chunked_sequence_terms,
     output_head,
+    random_forward,
     run_prompt,
     sequence_logprobs,
     sequence_logprobs_and_entropy,
@@ -101,14 +102,16 @@ def combine_stats(parts: list[Weighted], per_completion: frozenset[str] = frozen
     return out
 
 
-Grads = tuple[tuple[mx.array, dict], dict, list[PromptState]]
+# (the loss and its diagnostics), the gradient in the adapters, and in the given states.
+ValueAndGrads = tuple[tuple[mx.array, dict], dict, list[PromptState]]
 
 
 def _arrays(tree: list[PromptState]) -> list[mx.array]:
+    """The states' arrays, in one order for every tree of the same shape."""
     return [a for _, a in cast(list[tuple[str, mx.array]], tree_flatten(tree))]
 
 
-def _value_and_grads(model: nn.Module, fn: Callable, given: list[PromptState]) -> Grads:
+def _value_and_grads(model: nn.Module, fn: Callable, given: list[PromptState]) -> ValueAndGrads:
     """fn(given)'s value, and its gradients in the model's trainable parameters and in
     `given` (the states of prompts carried across micro-batches, Rows.given)."""
 
@@ -122,7 +125,7 @@ def _value_and_grads(model: nn.Module, fn: Callable, given: list[PromptState]) -
 
 def _chunked_value_and_grad(
     model: nn.Module, logits: Logits, rows: Rows, temperature: float, objective: Callable, entropy: bool
-) -> Grads:
+) -> ValueAndGrads:
     """The objective's value and its gradient in the adapters, never holding more than one
     chunk's logits: the chain rule taken in three evaluated pieces,
 
@@ -261,10 +264,16 @@ class Trainer:
         }
         completions = batch.lengths - batch.prompt_lengths
         keys = prompt_keys(host, batch)
-        # A prompt read by several micro-batches runs once for all, plus once more without a
-        # graph (prompt_states): about half what its forward and backward cost. So a
-        # micro-batch pays half of each prompt it reads, and splitting a group's rows costs
-        # what carrying its prompt adds.
+        if random_forward(self.model):
+            # Dropout: the states taken once and the differentiated forward after the
+            # micro-batches would draw two masks. Each micro-batch runs its prompts.
+            cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length, keys)
+            return [shared_prompt_rows(host, batch, index, keys, {}) for index in cuts], []
+        # A prompt read by several micro-batches runs once for all, plus a forward more
+        # without a graph (prompt_states): about half what its forward and backward cost,
+        # LoRA's backward costing about a forward (the base weights are frozen). So a
+        # micro-batch pays half of each prompt it reads: splitting a group's rows in two
+        # costs what carrying its prompt adds (in three or more, the cut overcharges).
         costs = [(key, (length + 1) // 2) for key, length in keys]
         cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length, costs)
         carried = carried_prompts(keys, cuts)
@@ -282,16 +291,20 @@ class Trainer:
         mx.eval(states)
         return states
 
-    def _prompts_backward(self, prompts: list[mx.array], cotangents: list[PromptState]) -> dict:
-        """The carried prompts' share of the gradient: their forward again, differentiated,
-        with what the micro-batches' backwards sent to their states as its cotangent."""
+    def _prompts_backward(
+        self, gradient: Gradient, prompts: list[mx.array], cotangents: list[PromptState]
+    ) -> None:
+        """Add the carried prompts' share of the gradient: their forward again,
+        differentiated, with what the micro-batches' backwards sent to their states as its
+        cotangent. One prompt at a time, so that one prompt's activations are held at once."""
 
-        def dot(model: nn.Module) -> mx.array:
-            states = [run_prompt(self._net(model), p) for p in prompts]
-            pairs = zip(_arrays(states), _arrays(cotangents))
+        def dot(model: nn.Module, prompt: mx.array, cotangent: PromptState) -> mx.array:
+            pairs = zip(_arrays([run_prompt(self._net(model), prompt)]), _arrays([cotangent]))
             return sum(((a * c).sum() for a, c in pairs), mx.array(0.0))
 
-        return nn.value_and_grad(self.model, dot)(self.model)[1]
+        for prompt, cotangent in zip(prompts, cotangents):
+            gradient.add(nn.value_and_grad(self.model, dot)(self.model, prompt, cotangent)[1])
+            mx.eval(gradient.grads)
 
     def check_stop(self) -> None:
         if self.stopping():
@@ -329,24 +342,23 @@ class Trainer:
         micro-batch lays out as its own (Micro.per_token)."""
         adv = mx.array(advantages.astype(np.float32)) if advantages.ndim == 1 else None
         states = self.prompt_states(prepared.carried)
-        cotangents = tree_map(mx.zeros_like, states)  # what the micro-batches send back to them
+        # What the micro-batches send back to the states, summed in float32 as the gradient is.
+        cotangents = tree_map(lambda a: mx.zeros(a.shape, mx.float32), states)
         for m in prepared.micro:
             self.check_stop()
             rows_adv = adv[mx.array(m.index.astype(np.int32))] if adv is not None else m.per_token(advantages)
             with spans.span("forward and backward", rows=len(m.index), positions=m.positions):
                 (loss, diag), grads, dgiven = self._value_and_grad(m, m.rows_given(states), rows_adv, norm)
                 gradient.add(grads)
-                for i, d in zip(m.given, dgiven):
-                    cotangents[i] = tree_map(mx.add, cotangents[i], d)
+                for i, d in zip(m.carried, dgiven):
+                    cotangents[i] = tree_map(lambda c, g: c + g.astype(mx.float32), cotangents[i], d)
                 mx.eval(loss, diag, gradient.grads, cotangents)
             gradient.loss += scalar(loss)
             gradient.parts.append(({k: scalar(v) for k, v in diag.items()}, m.weight))
         if prepared.carried:
             self.check_stop()
-            positions = sum(len(p) for p in prepared.carried)
-            with spans.span("forward and backward", rows=0, positions=positions):
-                gradient.add(self._prompts_backward(prepared.carried, cotangents))
-                mx.eval(gradient.grads)
+            with spans.span("forward and backward", rows=0, positions=prepared.carried_positions):
+                self._prompts_backward(gradient, prepared.carried, cotangents)
 
     def update(self, gradient: Gradient, all_sum: Callable[[dict], dict] | None = None) -> dict[str, float]:
         """The optimizer step on an accumulated (and normalised) gradient, and its metrics.
@@ -389,7 +401,7 @@ class Trainer:
         diag["surrogate_loss"] = diag["surrogate_loss"] / norm
         return total / norm, {**diag, **extra}
 
-    def _value_and_grad(self, m: Micro, rows: Rows, adv: mx.array, norm: float) -> Grads:
+    def _value_and_grad(self, m: Micro, rows: Rows, adv: mx.array, norm: float) -> ValueAndGrads:
         """The micro-batch's loss and its gradients (in the adapters and in the carried
         prompts' states that `rows` is given)."""
         model, head = self.model, self.head

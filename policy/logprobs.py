@@ -75,6 +75,7 @@ class Rows:
         return self.tokens if self.prompts is not None else self.tokens[:, 1:]
 
     def with_given(self, given: list[PromptState]) -> Rows:
+        """The same rows, given these states of the prompts run elsewhere."""
         return replace(self, given=given)
 
     def outputs(self, net: nn.Module, head: Callable[[mx.array], mx.array] | None = None) -> mx.array:
@@ -196,6 +197,11 @@ def sequence_logprobs_and_entropy(
     return picked, entropy
 
 
+def random_forward(model: nn.Module) -> bool:
+    """Whether two forwards of the same tokens may differ: dropout (LoRA's) in training."""
+    return model.training and any(isinstance(m, nn.Dropout) and m._p_1 < 1 for _, m in model.named_modules())
+
+
 def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     """The model's last layer (hidden states -> logits) when `model(x)` is exactly
     `head(model.model(x))`, as in mlx-lm's causal LMs (`lm_head`, or the embedding read
@@ -213,7 +219,7 @@ def output_head(model: nn.Module) -> Callable[[mx.array], mx.array] | None:
     owner = head if isinstance(head, nn.Module) else body.embed_tokens
     if tree_flatten(owner.trainable_parameters()):
         return None
-    if model.training and any(isinstance(m, nn.Dropout) and m._p_1 < 1 for _, m in model.named_modules()):
+    if random_forward(model):
         return None  # two forwards would draw two masks (invisible to the probe while LoRA B is 0)
     probe = mx.array([[0, 1, 2]])
     return head if mx.array_equal(model(probe), head(body(probe))).item() else None

@@ -192,15 +192,16 @@ class TrainConfig:
     sort_by_length: bool = key(
         True,
         "form micro-batches of rows of similar length, each padded only to "
-        "its own longest row (cut where the forwards cost least: padding, prompts "
-        "run again, a forward's own cost); false: rows in order, padded to the "
+        "its own longest row (cut where the forwards cost least: padding, shared "
+        "prompts, a forward's own cost); false: rows in order, padded to the "
         "batch's longest",
     )
     share_prompts: bool = key(
         True,
-        "run each group's prompt once per micro-batch and its completions "
-        "after it (a KV cache), instead of the prompt again in every row; not "
-        "with `grad_checkpoint`",
+        "run each group's prompt once and its completions after it (a KV cache), "
+        "instead of the prompt again in every row; once for all the micro-batches "
+        "its rows went to, unless LoRA dropout makes each forward random; not with "
+        "`grad_checkpoint`",
     )
     grad_checkpoint: bool = key(
         False, "recompute each block's activations in backward (less memory, more time)"

@@ -470,6 +470,23 @@ def test_micro_batches_by_length_and_shared_prompts_give_the_padded_update(
         assert_same_update(padded, w_padded, stats, weights, start, 2e-5)
 
 
+def test_prompts_are_carried_across_micro_batches_only_where_forwards_repeat():
+    """A group's rows cut apart by length: its prompt runs once for all its micro-batches
+    (carried), but under LoRA dropout, where the state taken once and the differentiated
+    forward after would draw two masks, every micro-batch runs its own prompts."""
+    model, tok = model_with()
+    batch = sampled_batch(model, tok)
+    carried = trainer_for(model, "grpo").prepare(batch)
+    assert carried.carried and any(m.carried for m in carried.micro)
+    mx.random.seed(0)
+    noisy, _, _ = load_policy(str(TINY_MODEL), LoraConfig(rank=4, scale=10.0, dropout=0.2))
+    noisy.train()
+    own = trainer_for(noisy, "grpo").prepare(batch)
+    assert len(own.micro) > 1 and not own.carried and not any(m.carried for m in own.micro)
+    prompts = sum(len(p) for m in own.micro for p in m.rows.prompts)
+    assert prompts > sum(int(n) for n in set(batch.prompt_lengths.tolist()))  # some prompt runs twice
+
+
 def test_gspo_clip_fractions_are_merged_per_completion():
     """GSPO clips whole completions: clip_ratio/* are fractions of completions (TRL), so
     micro-batches of different token counts merge them by completions, and any cut of the
