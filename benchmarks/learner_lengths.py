@@ -7,15 +7,18 @@
 
     python -m benchmarks.learner_lengths            # Qwen3-shaped, small: 16,384 vocab, 512 x 4
     python -m benchmarks.learner_lengths --quick    # smaller and one repeat: checks the harness
+    python -m benchmarks.learner_lengths --only agent-like    # one workload (3 minutes)
 
-Two workloads (issue 23). Long tail: 8 prompts of 32 tokens x G 8, completion lengths
+Three workloads (issue 23). Long tail: 8 prompts of 32 tokens x G 8, completion lengths
 geometric with mean 64 and cut at 512 (reasoning traces). Prompt-heavy: 4 prompts of 512
-tokens x G 8, 64-token completions (an agent's system prompt and tools). Each batch is
+tokens x G 8, 64-token completions (an agent's system prompt and tools). Agent-like: the
+prompt-heavy prompts with the long tail's completion lengths (a group's rows then go to
+several micro-batches, its prompt run once for all of them). Each batch is
 drawn once; every mode runs the same Trainer (beta 0.04: the reference forward too; one
 step per batch: the old-policy logprobs fused), interleaved repeat by repeat on one model,
 the first repeat a warm-up. It prints medians (min-max), the speed against padded,
 `learner/padding_ratio` and the peak memory of each, and writes
-`benchmarks/results/learner_lengths[_quick].json` and `.md`.
+`benchmarks/results/learner_lengths[_quick][_<workload>].json` and `.md`.
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mean", type=float, default=64, help="mean completion length (geometric)")
     p.add_argument("--max-tokens", type=int, default=512, help="the longest completion")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", help="one workload by name, e.g. 'agent-like' (results *_<name>.md)")
     a = p.parse_args(argv)
     shape = QUICK_SHAPE if a.quick else SMALL_SHAPE
     if a.quick:
@@ -161,7 +165,19 @@ def main(argv: list[str] | None = None) -> int:
             np.full(heavy_groups * a.group_size, 64),
             {k: v for k, v in MODES.items() if k != "padded"},
         ),
+        # An agent's long system prompt and a long tail of answers: a group's rows go to
+        # several micro-batches by length, and its prompt runs once for all of them.
+        "agent-like": (
+            heavy_groups,
+            heavy_prompt,
+            long_tail_lengths(heavy_groups * a.group_size, a.mean, a.max_tokens, a.seed),
+            {k: v for k, v in MODES.items() if k != "padded"},
+        ),
     }
+    if a.only:
+        if a.only not in workloads:
+            p.error(f"--only: no workload {a.only!r}; there are {', '.join(map(repr, workloads))}")
+        workloads = {a.only: workloads[a.only]}
     started, out = time.time(), {"shape": shape, "args": {k: str(v) for k, v in vars(a).items()}, "runs": {}}
     report = [
         f"Learner step, Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters (vocabulary "
@@ -181,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         report += [f"\n### {workload}: {what}\n\n", table(runs)]
     out["wall_s"] = time.time() - started
     stem = "learner_lengths_quick" if a.quick else "learner_lengths"
+    stem += f"_{a.only.replace('-', '_')}" if a.only else ""
     write_results(a.results_dir, stem, out, "".join(report))
     return 0
 
