@@ -8,6 +8,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from learner import batching
+from learner import trainer as trainer_module
 from learner.algorithms import ALGORITHMS
 from learner.batching import WHOLE, Logits, TrainRow, logits_plan, make_batch
 from learner.correction import Correction, correction_weights
@@ -485,6 +486,29 @@ def test_prompts_are_carried_across_micro_batches_only_where_forwards_repeat():
     assert len(own.micro) > 1 and not own.carried and not any(m.carried for m in own.micro)
     prompts = sum(len(p) for m in own.micro for p in m.rows.prompts)
     assert prompts > sum(int(n) for n in set(batch.prompt_lengths.tolist()))  # some prompt runs twice
+
+
+def test_carried_prompts_through_a_model_without_a_plain_head(monkeypatch):
+    """A model whose output layer trains (or is not a plain projection) runs prompts
+    through the whole model: a carried prompt's state then holds logits, not hidden
+    states, and the update is still the one of every row with its own prompt."""
+    monkeypatch.setattr(trainer_module, "output_head", lambda model: None)
+    model, tok = model_with()
+    start = perturbed(adapter_weights_numpy(model), 3, 0.01)
+    batch = sampled_batch(model, tok)
+    updates = {}
+    for share in (False, True):
+        m, _ = model_with(start)
+        sgd = optim.SGD(learning_rate=1.0)
+        trainer = trainer_for(m, "grpo", beta=0.04, optimizer=sgd, max_grad_norm=1e9, share_prompts=share)
+        prepared = trainer.prepare(batch)
+        assert trainer.head is None and bool(prepared.carried) == share
+        trainer.step(prepared, trainer.algorithm.advantages(REWARDS))
+        updates[share] = {k: v - start[k] for k, v in adapter_weights_numpy(m).items()}
+    for k in start:
+        scale = np.abs(updates[False][k]).max()
+        np.testing.assert_allclose(updates[True][k], updates[False][k], atol=1e-5 * scale)
+    assert max(np.abs(u).max() for u in updates[False].values()) > 0
 
 
 def test_gspo_clip_fractions_are_merged_per_completion():
