@@ -8,6 +8,7 @@ them: here only how one is started.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -57,6 +58,12 @@ def prepare_run_dir(cfg: Config, resume: bool = False, overwrite: bool = False) 
     return run_dir
 
 
+def share_env(share_mb: float) -> str:
+    """A memory share as the child reads it (policy/memory.py): whole MB, rounded down,
+    so a process is never allowed more than its share (MLX uses what its limit allows)."""
+    return str(max(1, math.floor(share_mb)))
+
+
 def spawn(
     name: str,
     args: list[str],
@@ -77,7 +84,7 @@ def spawn(
         **lifeline.child_env(), **{lifecycle.RUN_LOCK_ENV: str(lock_fd)}, **(extra_env or {})
     )
     if share_mb is not None:
-        env[MEMORY_SHARE_ENV] = f"{share_mb:.0f}"
+        env[MEMORY_SHARE_ENV] = share_env(share_mb)
     if threads is not None and sys.platform.startswith("linux") and "OPENBLAS_NUM_THREADS" not in os.environ:
         # (A user who set OPENBLAS_NUM_THREADS, e.g. to run several runs at once, keeps it.)
         env.update(OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))

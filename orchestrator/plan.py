@@ -308,8 +308,13 @@ def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
     else:
         activations = trained * per_layer
     # Shared prompts: every row's copy of its prompt's keys and values (KVCache.merge), each layer.
-    kv_per_token = m.layers * 2 * m.kv_heads * m.head_dim * m.act_bytes
-    prompt_kv = s.rows * s.prompt_tokens * kv_per_token if s.shares else 0
+    kv_values = m.layers * 2 * m.kv_heads * m.head_dim  # a position's keys and values, every layer
+    prompt_kv = s.rows * s.prompt_tokens * kv_values * m.act_bytes if s.shares else 0
+    # Shared prompts carried across micro-batches (learner/trainer.py, accumulate): any of a
+    # rank's prompts may be; its keys and values are held through the step, and their
+    # gradient summed in float32.
+    batch_prompts = ceil_div(s.batch_size, s.learner_ranks)
+    carried = batch_prompts * s.prompt_tokens * kv_values * (m.act_bytes + 4) if s.shares else 0
     return {
         "weights": m.weight_bytes,
         "lora": lora,
@@ -317,6 +322,7 @@ def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         "gradients": lora,
         "activations": activations,
         "prompt_kv": prompt_kv,
+        "carried_prompts": carried,
         "logits": logits_bytes(m, s, s.logit_positions, activations),
         # The old-policy and reference passes run before the step, one micro-batch at a
         # time and without a graph: their peak (a forward's logits) stays below the

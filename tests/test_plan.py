@@ -474,6 +474,26 @@ def test_each_learner_rank_is_planned_with_its_share_of_the_rows():
     assert "ranks     x2" in render(ranks)
 
 
+def test_prompts_carried_across_micro_batches_are_planned():
+    """Every prompt of a rank's share of the batch may be carried (its rows cut apart by
+    length): its keys and values at the model's bytes, their gradient in float32."""
+    m = read_shape(str(TINY_MODEL))
+    kv_values = m.layers * 2 * m.kv_heads * m.head_dim
+    for batch, ranks in ((4, 1), (4, 2), (3, 2)):
+        learner = make_plan(m, shape(batch_size=batch, learner_ranks=ranks), 1e9, "").learner
+        prompts = -(-batch // ranks)
+        assert learner["carried_prompts"] == prompts * 16 * kv_values * (m.act_bytes + 4)
+    assert make_plan(m, shape(batch_size=4, share_prompts=False), 1e9, "").learner["carried_prompts"] == 0
+
+
+def test_a_process_is_never_allowed_more_than_its_share():
+    """The share goes to the child in whole MB, rounded down (at least 1): rounded to the
+    nearest, 7.5 MB gave the tiny learner an 8 MB limit, and MLX used it."""
+    from orchestrator.launch import share_env
+
+    assert [share_env(v) for v in (7.515, 7.999, 8.0, 4096.7, 0.4)] == ["7", "7", "8", "4096", "1"]
+
+
 def test_the_actor_s_decode_rows_are_planned(tmp_path):
     """actor.max_rows above the share of a batch: the engine's KV cache and sampling terms
     count those rows (the config gives the plan the same number the actor decodes);
