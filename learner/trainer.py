@@ -264,19 +264,17 @@ class Trainer:
         }
         completions = batch.lengths - batch.prompt_lengths
         keys = prompt_keys(host, batch)
-        if random_forward(self.model):
-            # Dropout: the states taken once and the differentiated forward after the
-            # micro-batches would draw two masks. Each micro-batch runs its prompts.
-            cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length, keys)
-            return [shared_prompt_rows(host, batch, index, keys, {}) for index in cuts], []
         # A prompt read by several micro-batches runs once for all, plus a forward more
         # without a graph (prompt_states): about half what its forward and backward cost,
         # LoRA's backward costing about a forward (the base weights are frozen). So a
         # micro-batch pays half of each prompt it reads: splitting a group's rows in two
         # costs what carrying its prompt adds (in three or more, the cut overcharges).
-        costs = [(key, (length + 1) // 2) for key, length in keys]
+        # Not under dropout: the states taken once and the differentiated forward after the
+        # micro-batches would draw two masks, so each micro-batch runs its prompts.
+        carry = not random_forward(self.model)
+        costs = [(key, (length + 1) // 2) for key, length in keys] if carry else keys
         cuts = micro_batch_rows(completions, self.micro_batch_size, self.sort_by_length, costs)
-        carried = carried_prompts(keys, cuts)
+        carried = carried_prompts(keys, cuts) if carry else {}
         micro = [shared_prompt_rows(host, batch, index, keys, carried) for index in cuts]
         return micro, [prompt_ids(key) for key in carried]
 
