@@ -46,6 +46,10 @@ HANDSHAKE_S = 5.0
 # A connecting peer whose handshakes keep failing for this long without a word from the
 # other end holds the wrong server key (the server cannot read its hello and says nothing).
 WRONG_KEY_S = 5.0
+SECURE_RUN_HINT = (
+    "The run is secure, so connect with its keys (--key-dir, or the run directory's keys/), "
+    "not --insecure or run.insecure = true"
+)
 # Connections one bound TCP socket holds at a time: a run's actors, observers and workers
 # are a few dozen at most; beyond this the silent ones are shut down (`ConnectionCap`).
 MAX_CONNECTIONS = 128
@@ -190,14 +194,25 @@ class ConnectionWatch:
                 now = time.monotonic()
                 self.failing_since = self.failing_since or now
                 if now - self.failing_since >= WRONG_KEY_S:
-                    self.refused = (
-                        f"every CURVE handshake failed for {WRONG_KEY_S:.0f} s: the key "
-                        "directory's server.key is not this run's (or the other end does "
-                        "not use CURVE: see run.insecure)"
-                    )
+                    self.refused = self.silent_failures()
             elif event == zmq.EVENT_DISCONNECTED and self.down_since is None:
                 self.down_since = time.monotonic()
         return 0.0 if self.down_since is None else time.monotonic() - self.down_since
+
+    def silent_failures(self) -> str:
+        """Why every handshake failed without a word. A plain-TCP peer facing CURVE is
+        usually told so (a protocol error), but when the other end closes before its greeting
+        is read (under load) the mismatch arrives as a silent failure like a wrong key's."""
+        if self.curve:
+            return (
+                f"every CURVE handshake failed for {WRONG_KEY_S:.0f} s: the key directory's "
+                "server.key is not this run's (or the other end does not use CURVE: see "
+                "run.insecure)"
+            )
+        return (
+            f"every handshake failed for {WRONG_KEY_S:.0f} s in plain TCP: the other end most "
+            f"likely uses CURVE. {SECURE_RUN_HINT}"
+        )
 
     def protocol_failure(self, code: int) -> str:
         if code == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
@@ -206,11 +221,7 @@ class ConnectionWatch:
                     "the other end is plain TCP and we use CURVE: the run is insecure (run.insecure = "
                     "true); connect with --insecure, or make the run secure"
                 )
-            return (
-                "the other end uses CURVE and we connected in plain TCP: the run is secure, so "
-                "connect with its keys (--key-dir, or the run directory's keys/), not --insecure "
-                "or run.insecure = true"
-            )
+            return f"the other end uses CURVE and we connected in plain TCP. {SECURE_RUN_HINT}"
         return f"the handshake failed with ZMTP protocol error {code:#x}; libzmq will not retry"
 
     def close(self) -> None:
