@@ -164,6 +164,23 @@ def test_the_queue_keeps_the_order_of_arrival_whatever_order_rewards_come_back_i
     assert [g.group_id for g in third] == ["third"]
 
 
+def test_a_group_that_can_join_no_later_batch_is_taken_before_a_younger_one(scorer):
+    """At max_staleness 1 a long group sampled by version 1 must be in the batch trained at
+    version 2; a short group of version 2, arrived first, can wait for the next. With one
+    place left both go in, taken in their order of arrival, and neither is dropped."""
+    ledger = Ledger()
+    intake = Intake(scorer("ones"), lambda r: True, ledger)
+    intake.add([group("young", (1, 2), version=2), group("old", (2, 1), version=1)])
+    intake.add([group("b", (1, 1), version=2)])
+    intake.score()
+    one = intake.next_groups(policy_version=2, most=1, least=1, max_staleness=1)
+    assert [g.group_id for g in one] == ["old"]
+    intake.settle()
+    taken = intake.next_groups(policy_version=3, most=2, least=1, max_staleness=1)
+    assert [g.group_id for g in taken] == ["young", "b"]  # the rest in their order of arrival
+    assert "stale" not in ledger.dropped
+
+
 def test_a_failing_reward_function_is_dropped_and_named_with_its_row(scorer):
     ledger = Ledger()
     intake = Intake(scorer("fails"), lambda r: True, ledger)
