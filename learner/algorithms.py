@@ -553,6 +553,30 @@ def load_algorithm(cfg: AlgorithmConfig, max_tokens: int, search_path: str | Non
     return algorithm
 
 
+def check_group_local(algorithm: Algorithm, name: str, group_size: int) -> None:
+    """A loss whose `group_local` is True is trained group by group as the groups arrive,
+    its advantages computed on each take alone (learner/building.py). So made-up rewards of
+    three groups must give the same advantages all at once and one group at a time: a loss
+    whose advantages look across groups would otherwise train on wrong ones without a word."""
+    rewards = np.random.default_rng(0).random((3, group_size))
+    try:
+        whole = np.asarray(algorithm.advantages(rewards), dtype=np.float64).reshape(3, group_size)
+        alone = np.stack([np.asarray(algorithm.advantages(r), np.float64) for r in rewards[:, None]])
+        alone = alone.reshape(3, group_size)
+    except Exception as e:
+        raise ConfigError(
+            f"algorithm.name {name!r}: its advantages failed on made-up rewards of 3 groups of {group_size} "
+            f"(and of each group alone): {type(e).__name__}: {e}"
+        ) from e
+    if not np.allclose(whole, alone, rtol=1e-5, atol=1e-6):
+        raise ConfigError(
+            f"algorithm.name {name!r}: {type(algorithm).__name__}.group_local is True, but a group's "
+            "advantages change with the other groups' rewards (made-up rewards of 3 groups, all at "
+            "once and one at a time). The learner trains each group as it arrives: make group_local "
+            "return False, and it waits for the whole batch (or set train.stream_groups = false)"
+        )
+
+
 def make_algorithm(
     name: str,
     *,

@@ -111,6 +111,57 @@ def test_a_user_loss_that_does_not_load_says_what_is_wrong(tmp_path, name, probl
     assert str(e.value).startswith(problem), str(e.value)
 
 
+BATCH_CENTRED = """
+from dataclasses import dataclass
+
+import numpy as np
+
+from learner.algorithms import GRPO
+
+
+@dataclass(frozen=True)
+class BatchCentred(GRPO):
+    def advantages(self, rewards):
+        return (rewards - rewards.mean()).reshape(-1)  # the whole batch's mean: across groups
+
+
+@dataclass(frozen=True)
+class BatchCentredAndSaysSo(BatchCentred):
+    @property
+    def group_local(self):
+        return False
+"""
+
+
+def test_a_loss_whose_advantages_look_across_groups_must_say_so(tmp_path):
+    """The learner trains each group as it arrives, computing a take's advantages alone. A
+    user's loss centring on the batch's mean, left group_local (GRPO's default), would
+    train on wrong advantages without a word: the learner refuses it, naming the property.
+    Said so, the learner waits for the whole batch; built-in objectives pass the check."""
+    from learner.building import streams
+
+    (tmp_path / "batch_loss.py").write_text(BATCH_CENTRED)
+
+    def config(name: str):
+        (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
+        (tmp_path / "run.toml").write_text(
+            '[model]\npath = "m"\n[data]\nprompts = "p.jsonl"\n[reward]\nfunctions = ["m:f"]\n'
+            f'[algorithm]\nname = "{name}"\n'
+        )
+        cfg = load_config(tmp_path / "run.toml")
+        return cfg, load_algorithm(cfg.algorithm, 8, cfg.reward.search_path)
+
+    cfg, alg = config("batch_loss:BatchCentred")
+    with pytest.raises(ConfigError, match=r"BatchCentred.group_local is True, but a group's advantages"):
+        streams(cfg, alg, 1)
+    assert streams(cfg.replace(train={"stream_groups": False}), alg, 1) is False  # never asked
+    assert streams(*config("batch_loss:BatchCentredAndSaysSo"), 1) is False
+    from learner.algorithms import ALGORITHMS
+
+    for name in ALGORITHMS:  # every built-in: group-scaled by default
+        assert streams(*config(name), 1) is True, name
+
+
 def docs_example() -> tuple[str, str]:
     """docs/algorithms.md's user loss: the Python file and the class its TOML names."""
     page = (ROOT / "docs" / "algorithms.md").read_text()
