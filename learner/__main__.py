@@ -2,7 +2,7 @@
 
 Exit codes (runtime.lifecycle): 0 trained to the end, 4 a reward function failed, the
 eval prompts do not load, a TCP run has no keys or a user's loss (`algorithm.name =
-"module:Class"`) does not load (a restart would fail again), 5 the run
+"module:Class"`) does not load or claims group_local wrongly (a restart would fail again), 5 the run
 directory belongs to another live run, 128 + N stopped by signal N after a checkpoint, 1 anything unexpected.
 """
 

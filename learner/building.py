@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from learner.advantages import Advantages, advantages
-from learner.algorithms import Algorithm, check_group_local
+from learner.algorithms import Algorithm
 from learner.batching import TrainRow, batch_mask, make_batch
 from learner.groups import Group
 from learner.ranks import Ranks, RankShare
@@ -25,12 +25,9 @@ def streams(cfg: Config, algorithm: Algorithm, ranks: int) -> bool:
     every learner rank sure of a row in every take (a group's `group_size` rows, or more,
     shared among the ranks). With more ranks than that a small take would leave some rank
     with nothing to add to the step; the whole batch has a row for each (config checks).
-    A loss's word that its advantages are each group's own is checked first
-    (`check_group_local`): a ConfigError says when they are not."""
-    if not (cfg.train.stream_groups and algorithm.group_local and ranks <= cfg.sampling.group_size):
-        return False
-    check_group_local(algorithm, cfg.algorithm.name, cfg.sampling.group_size)
-    return True
+    A loss's claim to be group_local was checked before the model loaded
+    (learner/ranks.py::check_loss)."""
+    return cfg.train.stream_groups and algorithm.group_local and ranks <= cfg.sampling.group_size
 
 
 @dataclass

@@ -2,8 +2,9 @@
 functions (in-process at once, external workers when they answer), kept or filtered by
 the algorithm (DAPO drops equal-reward groups), queued, and taken `batch_size` at a time,
 dropping those too stale to train on: as they come, `batch_size` in all, while the
-learner builds a batch's gradient group by group, the oldest weights' first when more are
-queued than wanted. Every group leaves through the ledger.
+learner builds a batch's gradient group by group; when more are queued than wanted, those
+sampled by the oldest weights go first (only with max_staleness >= 1 do versions differ).
+Every group leaves through the ledger.
 
 The queue keeps the order the groups arrived in, whatever order their rewards come back
 in (several reward workers): a batch's rows, and so its update, do not depend on which

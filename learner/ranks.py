@@ -30,7 +30,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from learner.algorithms import algorithm_class
+from learner.algorithms import check_group_local, load_algorithm
 from learner.batching import Batch, Prepared
 from learner.trainer import Gradient, Trainer, combine_stats
 from policy.memory import apply_memory_share
@@ -237,11 +237,20 @@ def follow(trainer: Trainer, ranks: Ranks) -> None:
             share.step(ranks.share_norm())
 
 
+def check_loss(cfg: Config) -> None:
+    """The run's loss, built as the Trainer will build it: a user's fails here, before the
+    model loads, on its import, its settings, or its claim that each group's advantages
+    are its own, which learning groups as they arrive relies on (check_group_local)."""
+    algorithm = load_algorithm(cfg.algorithm, cfg.max_completion_tokens, cfg.reward.search_path)
+    if cfg.train.stream_groups and algorithm.group_local:
+        check_group_local(algorithm, cfg.algorithm.name, cfg.sampling.group_size)
+
+
 def load_trainer(cfg: Config) -> tuple[nn.Module, Any, dict, Trainer]:
     """The policy with its adapters, ready to train, its tokenizer, its adapter config, and
     its Trainer: the same on every rank."""
     mx.random.seed(cfg.train.seed)
-    algorithm_class(cfg.algorithm.name, cfg.reward.search_path)  # a user's loss fails before the model loads
+    check_loss(cfg)  # a user's loss fails before the model loads
     log.info("loading %s", cfg.model.path)
     model, tokenizer, adapter_config = load_policy(
         cfg.model.path, cfg.lora, dequantize=dequantizes(cfg.model.dequantize_on_cpu)

@@ -179,6 +179,14 @@ def test_a_group_that_can_join_no_later_batch_is_taken_before_a_younger_one(scor
     taken = intake.next_groups(policy_version=3, most=2, least=1, max_staleness=1)
     assert [g.group_id for g in taken] == ["young", "b"]  # the rest in their order of arrival
     assert "stale" not in ledger.dropped
+    # Versions 3, 2, 3, 1, 2 in arrival order, two wanted: the oldest two (d, then b), in
+    # their order of arrival; the rest stay queued in theirs.
+    intake = Intake(scorer("ones"), lambda r: True, Ledger())
+    intake.add([group(name, (1, 2), version=v) for name, v in zip("abcde", (3, 2, 3, 1, 2))])
+    intake.score()
+    taken = intake.next_groups(policy_version=3, most=2, least=1, max_staleness=2)
+    assert [g.group_id for g in taken] == ["b", "d"]
+    assert [g.group_id for _, g in intake.queue] == ["a", "c", "e"]
 
 
 def test_a_failing_reward_function_is_dropped_and_named_with_its_row(scorer):

@@ -196,10 +196,10 @@ def test_with_more_ranks_than_a_group_has_rows_the_learner_waits_for_the_whole_b
     from types import SimpleNamespace
 
     from learner.building import streams
-    from runtime.config import AlgorithmConfig, SamplingConfig, TrainConfig
+    from runtime.config import SamplingConfig, TrainConfig
 
     train, sampling = TrainConfig(batch_size=batch_size), SamplingConfig(group_size=group_size)
-    cfg = SimpleNamespace(train=train, sampling=sampling, algorithm=AlgorithmConfig())
+    cfg = SimpleNamespace(train=train, sampling=sampling)
     algorithm = trainer_for(model_with()[0]).algorithm
     assert streams(cfg, algorithm, ranks) == (ranks <= group_size)
     whole = batch_size * group_size

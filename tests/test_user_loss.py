@@ -136,30 +136,29 @@ class BatchCentredAndSaysSo(BatchCentred):
 def test_a_loss_whose_advantages_look_across_groups_must_say_so(tmp_path):
     """The learner trains each group as it arrives, computing a take's advantages alone. A
     user's loss centring on the batch's mean, left group_local (GRPO's default), would
-    train on wrong advantages without a word: the learner refuses it, naming the property.
-    Said so, the learner waits for the whole batch; built-in objectives pass the check."""
-    from learner.building import streams
+    train on wrong advantages without a word: the learner refuses it before its model
+    loads, naming the property. Said so, or not learning groups as they arrive, it loads;
+    built-in objectives pass the check."""
+    from learner.algorithms import ALGORITHMS
+    from learner.ranks import check_loss, load_trainer
 
     (tmp_path / "batch_loss.py").write_text(BATCH_CENTRED)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
 
     def config(name: str):
-        (tmp_path / "p.jsonl").write_text('{"prompt": "x"}\n')
         (tmp_path / "run.toml").write_text(
-            '[model]\npath = "m"\n[data]\nprompts = "p.jsonl"\n[reward]\nfunctions = ["m:f"]\n'
+            '[model]\npath = "no-such-model"\n[data]\nprompts = "p.jsonl"\n[reward]\nfunctions = ["m:f"]\n'
             f'[algorithm]\nname = "{name}"\n'
         )
-        cfg = load_config(tmp_path / "run.toml")
-        return cfg, load_algorithm(cfg.algorithm, 8, cfg.reward.search_path)
+        return load_config(tmp_path / "run.toml")
 
-    cfg, alg = config("batch_loss:BatchCentred")
-    with pytest.raises(ConfigError, match=r"BatchCentred.group_local is True, but a group's advantages"):
-        streams(cfg, alg, 1)
-    assert streams(cfg.replace(train={"stream_groups": False}), alg, 1) is False  # never asked
-    assert streams(*config("batch_loss:BatchCentredAndSaysSo"), 1) is False
-    from learner.algorithms import ALGORITHMS
-
+    refused = r"'batch_loss:BatchCentred': BatchCentred.group_local is True, but a group's advantages"
+    with pytest.raises(ConfigError, match=refused):
+        load_trainer(config("batch_loss:BatchCentred"))  # before the (missing) model loads
+    check_loss(config("batch_loss:BatchCentred").replace(train={"stream_groups": False}))
+    check_loss(config("batch_loss:BatchCentredAndSaysSo"))
     for name in ALGORITHMS:  # every built-in: group-scaled by default
-        assert streams(*config(name), 1) is True, name
+        check_loss(config(name))
 
 
 def docs_example() -> tuple[str, str]:

@@ -47,8 +47,7 @@ HANDSHAKE_S = 5.0
 # other end holds the wrong server key (the server cannot read its hello and says nothing).
 WRONG_KEY_S = 5.0
 SECURE_RUN_HINT = (
-    "The run is secure, so connect with its keys (--key-dir, or the run directory's keys/), "
-    "not --insecure or run.insecure = true"
+    "connect with its keys (--key-dir, or the run directory's keys/), not --insecure or run.insecure = true"
 )
 # Connections one bound TCP socket holds at a time: a run's actors, observers and workers
 # are a few dozen at most; beyond this the silent ones are shut down (`ConnectionCap`).
@@ -211,7 +210,7 @@ class ConnectionWatch:
             )
         return (
             f"every handshake failed for {WRONG_KEY_S:.0f} s in plain TCP: the other end most "
-            f"likely uses CURVE. {SECURE_RUN_HINT}"
+            f"likely uses CURVE (or is no ZeroMQ peer); if the run is secure, {SECURE_RUN_HINT}"
         )
 
     def protocol_failure(self, code: int) -> str:
@@ -221,7 +220,10 @@ class ConnectionWatch:
                     "the other end is plain TCP and we use CURVE: the run is insecure (run.insecure = "
                     "true); connect with --insecure, or make the run secure"
                 )
-            return f"the other end uses CURVE and we connected in plain TCP. {SECURE_RUN_HINT}"
+            return (
+                f"the other end uses CURVE and we connected in plain TCP: the run is secure, "
+                f"so {SECURE_RUN_HINT}"
+            )
         return f"the handshake failed with ZMTP protocol error {code:#x}; libzmq will not retry"
 
     def close(self) -> None:
