@@ -229,22 +229,32 @@ def test_a_refused_key_sees_one_failure_and_no_retry(tmp_path, net):
 @pytest.mark.parametrize("server_curve", [True, False])
 def test_one_end_with_curve_and_the_other_without_is_told_at_once(tmp_path, net, server_curve):
     """A plain-TCP peer facing a CURVE socket (or the reverse) fails its handshake once and
-    libzmq never retries: the watch says so at once, naming the setting to change."""
+    libzmq never retries: the watch says so at once, naming the setting to change. Under
+    load libzmq may lose that word (the other end closed before its greeting was read,
+    PROTOCOL.md): the watch then says it after WRONG_KEY_S of silent failures, naming the
+    setting too."""
     keys = create_run_keys(tmp_path / "run")
     endpoint = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     router = sockets.listen(net, endpoint, keys if server_curve else None, "rollout")
     sock, watch = sockets.connect(net, endpoint, None if server_curve else keys)
     try:
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + zeromq.WRONG_KEY_S + 3
         while not watch.refused and time.monotonic() < deadline:
             watch.down_for()
             time.sleep(0.05)
-        expected = (
-            "the other end uses CURVE and we connected in plain TCP"
+        told, silent = (
+            (
+                "the other end uses CURVE and we connected in plain TCP",
+                "in plain TCP: the other end most likely uses CURVE",
+            )
             if server_curve
-            else "the other end is plain TCP and we use CURVE"
+            else (
+                "the other end is plain TCP and we use CURVE",
+                "(or the other end does not use CURVE: see run.insecure)",
+            )
         )
-        assert (watch.refused or "").startswith(expected), watch.refused
+        refused = watch.refused or ""
+        assert refused.startswith(told) or silent in refused, refused
     finally:
         watch.close()
         sock.close(linger=0)
