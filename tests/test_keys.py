@@ -226,6 +226,14 @@ def test_a_refused_key_sees_one_failure_and_no_retry(tmp_path, net):
     assert not [e for e, _ in after if e in (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CONNECTED)], events
 
 
+def refusal(watch: zeromq.ConnectionWatch, seconds: float) -> None:
+    """Read the watch's events until it says why it was refused, or `seconds` pass."""
+    deadline = time.monotonic() + seconds
+    while not watch.refused and time.monotonic() < deadline:
+        watch.down_for()
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("server_curve", [True, False])
 def test_one_end_with_curve_and_the_other_without_is_told_at_once(tmp_path, net, server_curve):
     """A plain-TCP peer facing a CURVE socket (or the reverse) fails its handshake once and
@@ -238,10 +246,7 @@ def test_one_end_with_curve_and_the_other_without_is_told_at_once(tmp_path, net,
     router = sockets.listen(net, endpoint, keys if server_curve else None, "rollout")
     sock, watch = sockets.connect(net, endpoint, None if server_curve else keys)
     try:
-        deadline = time.monotonic() + zeromq.WRONG_KEY_S + 3
-        while not watch.refused and time.monotonic() < deadline:
-            watch.down_for()
-            time.sleep(0.05)
+        refusal(watch, zeromq.WRONG_KEY_S + 3)
         told, silent = (
             (
                 "the other end uses CURVE and we connected in plain TCP",
@@ -282,10 +287,7 @@ def test_a_plain_peer_whose_handshakes_all_fail_silently_is_told_to_use_the_run_
     thread.start()
     sock, watch = sockets.connect(net, f"tcp://127.0.0.1:{server.getsockname()[1]}", None)
     try:
-        deadline = time.monotonic() + zeromq.WRONG_KEY_S + 5
-        while not watch.refused and time.monotonic() < deadline:
-            watch.down_for()
-            time.sleep(0.05)
+        refusal(watch, zeromq.WRONG_KEY_S + 5)
         assert (watch.refused or "").startswith(
             f"every handshake failed for {zeromq.WRONG_KEY_S:.0f} s in plain TCP"
         ), watch.refused
