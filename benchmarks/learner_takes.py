@@ -3,6 +3,7 @@ completion lengths, against uniform lengths, in one take and a group a take.
 
     python -m benchmarks.learner_takes              # e2e_lengths' 21 M model, one core's BLAS
     python -m benchmarks.learner_takes --beside     # the same, the actor's engine decoding beside
+    python -m benchmarks.learner_takes --cache-mb 5443    # MLX's cache as a 21 GB share once set it
     python -m benchmarks.learner_takes --quick      # a small shape, one repeat: checks the harness
 
 The streamed learner (`train.stream_groups`) learns each group as it arrives: when the
@@ -20,14 +21,17 @@ groups of G 4 with 8-token prompts, as the end-to-end pair trains them:
 Each repeat draws a fresh long-tail batch; the modes run interleaved on one model, after a
 warm-up. Reported: completion tokens a second and each long-tail mode's over uniform's,
 the micro-batches a step, and where the step went (the reference and old-policy pass, the
-forwards and backwards). `--beside` runs the actor's engine (policy/engine.py, 12 rows,
-temperature 0.7, top-p 0.95) decoding in a process of its own throughout: the memory and
-its cache are what the two processes share. The learner gets one BLAS thread, as
-`orchestrator up` gives each process (orchestrator/launch.py).
+forwards and backwards). `--beside` runs the actor's engine (policy/engine.py, about 12
+rows, temperature 0.7, top-p 0.95) decoding in a process of its own throughout: each has
+a core, and they compete for the memory's bandwidth and cache. `--cache-mb` sets MLX's
+cache of freed buffers in the learner (policy/memory.py says why a large one is slow).
+The learner gets one BLAS thread, as `orchestrator up` gives each process
+(orchestrator/launch.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -43,6 +47,7 @@ from benchmarks.real_shape import flat_model, long_tail_copy, parameters
 
 GROUPS, GROUP_SIZE, PROMPT_TOKENS, MEAN, MAX_TOKENS = 8, 4, 8, 64, 512
 MODES = ("uniform, one take", "long tail, one take", "long tail, a group a take")
+BESIDE_ROWS = 12  # about what the actor decodes under the long tail at max_staleness = 1
 
 
 def step(trainer, samples: list, rewards: np.ndarray, per_take: int) -> tuple[float, dict]:
@@ -108,28 +113,52 @@ def measure(model_path: Path, repeats: int, shape: dict, seed: int) -> dict[str,
 
 
 def decoding_beside(model_path: Path) -> subprocess.Popen:
-    """The actor's engine decoding 12 rows in a process of its own, until killed (or its
-    parent is gone)."""
-    code = (
-        "import json, os, sys\n"
-        "from policy.engine import Engine\n"
-        "from policy.model import load_policy\n"
-        "from runtime.config import LoraConfig, SamplingConfig\n"
-        "path, parent = sys.argv[1], os.getppid()\n"
-        "model, _, _ = load_policy(path, LoraConfig(rank=8))\n"
-        "eos = set(json.load(open(path + '/config.json'))['eos_token_id'])\n"
-        f"params = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens={MAX_TOKENS})\n"
-        "engine = Engine(model, params, eos, 0, 64)\n"
-        "key = 0\n"
-        "while os.getppid() == parent:\n"
-        "    while len(engine.waiting) + len(engine.live) - engine.live.count(None) < 12:\n"
-        "        key += 1\n"
-        f"        engine.add(key, list(range(1, {PROMPT_TOKENS + 1})), list(range(4 * key, 4 * key + 4)))\n"
-        "    engine.step(0)\n"
-    )
+    """The actor's engine decoding in a process of its own (`decode_forever`), once it has
+    loaded and taken its first step; killed by the caller."""
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.learner_takes",
+        "--decode",
+        str(model_path),
+        str(os.getpid()),
+    ]
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), "OPENBLAS_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-c", code, str(model_path)], env=env)
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None  # piped
+    if child.stdout.readline().strip() != "ready":
+        child.kill()
+        child.wait()
+        raise RuntimeError(f"the engine beside did not start (exit {child.returncode}); its error is above")
+    return child
+
+
+def decode_forever(model_path: str, parent: int) -> None:
+    """Keep about BESIDE_ROWS rows decoding (temperature 0.7, top-p 0.95), as the actor
+    does under the long tail, until the process `parent` is gone."""
+    import json
+
+    from policy.engine import Engine
+    from policy.model import load_policy
+    from runtime.config import LoraConfig, SamplingConfig
+
+    model, _, _ = load_policy(model_path, LoraConfig(rank=8))
+    eos = set(json.loads((Path(model_path) / "config.json").read_text())["eos_token_id"])
+    params = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=MAX_TOKENS)
+    engine, key, ready = Engine(model, params, eos, 0, 4 * BESIDE_ROWS), 0, False
+    while os.getppid() == parent:
+        alive = len(engine.live) - engine.live.count(None)
+        while GROUP_SIZE * len(engine.waiting) + alive <= BESIDE_ROWS - GROUP_SIZE:
+            key += 1
+            engine.add(
+                key, list(range(1, PROMPT_TOKENS + 1)), list(range(GROUP_SIZE * key, GROUP_SIZE * (key + 1)))
+            )
+            alive += GROUP_SIZE
+        engine.step(0)
+        if not ready:
+            print("ready", flush=True)
+            ready = True
 
 
 def one_blas_thread() -> None:
@@ -164,11 +193,22 @@ def main(argv: list[str] | None = None) -> int:
     p = harness(__doc__)
     p.add_argument("--beside", action="store_true", help="the actor's engine decoding in a process beside")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cache-mb", type=int, help="MLX's cache of freed buffers for the learner (default: MLX's own)"
+    )
+    p.add_argument("--decode", nargs=2, metavar=("MODEL", "PARENT_PID"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.decode:  # the engine beside (decoding_beside)
+        decode_forever(a.decode[0], int(a.decode[1]))
+        return 0
     shape = QUICK_SHAPE if a.quick else SMALL_SHAPE
     if a.quick:
         a.repeats = 1
     one_blas_thread()
+    if a.cache_mb is not None:
+        import mlx.core as mx
+
+        mx.set_cache_limit(a.cache_mb << 20)
     model = flat_model(a.models_dir, shape)
     beside = decoding_beside(long_tail_copy(model, MEAN)) if a.beside else None
     try:
@@ -176,9 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         runs = measure(model, a.repeats, shape, a.seed)
     finally:
         if beside is not None:
+            alive = beside.poll() is None
             beside.kill()
             beside.wait()
-    where = ", the actor's engine decoding beside" if a.beside else ""
+    if beside is not None and not alive:
+        raise RuntimeError(f"the engine beside stopped during the measurement (exit {beside.returncode})")
+    where = f", the actor's engine decoding about {BESIDE_ROWS} rows beside" if a.beside else ""
+    where += f", MLX's cache {a.cache_mb} MB" if a.cache_mb is not None else ""
     report = (
         f"The learner alone{where}: Qwen3-shaped model of {parameters(shape) / 1e6:.0f} M parameters "
         f"(vocabulary {shape['vocab_size']}), float32, LoRA rank 8, beta 0.04; {GROUPS} prompts of "
@@ -186,8 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{MAX_TOKENS}), uniform {MEAN}; {a.repeats} timed steps after a warm-up, each a fresh long "
         "tail\n\n" + table(runs)
     )
-    out = {"shape": shape, "beside": a.beside, "runs": runs, "wall_s": time.time() - started}
+    out = {
+        "shape": shape,
+        "beside": a.beside,
+        "cache_mb": a.cache_mb,
+        "runs": runs,
+        "wall_s": time.time() - started,
+    }
     stem = "learner_takes" + ("_quick" if a.quick else "") + ("_beside" if a.beside else "")
+    stem += f"_cache{a.cache_mb}" if a.cache_mb is not None else ""
     write_results(a.results_dir, stem, out, report)
     return 0
 

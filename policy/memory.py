@@ -11,8 +11,9 @@ and freed buffers go back to malloc, which hands their pages to the next allocat
 size. Raised to a quarter of the share (gigabytes), the cache kept buffers of the sizes the
 last forwards freed, which under long-tailed lengths the next ones rarely ask for again:
 each new size then came from fresh pages (page faults, the kernel zeroing them), the
-learner's memory grew by about 100 MB a second to the limit, and its step under a long
-tail took 4% to 9% longer (docs/benchmarks.md, "A cache that only shrinks").
+learner's memory grew by about 100 MB a second to the limit, and its step took 5% to 6%
+longer (`python -m benchmarks.learner_takes --cache-mb 5443`; docs/benchmarks.md, "A cache
+limit the share only lowers").
 """
 
 from __future__ import annotations
