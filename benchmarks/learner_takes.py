@@ -32,7 +32,6 @@ The learner gets one BLAS thread, as `orchestrator up` gives each process
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ import numpy as np
 from benchmarks.common import harness, log, write_results
 from benchmarks.learner_lengths import QUICK_SHAPE, SMALL_SHAPE, long_tail_lengths, samples_for
 from benchmarks.real_shape import flat_model, long_tail_copy, parameters
+from runtime.lifecycle import Lifeline, child_env, python_module, watch_lifeline
 
 GROUPS, GROUP_SIZE, PROMPT_TOKENS, MEAN, MAX_TOKENS = 8, 4, 8, 64, 512
 MODES = ("uniform, one take", "long tail, one take", "long tail, a group a take")
@@ -112,20 +112,15 @@ def measure(model_path: Path, repeats: int, shape: dict, seed: int) -> dict[str,
     return out
 
 
-def decoding_beside(model_path: Path) -> subprocess.Popen:
+def decoding_beside(model_path: Path, lifeline: Lifeline) -> subprocess.Popen:
     """The actor's engine decoding in a process of its own (`decode_forever`), once it has
-    loaded and taken its first step; killed by the caller."""
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks.learner_takes",
-        "--decode",
-        str(model_path),
-        str(os.getpid()),
-    ]
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root), "OPENBLAS_NUM_THREADS": "1"}
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    loaded and taken its first step; killed by the caller, and gone with this process
+    (the lifeline) however it ends."""
+    command = python_module("benchmarks.learner_takes", "--decode", str(model_path))
+    env = child_env(OPENBLAS_NUM_THREADS="1", **lifeline.child_env())
+    child = subprocess.Popen(
+        command, env=env, pass_fds=(lifeline.read_fd,), stdout=subprocess.PIPE, text=True
+    )
     assert child.stdout is not None  # piped
     if child.stdout.readline().strip() != "ready":
         child.kill()
@@ -134,20 +129,21 @@ def decoding_beside(model_path: Path) -> subprocess.Popen:
     return child
 
 
-def decode_forever(model_path: str, parent: int) -> None:
+def decode_forever(model_path: str) -> None:
     """Keep about BESIDE_ROWS rows decoding (temperature 0.7, top-p 0.95), as the actor
-    does under the long tail, until the process `parent` is gone."""
+    does under the long tail, until killed or the process that started it is gone."""
     import json
 
     from policy.engine import Engine
     from policy.model import load_policy
     from runtime.config import LoraConfig, SamplingConfig
 
+    watch_lifeline()
     model, _, _ = load_policy(model_path, LoraConfig(rank=8))
     eos = set(json.loads((Path(model_path) / "config.json").read_text())["eos_token_id"])
     params = SamplingConfig(temperature=0.7, top_p=0.95, max_tokens=MAX_TOKENS)
     engine, key, ready = Engine(model, params, eos, 0, 4 * BESIDE_ROWS), 0, False
-    while os.getppid() == parent:
+    while True:
         alive = len(engine.live) - engine.live.count(None)
         while GROUP_SIZE * len(engine.waiting) + alive <= BESIDE_ROWS - GROUP_SIZE:
             key += 1
@@ -196,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cache-mb", type=int, help="MLX's cache of freed buffers for the learner (default: MLX's own)"
     )
-    p.add_argument("--decode", nargs=2, metavar=("MODEL", "PARENT_PID"), help=argparse.SUPPRESS)
+    p.add_argument("--decode", metavar="MODEL", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.decode:  # the engine beside (decoding_beside)
-        decode_forever(a.decode[0], int(a.decode[1]))
+        decode_forever(a.decode)
         return 0
     shape = QUICK_SHAPE if a.quick else SMALL_SHAPE
     if a.quick:
@@ -210,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
 
         mx.set_cache_limit(a.cache_mb << 20)
     model = flat_model(a.models_dir, shape)
-    beside = decoding_beside(long_tail_copy(model, MEAN)) if a.beside else None
+    lifeline = Lifeline()
+    beside = decoding_beside(long_tail_copy(model, MEAN), lifeline) if a.beside else None
     try:
         started = time.time()
         runs = measure(model, a.repeats, shape, a.seed)
@@ -219,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             alive = beside.poll() is None
             beside.kill()
             beside.wait()
+        lifeline.close()
     if beside is not None and not alive:
         raise RuntimeError(f"the engine beside stopped during the measurement (exit {beside.returncode})")
     where = f", the actor's engine decoding about {BESIDE_ROWS} rows beside" if a.beside else ""
