@@ -49,23 +49,30 @@ def halvings(n: int, floor: int = 1) -> list[int]:
 
 def knob_choices(s: Shape) -> list[tuple[Shape, dict[str, dict]]]:
     """The shape as configured, then the knobs in the order they cost least:
-    train.micro_batch_size (the same update, exactly, in more passes), then
-    grad_checkpoint (a second forward per block), then the actor's actor.max_rows (fewer
-    rows decoded at once)."""
+    train.micro_batch_size (the same update, exactly, in more passes), then the actor's
+    rows beyond a batch's share (the credit window's, which only let groups sampled ahead
+    decode beside the current batch's), then grad_checkpoint (a second forward per
+    block), then actor.max_rows below the share (fewer rows decoded at once)."""
     micros = halvings(s.rows)
     out: list[tuple[Shape, dict[str, dict]]] = [(s, {})]
     out += [(replace(s, micro_batch_size=k), {"train": {"micro_batch_size": k}}) for k in micros]
+    share = s.actor_share * s.group_size
+    engine_rows = not (s.episodes or s.agents)  # their caches wait whatever the engine's rows
+    actor: dict[str, dict] = {}
+    if engine_rows and s.decode_rows > share:
+        smallest, train = out[-1]
+        s, actor = replace(s, decode_rows=share), {"actor": {"max_rows": share}}
+        out.append((replace(smallest, decode_rows=share), {**train, **actor}))
     if not s.grad_checkpoint:
         for k in [s.micro_batch_size, *micros]:
             out.append(
                 (
                     replace(s, grad_checkpoint=True, micro_batch_size=k),
-                    {"train": {"grad_checkpoint": True, "micro_batch_size": k}},
+                    {"train": {"grad_checkpoint": True, "micro_batch_size": k}, **actor},
                 )
             )
     smallest, train = out[-1]
-    if not (s.episodes or s.agents):  # their caches wait whatever the engine's rows
-        share = s.actor_share * s.group_size
+    if engine_rows:
         for rows in halvings(s.decode_rows or share, floor=s.group_size):
             out.append((replace(smallest, decode_rows=rows), {**train, "actor": {"max_rows": rows}}))
     return out

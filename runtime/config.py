@@ -108,9 +108,18 @@ class Config:
 
     @property
     def decode_rows(self) -> int:
-        """Rows an actor's continuous engine decodes at once: `actor.max_rows`, by default
-        the rows of the actor's share of a batch (what the memory plan counts)."""
-        return self.actor.max_rows or self.actor_share * self.sampling.group_size
+        """Rows an actor's engine decodes at once (what the memory plan counts):
+        `actor.max_rows`, by default the rows of every group the actor may keep in flight,
+        its credit window. With max_staleness = k >= 1 that is k + 1 batches' share, so the
+        groups sampled ahead decode beside the current batch's slowest rows instead of
+        queueing behind them: with one prompt a step, one group at a time would otherwise
+        decode. A static engine and episodes take a share of a batch at a time."""
+        if self.actor.max_rows:
+            return self.actor.max_rows
+        groups = self.actor_share
+        if self.actor.engine == "continuous" and not self.env.environment:
+            groups = credit_window(self.train.max_staleness, self.train.batch_size, self.actor.count)
+        return groups * self.sampling.group_size
 
     @property
     def max_completion_tokens(self) -> int:

@@ -327,8 +327,9 @@ class ActorConfig:
     )
     max_rows: int = key(
         0,
-        "rows the engine decodes at once (a static batch too); 0 = the rows of the actor's share "
-        "of a batch, ceil(batch_size / count) * group_size (what the memory plan counts)",
+        "rows the engine decodes at once (a static batch too); 0 = the rows of the groups the actor "
+        "may keep in flight, ceil((max_staleness + 1) * batch_size / count) * group_size (a static "
+        "engine and episodes: ceil(batch_size / count) * group_size), what the memory plan counts",
         _range(0),
     )
 

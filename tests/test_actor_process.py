@@ -316,3 +316,37 @@ def test_a_group_certain_to_be_stale_stops_decoding_and_goes_out_as_dropped(tmp_
     assert "stopped sampling its group, stale under weights version 2 (max_staleness 1)" in log
     told = "the learner's max_staleness is 1, this actor's config says 3: keeping to 1 (a window of 2 groups"
     assert (told in log) == (own == 3)
+
+
+def test_with_max_staleness_1_the_groups_of_the_window_decode_together(tmp_path):
+    """max_staleness 1, a batch of one group of 2 and no actor.max_rows: the actor's
+    window is 2 groups, and both decode in one batch (4 rows) rather than the second
+    queueing behind the first's slowest row: with one prompt a step, that queue left the
+    actor decoding one group at a time. The timeline's decode steps say how many rows
+    each ran."""
+    import json
+
+    extra = (
+        "[sampling]\ngroup_size = 2\nmax_tokens = 24\n"
+        "[train]\nbatch_size = 1\nmax_staleness = 1\n[log]\ntimeline = true"
+    )
+    cfg = load_config(write_config(tmp_path, extra))
+    assert cfg.decode_rows == 4
+    run = prepare_run_dir(cfg)
+    with peer(run, "actor") as (actor, sock):
+        model, tok, _ = load_policy(cfg.model.path, cfg.lora)
+        identity, hello = recv(sock)
+
+        def send(kind, header, arrays=None):
+            sock.send_multipart([identity, *protocol.encode(kind, header, arrays)])
+
+        send(protocol.HELLO, learner_hello(cfg, hello, max_staleness=1))
+        send(protocol.WEIGHTS, {"version": 0}, adapter_weights_numpy(model))
+        send(protocol.CREDIT, {"groups_consumed": 0, "window": 2})
+        groups = [recv(sock)[1] for _ in range(2)]
+        send(protocol.STOP, {"reason": "test over"})
+        assert actor.wait(30) == 0
+    assert all(m.header.get("error") is None for m in groups)
+    steps = [json.loads(line) for line in (run / "timeline" / "actor.jsonl").read_text().splitlines()]
+    rows = [s["args"]["rows"] for s in steps if s["name"] == "decode step"]
+    assert max(rows) == 4, rows

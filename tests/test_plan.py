@@ -544,11 +544,26 @@ def test_the_actor_s_decode_rows_are_planned(tmp_path):
     assert agents.actor["kv_cache"] == 2 * share.actor["kv_cache"]
     cfg = load_config(write_config(tmp_path, "[actor]\nmax_rows = 40"))
     assert shape_from_config(cfg, 16).decode_rows == 40
+    # By default the rows of the actor's credit window: (k + 1) batches' share, split among
+    # the actors; a share of a batch for k = 0, a static engine and episodes.
+    batch = "[train]\nbatch_size = 3\nmax_staleness = {k}\n[sampling]\ngroup_size = 2\n"
+    rows_of = {
+        (0, ""): 6,
+        (1, ""): 12,
+        (2, ""): 18,
+        (1, "[actor]\ncount = 2\n"): 6,  # ceil(2 * 3 / 2) groups each
+        (1, '[actor]\nengine = "static"\n'): 6,
+        (1, '[env]\nenvironment = "e:make"\n'): 6,
+        (1, "[actor]\nmax_rows = 5\n"): 5,
+    }
+    for (k, more), rows in rows_of.items():
+        cfg = load_config(write_config(tmp_path, batch.format(k=k) + more))
+        assert cfg.decode_rows == rows == shape_from_config(cfg, 16).decode_rows, (k, more)
     agent = load_config(write_config(tmp_path, '[agent]\nfunction = "a:b"\n[reward]\nfunctions = ["env"]'))
     assert shape_from_config(agent, 16).agents
 
 
-def test_fit_picks_micro_batches_then_checkpointing_then_fewer_decode_rows():
+def test_fit_picks_micro_batches_then_the_window_s_rows_then_checkpointing_then_fewer_rows():
     """Each budget between two candidates' totals gets the first candidate that fits, in
     the documented order; below the last, nothing fits and the run is as configured."""
     from orchestrator.fit import fit, knob_choices
@@ -557,7 +572,7 @@ def test_fit_picks_micro_batches_then_checkpointing_then_fewer_decode_rows():
 
     cfg = load_config(EXAMPLES / "tiny.toml")
     m = read_shape(str(TINY_MODEL))
-    s = shape(batch_size=8, max_tokens=8, prompt_tokens=8, decode_rows=64)
+    s = shape(batch_size=8, max_tokens=8, prompt_tokens=8, decode_rows=128)  # k = 1: two batches
     choices = knob_choices(s)
     assert [c[1] for c in choices[:3]] == [
         {},
@@ -566,11 +581,17 @@ def test_fit_picks_micro_batches_then_checkpointing_then_fewer_decode_rows():
     ]
     kinds = [tuple(sorted({k for keys in ch.values() for k in keys})) for _, ch in choices]
     first = {kind: kinds.index(kind) for kind in kinds}
+    # The window's rows beyond a batch's share (max_staleness >= 1) go before checkpointing;
+    # rows below the share after it.
+    share = s.actor_share * s.group_size
     assert (
         first[("micro_batch_size",)]
-        < first[("grad_checkpoint", "micro_batch_size")]
+        < first[("max_rows", "micro_batch_size")]
         < first[("grad_checkpoint", "max_rows", "micro_batch_size")]
     )
+    assert choices[first[("max_rows", "micro_batch_size")]][0].decode_rows == share < s.decode_rows
+    checkpointed = [c for c, ch in choices if "grad_checkpoint" in ch.get("train", {})]
+    assert checkpointed and all(c.decode_rows <= share for c in checkpointed)
     totals = [make_plan(m, c, 1e12, "").total * SAFETY for c, _ in choices]
     for i, (_, changes) in enumerate(choices):
         if any(t <= totals[i] for t in totals[:i]):
