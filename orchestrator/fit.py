@@ -1,6 +1,7 @@
 """Fitting a run to the machine: when the memory plan does not fit, pick the knobs that
-make it fit (micro-batches, gradient checkpointing, fewer decode rows, a dequantized or
-quantized checkpoint on the CPU), in the order they cost least, and say what changed.
+make it fit (micro-batches, the actor's rows beyond one batch's, gradient checkpointing,
+fewer decode rows, a dequantized or quantized checkpoint on the CPU), in the order they
+cost least, and say what changed.
 
 Apart from orchestrator/plan.py, which estimates what a given shape needs: here the
 choices made from those estimates.
@@ -60,9 +61,10 @@ def knob_choices(s: Shape) -> list[tuple[Shape, dict[str, dict]]]:
     engine_rows = not (s.episodes or s.agents)  # their caches wait whatever the engine's rows
     actor: dict[str, dict] = {}
     if engine_rows and s.decode_rows > share:
-        smallest, train = out[-1]
         s, actor = replace(s, decode_rows=share), {"actor": {"max_rows": share}}
-        out.append((replace(smallest, decode_rows=share), {**train, **actor}))
+        for k in [s.micro_batch_size, *micros]:
+            train = {"train": {"micro_batch_size": k}} if k != s.micro_batch_size else {}
+            out.append((replace(s, micro_batch_size=k), {**train, **actor}))
     if not s.grad_checkpoint:
         for k in [s.micro_batch_size, *micros]:
             out.append(

@@ -201,7 +201,7 @@ class Shape:
     actor_bits: int = 0  # actor.quantize_bits
     logit_chunk_mb: float = 0.0  # train.logit_chunk_mb
     fused: bool = True  # the old-policy pass fused into the step (num_iterations 1)
-    actor_count: int = 1  # actor.count: each actor samples its share of a batch at a time
+    actor_count: int = 1  # actor.count: each actor samples its share of the batches in flight
     local_actors: int = 1  # those on this machine (actor.count - actor.remote)
     learner_ranks: int = 1  # learner.ranks: each trains its share of a batch's rows
     share_prompts: bool = True  # train.share_prompts (and no grad_checkpoint): each prompt once
@@ -284,8 +284,10 @@ def actor_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         # alive: measured peaks are 1.5x the cache. A synchronous batch whose rows all fit
         # at once, in one block, does none of them: it starts together and ends empty.
         "kv_copy": kv / 2 if s.staleness or s.episodes or rows < share or s.tokens > KV_STEP else 0.0,
-        # The prompts' forward, with logits for their last positions only.
-        "prefill": s.actor_share * (m.vocab * 4 + 4 * s.prompt_tokens * m.hidden * m.act_bytes),
+        # The prompts' forward, with logits for their last positions only: every group that
+        # joins the batch at once (at the start, the whole credit window), at least a share.
+        "prefill": max(s.actor_share, ceil_div(rows, s.group_size))
+        * (m.vocab * 4 + 4 * s.prompt_tokens * m.hidden * m.act_bytes),
         "sampling": rows * m.vocab * 4 * 4,  # logits, logprobs, sorted copy, mask
     }
     if s.actor_bits and not m.bits:

@@ -113,7 +113,9 @@ class Config:
         its credit window. With max_staleness = k >= 1 that is k + 1 batches' share, so the
         groups sampled ahead decode beside the current batch's slowest rows instead of
         queueing behind them: with one prompt a step, one group at a time would otherwise
-        decode. A static engine and episodes take a share of a batch at a time."""
+        decode. A static engine and episodes take a share of a batch at a time (a model
+        whose caches force the static engine at load is planned for more rows than it
+        decodes: the plan is made before any model loads)."""
         if self.actor.max_rows:
             return self.actor.max_rows
         groups = self.actor_share

@@ -328,8 +328,9 @@ class ActorConfig:
     max_rows: int = key(
         0,
         "rows the engine decodes at once (a static batch too); 0 = the rows of the groups the actor "
-        "may keep in flight, ceil((max_staleness + 1) * batch_size / count) * group_size (a static "
-        "engine and episodes: ceil(batch_size / count) * group_size), what the memory plan counts",
+        "may keep in flight, ceil((max_staleness + 1) * batch_size / count) * group_size (engine = "
+        '"static" and episodes: ceil(batch_size / count) * group_size), what the memory plan counts '
+        "(a model whose caches force the static engine decodes a share of a batch at a time)",
         _range(0),
     )
 

@@ -323,7 +323,7 @@ def test_with_max_staleness_1_the_groups_of_the_window_decode_together(tmp_path)
     window is 2 groups, and both decode in one batch (4 rows) rather than the second
     queueing behind the first's slowest row: with one prompt a step, that queue left the
     actor decoding one group at a time. The timeline's decode steps say how many rows
-    each ran."""
+    each left live: more than one group's."""
     import json
 
     extra = (
@@ -349,4 +349,4 @@ def test_with_max_staleness_1_the_groups_of_the_window_decode_together(tmp_path)
     assert all(m.header.get("error") is None for m in groups)
     steps = [json.loads(line) for line in (run / "timeline" / "actor.jsonl").read_text().splitlines()]
     rows = [s["args"]["rows"] for s in steps if s["name"] == "decode step"]
-    assert max(rows) == 4, rows
+    assert max(rows) > 2, rows

@@ -520,10 +520,11 @@ def test_a_share_only_ever_lowers_mlx_s_cache_of_freed_buffers(share_mb):
 
 def test_the_actor_s_decode_rows_are_planned(tmp_path):
     """actor.max_rows above the share of a batch: the engine's KV cache and sampling terms
-    count those rows (the config gives the plan the same number the actor decodes);
-    below it, those rows too (a finished group frees its rows for the next), except with
-    episodes, where the share holds (an episode waiting for its environment keeps its
-    cache)."""
+    count those rows, and its prefill their prompts, all joining at once (the config gives
+    the plan the same number the actor decodes); below it, those rows too (a finished
+    group frees its rows for the next), except with episodes, where the share holds (an
+    episode waiting for its environment keeps its cache). By default the rows are the
+    credit window's."""
     from orchestrator.plan import shape_from_config
     from runtime.config import load_config
     from tests.helpers import write_config
@@ -536,6 +537,8 @@ def test_the_actor_s_decode_rows_are_planned(tmp_path):
     episodes = make_plan(m, shape(batch_size=4, decode_rows=rows // 4, episodes=True), 1e9, "")
     assert wide.actor["kv_cache"] == 4 * share.actor["kv_cache"]
     assert wide.actor["sampling"] == 4 * share.actor["sampling"]
+    assert wide.actor["prefill"] == 4 * share.actor["prefill"]
+    assert narrow.actor["prefill"] == share.actor["prefill"]  # at least a share's prompts
     assert narrow.actor["kv_cache"] == share.actor["kv_cache"] / 4
     assert episodes.actor == share.actor
     # Agent sessions: every session of the credit window, (max_staleness + 1) batches' worth,
@@ -561,6 +564,8 @@ def test_the_actor_s_decode_rows_are_planned(tmp_path):
         assert cfg.decode_rows == rows == shape_from_config(cfg, 16).decode_rows, (k, more)
     agent = load_config(write_config(tmp_path, '[agent]\nfunction = "a:b"\n[reward]\nfunctions = ["env"]'))
     assert shape_from_config(agent, 16).agents
+    sessions = '[agent]\nfunction = "a:b"\n[reward]\nfunctions = ["env"]\n' + batch.format(k=1)
+    assert load_config(write_config(tmp_path, sessions)).decode_rows == 12  # every session in flight
 
 
 def test_fit_picks_micro_batches_then_the_window_s_rows_then_checkpointing_then_fewer_rows():
@@ -573,6 +578,7 @@ def test_fit_picks_micro_batches_then_the_window_s_rows_then_checkpointing_then_
     cfg = load_config(EXAMPLES / "tiny.toml")
     m = read_shape(str(TINY_MODEL))
     s = shape(batch_size=8, max_tokens=8, prompt_tokens=8, decode_rows=128)  # k = 1: two batches
+    assert load_config(EXAMPLES / "tiny.toml", ["train.max_staleness=1"]).decode_rows == 128
     choices = knob_choices(s)
     assert [c[1] for c in choices[:3]] == [
         {},
@@ -586,12 +592,15 @@ def test_fit_picks_micro_batches_then_the_window_s_rows_then_checkpointing_then_
     share = s.actor_share * s.group_size
     assert (
         first[("micro_batch_size",)]
+        < first[("max_rows",)]  # the configured micro-batches first, then fewer
         < first[("max_rows", "micro_batch_size")]
         < first[("grad_checkpoint", "max_rows", "micro_batch_size")]
     )
-    assert choices[first[("max_rows", "micro_batch_size")]][0].decode_rows == share < s.decode_rows
+    assert choices[first[("max_rows",)]][0].decode_rows == share < s.decode_rows
     checkpointed = [c for c, ch in choices if "grad_checkpoint" in ch.get("train", {})]
     assert checkpointed and all(c.decode_rows <= share for c in checkpointed)
+    for c, ch in choices:  # the config's change says every shape's rows
+        assert ch.get("actor", {}).get("max_rows", s.decode_rows) == c.decode_rows, ch
     totals = [make_plan(m, c, 1e12, "").total * SAFETY for c, _ in choices]
     for i, (_, changes) in enumerate(choices):
         if any(t <= totals[i] for t in totals[:i]):
