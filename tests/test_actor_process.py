@@ -57,6 +57,19 @@ def group_logprobs(model, msg: protocol.Message, temperature: float) -> tuple[np
     return msg.arrays["logprobs"], np.concatenate(ours)
 
 
+def greet(sock, cfg, model, **extra):
+    """As the learner: take the actor's hello, answer it (`extra`: e.g. max_staleness) and
+    send version 0's weights. Returns `send(kind, header, arrays=None)` to that actor."""
+    identity, hello = recv(sock)
+
+    def send(kind, header, arrays=None):
+        sock.send_multipart([identity, *protocol.encode(kind, header, arrays)])
+
+    send(protocol.HELLO, learner_hello(cfg, hello, **extra))
+    send(protocol.WEIGHTS, {"version": 0}, adapter_weights_numpy(model))
+    return send
+
+
 def learner_hello(cfg, actor_hello: protocol.Message, **extra) -> dict:
     """The `hello` a learner answers the actor's with (`extra`: e.g. where its data goes on)."""
     return {
@@ -289,19 +302,12 @@ def test_a_group_certain_to_be_stale_stops_decoding_and_goes_out_as_dropped(tmp_
     run = prepare_run_dir(cfg)
     with peer(run, "actor") as (actor, sock):
         model, tok, _ = load_policy(cfg.model.path, cfg.lora)
-        identity, hello = recv(sock)
-
-        def send(kind, header, arrays=None):
-            sock.send_multipart([identity, *protocol.encode(kind, header, arrays)])
-
-        send(protocol.HELLO, learner_hello(cfg, hello, max_staleness=1))
-        weights = adapter_weights_numpy(model)
-        send(protocol.WEIGHTS, {"version": 0}, weights)
+        send = greet(sock, cfg, model, max_staleness=1)
         # As the learner: credit after the weights, the window under its k, (1 + 1) * B. Until
         # it arrives the actor's own window must already be the learner's k's.
         send(protocol.CREDIT, {"groups_consumed": 0, "window": 2})
         first = recv(sock)[1]
-        send(protocol.WEIGHTS, {"version": 2}, weights)
+        send(protocol.WEIGHTS, {"version": 2}, adapter_weights_numpy(model))
         gave_up = recv(sock)[1]
         send(protocol.CREDIT, {"groups_consumed": 2})
         later = [recv(sock)[1] for _ in range(2)]
@@ -335,13 +341,7 @@ def test_with_max_staleness_1_the_groups_of_the_window_decode_together(tmp_path)
     run = prepare_run_dir(cfg)
     with peer(run, "actor") as (actor, sock):
         model, tok, _ = load_policy(cfg.model.path, cfg.lora)
-        identity, hello = recv(sock)
-
-        def send(kind, header, arrays=None):
-            sock.send_multipart([identity, *protocol.encode(kind, header, arrays)])
-
-        send(protocol.HELLO, learner_hello(cfg, hello, max_staleness=1))
-        send(protocol.WEIGHTS, {"version": 0}, adapter_weights_numpy(model))
+        send = greet(sock, cfg, model, max_staleness=1)
         send(protocol.CREDIT, {"groups_consumed": 0, "window": 2})
         groups = [recv(sock)[1] for _ in range(2)]
         send(protocol.STOP, {"reason": "test over"})
