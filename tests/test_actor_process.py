@@ -330,7 +330,7 @@ def test_with_max_staleness_1_the_groups_of_the_window_decode_together(tmp_path)
     queueing behind the first's slowest row: with one prompt a step, that queue left the
     actor decoding one group at a time. The timeline's decode steps say how many rows
     each left live: more than one group's."""
-    import json
+    from orchestrator.timeline import read_events
 
     extra = (
         "[sampling]\ngroup_size = 2\nmax_tokens = 24\n"
@@ -347,6 +347,5 @@ def test_with_max_staleness_1_the_groups_of_the_window_decode_together(tmp_path)
         send(protocol.STOP, {"reason": "test over"})
         assert actor.wait(30) == 0
     assert all(m.header.get("error") is None for m in groups)
-    steps = [json.loads(line) for line in (run / "timeline" / "actor.jsonl").read_text().splitlines()]
-    rows = [s["args"]["rows"] for s in steps if s["name"] == "decode step"]
+    rows = [e["args"]["rows"] for e in read_events(run)["actor"] if e["name"] == "decode step"]
     assert max(rows) > 2, rows
