@@ -328,9 +328,16 @@ class Actor:
             drawn = self.decoding.pop(cast(int, key))
             # Each group's share of the decoding time since the last groups went out.
             fields, arrays = self.completions(drawn.prompt, completions)
+            fields["in_flight"] = self.still_decoding()
             self.send_group(drawn, fields, arrays, self.decode_s / len(done))
         if done:
             self.decode_s = 0.0
+
+    def still_decoding(self) -> list[int]:
+        """Each group still decoding, by its oldest token's version (PROTOCOL.md,
+        `in_flight`): the learner keeps room in its batch for those that can join no later
+        one, rather than fill it with younger groups and drop them as stale."""
+        return sorted(self.engine.oldest_versions().values())
 
     def keep_learner_staleness(self, k: object) -> None:
         """The learner's max_staleness is the run's (its hello says it; without it, our
@@ -372,7 +379,9 @@ class Actor:
             )
             empty = [Completion([], [], "length")] * self.sampling.group_size
             fields, arrays = self.completions(drawn.prompt, empty)
-            self.send_group(drawn, {**fields, "error": "stale"}, arrays, 0.0)
+            self.send_group(
+                drawn, {**fields, "error": "stale", "in_flight": self.still_decoding()}, arrays, 0.0
+            )
 
     def run_sessions(self) -> None:
         """Agent sessions (actor/agents.py): new groups start as the credit allows, every

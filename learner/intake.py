@@ -2,9 +2,9 @@
 functions (in-process at once, external workers when they answer), kept or filtered by
 the algorithm (DAPO drops equal-reward groups), queued, and taken `batch_size` at a time,
 dropping those too stale to train on: as they come, `batch_size` in all, while the
-learner builds a batch's gradient group by group; when more are queued than wanted, those
-sampled by the oldest weights go first (only with max_staleness >= 1 do versions differ).
-Every group leaves through the ledger.
+learner builds a batch's gradient group by group. With max_staleness >= 1 versions differ:
+groups that can join no later batch go first, and younger ones leave room for those the
+actors say they still sample (their `in_flight`). Every group leaves through the ledger.
 
 The queue keeps the order the groups arrived in, whatever order their rewards come back
 in (several reward workers): a batch's rows, and so its update, do not depend on which
@@ -76,23 +76,31 @@ class Intake:
         for key, error in errors:
             self.reward_failed(self.awaiting.pop(key), RewardError(error))
 
-    def next_groups(self, policy_version: int, most: int, least: int, max_staleness: int) -> list[Group]:
+    def next_groups(
+        self, policy_version: int, most: int, least: int, max_staleness: int, reserve: int = 0
+    ) -> list[Group]:
         """Up to `most` groups to train policy `policy_version` on, dropping those more
-        than `max_staleness` versions old; none until `least` are queued. When more are
-        queued than wanted, those sampled by the oldest weights go first (then by arrival):
-        a long group that can join no later batch is not crowded out of this one by a
-        younger group that can (under long-tailed lengths the younger, short groups of the
-        next cohort often arrive first). They are returned in their order of arrival, and
-        stay taken, part of the batch being built, until it is trained (`settle`) or put
-        back."""
+        than `max_staleness` versions old; none until `least` are queued. Groups in their
+        last version (`policy_version - max_staleness`) go first, then the younger ones by
+        arrival: a long group that can join no later batch is not crowded out of this one by
+        a younger group that can (under long-tailed lengths the younger, short groups of the
+        next cohort often arrive first). `reserve`: groups in their last version that the
+        actors are still sampling; the younger ones leave them room. Returned in their
+        order of arrival, they stay taken, part of the batch being built, until it is
+        trained (`settle`) or put back."""
         for entry in [e for e in self.queue if policy_version - e[1].policy_version > max_staleness]:
             self.queue.remove(entry)
             self.drop(entry[1], "stale")
-        if len(self.queue) < max(least, 1):
-            return []
+        last = policy_version - max_staleness
         oldest_first = sorted(self.queue, key=lambda entry: (entry[1].policy_version, entry[0]))
-        got = sorted(oldest_first[:most], key=lambda entry: entry[0])
-        self.queue = sorted(oldest_first[most:], key=lambda entry: entry[0])
+        ending = [e for e in oldest_first if e[1].policy_version <= last][:most]
+        room = max(most - len(ending) - reserve, 0)
+        got = ending + [e for e in oldest_first if e[1].policy_version > last][:room]
+        if len(got) < max(least, 1):
+            return []
+        got.sort(key=lambda entry: entry[0])
+        chosen = {id(e) for e in got}
+        self.queue = [e for e in self.queue if id(e) not in chosen]
         self.taken += got
         return [g for _, g in got]
 

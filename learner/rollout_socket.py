@@ -70,6 +70,7 @@ class RolloutSocket:
         self.actors: dict[bytes, dict] = {}  # their hellos
         self.peers = Peers(ACTOR_TIMEOUT_S)  # when each was last heard from; strangers greeted
         self.windows: dict[bytes, int] = {}  # the window each actor was last told
+        self.decoding: dict[bytes, list[int]] = {}  # each actor's last `in_flight`: groups it samples
         self.attached_slots: set[int] = set()  # slots that have had an actor
         self.started = time.monotonic()
         # `actor serve --run-dir`: gets every weights version, sends nothing, has no credit.
@@ -122,6 +123,7 @@ class RolloutSocket:
         batch goes to the others (their windows grow) until it, or another, takes its slot."""
         for actor, _ in self.peers.silent():
             header = self.actors.pop(actor)
+            self.decoding.pop(actor, None)
             self.peers.lose(actor)
             log.warning(
                 "actor pid %s (slot %d) sent nothing for %.0f s: taking it for gone; %d actor(s) "
@@ -156,8 +158,10 @@ class RolloutSocket:
                 # Its slot is taken by a new actor (a restart): the old one is gone, and
                 # what it had not sent is sampled again from the slot's cursor.
                 log.info("slot %d was actor pid %s's; that actor is gone", slot, self.actors.pop(old)["pid"])
+                self.decoding.pop(old, None)
                 self.peers.lose(old)
             self.actors[actor] = msg.header
+            self.decoding.pop(actor, None)  # a hello forgets the groups in flight
             self.attached_slots.add(slot)
             self.peers.attach(actor)
             self.ledger.attach(actor, slot)
@@ -198,8 +202,11 @@ class RolloutSocket:
         if actor not in self.actors:
             self.ledger.drop("no handshake", actor, group_id=msg["group_id"])
             return None
+        rollout = Rollout.read(msg)
+        if isinstance(rollout.in_flight, list):
+            self.decoding[actor] = [v for v in rollout.in_flight if type(v) is int]
         try:
-            cursor, start = data_span(Rollout.read(msg))
+            cursor, start = data_span(rollout)
         except ValueError as e:  # its place in the data unknown: its prompt is sampled again
             self.ledger.drop(str(e), actor, group_id=msg["group_id"])
             return None
@@ -210,6 +217,11 @@ class RolloutSocket:
         except ValueError as e:
             self.ledger.drop(str(e), actor, cursor, msg["group_id"], start)
             return None
+
+    def sampling(self, version: int) -> int:
+        """How many groups the live actors said they are still sampling whose oldest token
+        is of `version` (PROTOCOL.md, `in_flight`)."""
+        return sum(vs.count(version) for actor, vs in self.decoding.items() if actor in self.actors)
 
     def publish(self, policy_version: int, actors: list[bytes] | None = None) -> None:
         """Send the adapter weights, as `policy_version`, to `actors` (default: every attached

@@ -165,7 +165,11 @@ class Learner:
         work is thrown away."""
         train, first_step = self.cfg.train, self.step
         want = train.batch_size - len(self.building.groups)
-        groups = self.intake.next_groups(self.step, want, 1 if self.streams else want, train.max_staleness)
+        # Room for the groups the actors still sample that can join no later batch.
+        reserve = self.rollouts.sampling(self.step - train.max_staleness)
+        groups = self.intake.next_groups(
+            self.step, want, 1 if self.streams else want, train.max_staleness, reserve
+        )
         if not groups:
             return False
         # Before every take: a stop now waits for what cannot be cut short (supervisor).

@@ -172,17 +172,21 @@ class Engine:
         """Drop the KV cache kept for `key` (its episode ended)."""
         self.kept.pop(key, None)
 
-    def started_before(self, version: int) -> list[Hashable]:
-        """The decoding groups whose oldest token came from weights older than `version`
-        (a row yet to sample: the weights that computed its first logits). Waiting groups
-        have no tokens yet, and are not among them."""
+    def oldest_versions(self) -> dict[Hashable, int]:
+        """Each decoding group's oldest token's policy version (a row yet to sample: the
+        weights that computed its first logits), by key. Waiting groups have no tokens yet,
+        and are not among them."""
         oldest: dict[Hashable, int] = {}
         for k, entry in enumerate(self.live):
             if entry is not None:
                 group, row = entry
                 first = row.versions[0] if row.versions else self.made_by[k]
                 oldest[group.key] = min(first, oldest.get(group.key, first))
-        return [key for key, first in oldest.items() if first < version]
+        return oldest
+
+    def started_before(self, version: int) -> list[Hashable]:
+        """The decoding groups whose oldest token came from weights older than `version`."""
+        return [key for key, first in self.oldest_versions().items() if first < version]
 
     def cancel(self, key: Hashable) -> None:
         """Stop decoding the group `key`, waiting or live: its rows are dead, and it never

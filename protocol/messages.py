@@ -387,6 +387,14 @@ class Rollout(Definition):
         optional=True,
         lenient=True,
     )
+    in_flight: list[int] | None = header(
+        "list of int",
+        "the policy version of each group this actor is still sampling as it sends this one (its "
+        "oldest sampled token's), for the learner to keep room in a batch for the groups that can "
+        "join no later one (see `credit`); absent means unknown",
+        optional=True,
+        lenient=True,
+    )
     error: str | None = header(
         "string",
         "the actor could not complete this group (an episode failed `env.max_attempts` times), or "

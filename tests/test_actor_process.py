@@ -349,3 +349,7 @@ def test_with_max_staleness_1_the_groups_of_the_window_decode_together(tmp_path)
     assert all(m.header.get("error") is None for m in groups)
     rows = [e["args"]["rows"] for e in read_events(run)["actor"] if e["name"] == "decode step"]
     assert max(rows) > 2, rows
+    # Each rollout says which groups are still decoding, by their oldest token's version:
+    # the first, the second unless it ended in the same step; the second, none.
+    first, second = (m.header["in_flight"] for m in groups)
+    assert first in ([0], []) and second == [], (first, second)

@@ -189,6 +189,32 @@ def test_a_group_that_can_join_no_later_batch_is_taken_before_a_younger_one(scor
     assert [g.group_id for _, g in intake.queue] == ["a", "c", "e"]
 
 
+def test_younger_groups_leave_room_for_the_last_version_s_groups_still_sampled(scorer):
+    """At max_staleness 1, training version 2: groups of version 1 can join no later batch.
+    While the actors say they still sample `reserve` of them, younger groups take only the
+    places left over; the last version's groups that have arrived go in whatever the
+    reserve. Nothing is dropped."""
+    ledger = Ledger()
+    intake = Intake(scorer("ones"), lambda r: True, ledger)
+    intake.add([group(name, (1, 2), version=2) for name in ("y1", "y2", "y3")])
+    intake.score()
+    taken = intake.next_groups(policy_version=2, most=3, least=1, max_staleness=1, reserve=2)
+    assert [g.group_id for g in taken] == ["y1"]  # two places kept
+    assert intake.next_groups(policy_version=2, most=2, least=1, max_staleness=1, reserve=2) == []
+    intake.add([group("last", (2, 1), version=1)])
+    intake.score()
+    taken = intake.next_groups(policy_version=2, most=2, least=1, max_staleness=1, reserve=1)
+    assert [g.group_id for g in taken] == ["last"]  # one more still sampled: its place kept
+    taken = intake.next_groups(policy_version=2, most=1, least=1, max_staleness=1, reserve=0)
+    assert [g.group_id for g in taken] == ["y2"]  # none left to wait for
+    assert [g.group_id for _, g in intake.queue] == ["y3"] and "stale" not in ledger.dropped
+    # A batch wanted whole (least = most) waits for the groups it keeps room for.
+    assert intake.next_groups(policy_version=2, most=2, least=2, max_staleness=1, reserve=1) == []
+    # At max_staleness 0 every group is in its last version: a reserve changes nothing.
+    taken = intake.next_groups(policy_version=2, most=1, least=1, max_staleness=0, reserve=5)
+    assert [g.group_id for g in taken] == ["y3"]
+
+
 def test_a_failing_reward_function_is_dropped_and_named_with_its_row(scorer):
     ledger = Ledger()
     intake = Intake(scorer("fails"), lambda r: True, ledger)
@@ -574,6 +600,7 @@ def test_the_learner_says_it_is_stepping_before_every_take_of_a_batch():
     learner.cfg = SimpleNamespace(train=TrainConfig(batch_size=3))  # type: ignore[assignment]
     learner.step, learner.streams, learner.pad_id, learner.building = 0, True, 0, Building()  # type: ignore[assignment]
     learner.intake = Intake(None, lambda rewards: True, Ledger())  # type: ignore[arg-type]
+    learner.rollouts = SimpleNamespace(sampling=lambda version: 0)  # type: ignore[assignment]
     learner.write_status = lambda phase, **extra: said.append(phase)  # type: ignore[method-assign]
     for arrived in ("a", "b"):  # one group, then another: two takes
         learner.intake.queue.append((len(said), SimpleNamespace(policy_version=0, name=arrived)))
