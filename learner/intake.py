@@ -80,18 +80,21 @@ class Intake:
         self, policy_version: int, most: int, least: int, max_staleness: int, reserve: int = 0
     ) -> list[Group]:
         """Up to `most` groups to train policy `policy_version` on, dropping those more
-        than `max_staleness` versions old; none until `least` are queued. Groups in their
+        than `max_staleness` versions old; none until `least` can be taken. Groups in their
         last version (`policy_version - max_staleness`) go first, then the younger ones by
         arrival: a long group that can join no later batch is not crowded out of this one by
         a younger group that can (under long-tailed lengths the younger, short groups of the
         next cohort often arrive first). `reserve`: groups in their last version that the
-        actors are still sampling; the younger ones leave them room. Returned in their
+        actors are still sampling; the younger ones leave them room, and room for those of
+        the last version still being scored. Returned in their
         order of arrival, they stay taken, part of the batch being built, until it is
         trained (`settle`) or put back."""
         for entry in [e for e in self.queue if policy_version - e[1].policy_version > max_staleness]:
             self.queue.remove(entry)
             self.drop(entry[1], "stale")
         last = policy_version - max_staleness
+        scoring = [*self.unscored, *self.awaiting.values()]  # here, their rewards not yet back
+        reserve += sum(g.policy_version == last for g in scoring)
         oldest_first = sorted(self.queue, key=lambda entry: (entry[1].policy_version, entry[0]))
         ending = [e for e in oldest_first if e[1].policy_version <= last][:most]
         room = max(most - len(ending) - reserve, 0)

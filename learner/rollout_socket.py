@@ -205,6 +205,8 @@ class RolloutSocket:
         rollout = Rollout.read(msg)
         if isinstance(rollout.in_flight, list):
             self.decoding[actor] = [v for v in rollout.in_flight if type(v) is int]
+        else:  # unknown now: no places kept for this actor's groups (PROTOCOL.md)
+            self.decoding.pop(actor, None)
         try:
             cursor, start = data_span(rollout)
         except ValueError as e:  # its place in the data unknown: its prompt is sampled again

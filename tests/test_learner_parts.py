@@ -209,10 +209,52 @@ def test_younger_groups_leave_room_for_the_last_version_s_groups_still_sampled(s
     assert [g.group_id for g in taken] == ["y2"]  # none left to wait for
     assert [g.group_id for _, g in intake.queue] == ["y3"] and "stale" not in ledger.dropped
     # A batch wanted whole (least = most) waits for the groups it keeps room for.
+    intake.add([group("y4", (1, 2), version=2)])
+    intake.score()
     assert intake.next_groups(policy_version=2, most=2, least=2, max_staleness=1, reserve=1) == []
+    # Groups of the last version whose rewards are not back yet are kept places too.
+    waiting = group("scored-later", (2, 2), version=1)
+    intake.awaiting["key"] = waiting
+    assert intake.next_groups(policy_version=2, most=2, least=2, max_staleness=1) == []
+    intake.awaiting.clear()
+    taken = intake.next_groups(policy_version=2, most=2, least=2, max_staleness=1)
+    assert [g.group_id for g in taken] == ["y3", "y4"]
+    intake.settle()
     # At max_staleness 0 every group is in its last version: a reserve changes nothing.
+    intake.add([group("y5", (1, 2), version=2)])
+    intake.score()
     taken = intake.next_groups(policy_version=2, most=1, least=1, max_staleness=0, reserve=5)
-    assert [g.group_id for g in taken] == ["y3"]
+    assert [g.group_id for g in taken] == ["y5"]
+
+
+def test_the_rollout_socket_counts_the_groups_each_live_actor_says_it_still_samples(socket_pair):
+    """Each actor's newest `in_flight` counts, by version; a rollout without one (or with a
+    malformed one) and a new hello forget it."""
+    sock, actor, _ = socket_pair
+    actor.send_multipart(actor_hello())
+    pump(sock, actor, 3)
+
+    def send(name: str, **header) -> None:
+        msg = rollout(name, version=1, cursor=[0, 4 + len(name)], start_cursor=[0, 3 + len(name)])
+        actor.send_multipart(protocol.encode(protocol.ROLLOUT, {**msg.header, **header}, msg.arrays))
+        pump(sock, actor, 1)
+
+    send("a", in_flight=[0, 0, 1])
+    assert (sock.sampling(0), sock.sampling(1), sock.sampling(2)) == (2, 1, 0)
+    send("bb", in_flight=[1])
+    assert (sock.sampling(0), sock.sampling(1)) == (0, 1)  # the newest list, not a sum
+    send("ccc")
+    assert sock.sampling(1) == 0  # no list: unknown, nothing kept
+    send("dddd", in_flight="1")
+    assert sock.sampling(1) == 0  # malformed (the field is lenient): the same
+    send("eeeee", in_flight=[1, 1])
+    send("ffffff", in_flight=[1, True])  # an entry that is no int: the list is malformed
+    assert sock.sampling(1) == 0
+    send("ggggggg", in_flight=[1])
+    assert sock.sampling(1) == 1
+    actor.send_multipart(actor_hello())  # says hello again: it forgets what it sampled
+    pump(sock, actor, 3)
+    assert sock.sampling(1) == 0
 
 
 def test_a_failing_reward_function_is_dropped_and_named_with_its_row(scorer):
