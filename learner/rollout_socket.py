@@ -222,8 +222,9 @@ class RolloutSocket:
 
     def sampling(self, version: int) -> int:
         """How many groups the live actors said they are still sampling whose oldest token
-        is of `version` (PROTOCOL.md, `in_flight`)."""
-        return sum(vs.count(version) for actor, vs in self.decoding.items() if actor in self.actors)
+        is of `version` (PROTOCOL.md, `in_flight`). An actor that leaves `actors` (taken
+        for gone, its slot taken over) leaves `decoding` with it."""
+        return sum(vs.count(version) for vs in self.decoding.values())
 
     def publish(self, policy_version: int, actors: list[bytes] | None = None) -> None:
         """Send the adapter weights, as `policy_version`, to `actors` (default: every attached
