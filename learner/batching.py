@@ -49,6 +49,9 @@ class TrainRow:
     behavior_logprobs: np.ndarray
     finish_reason: str
     loss_mask: np.ndarray | None = None  # an episode's: 0 on the environment's tokens
+    # Its completion's reference logprobs, when the learner took them while it waited
+    # (Trainer.reference_logprobs); None: the step's reference pass takes them.
+    reference_logprobs: np.ndarray | None = None
 
     @property
     def trained_tokens(self) -> int:
@@ -63,6 +66,9 @@ class Batch:
     behavior: mx.array  # [B, L-1] actor logprobs at the same positions, 0 elsewhere
     lengths: np.ndarray  # [B] each row's own prompt + completion tokens
     prompt_lengths: np.ndarray  # [B] each row's prompt tokens
+    # Reference logprobs taken ahead (TrainRow.reference_logprobs), laid out as the mask,
+    # NaN on the completions of rows without; None: no row has them.
+    reference: np.ndarray | None = None
 
     def take(self, rows: np.ndarray, own_length: bool = True) -> Batch:
         """These rows, padded only to their own longest (or, not `own_length`, as long as
@@ -76,6 +82,7 @@ class Batch:
             self.behavior[index, : length - 1],
             self.lengths[rows],
             self.prompt_lengths[rows],
+            None if self.reference is None else self.reference[rows, : length - 1],
         )
 
 
@@ -98,6 +105,8 @@ class Micro:
     old: mx.array | None = None
     is_weight: mx.array | None = None
     ref: mx.array | None = None
+    # `ref` taken ahead (Batch.reference): known only where `mask` is 1 (Trainer._objective).
+    ref_ahead: bool = False
     # Where each row's first position sits in the batch's [B, T] arrays (None: at 0, whole
     # rows); what lays out a per-token array of the batch as this micro-batch's (per_token).
     offsets: np.ndarray | None = None
@@ -115,6 +124,15 @@ class Micro:
         padded = np.pad(values[self.index], ((0, 0), (0, width)))
         columns = offsets[:, None] + np.arange(width)
         return mx.array(np.take_along_axis(padded, columns, axis=1).astype(np.float32))
+
+    def put(self, values: np.ndarray, out: np.ndarray) -> None:
+        """The inverse of `per_token`: write `values` ([rows, T], laid out as this
+        micro-batch's mask) into `out`, laid out as the batch's."""
+        offsets = np.zeros(len(self.index), np.int64) if self.offsets is None else self.offsets
+        for k, row in enumerate(self.index):
+            columns = offsets[k] + np.arange(values.shape[1])
+            inside = columns < out.shape[1]
+            out[row, columns[inside]] = values[k, inside]
 
     @cached_property
     def weight(self) -> tuple[float, float]:
@@ -168,7 +186,12 @@ def make_batch(samples: list[TrainRow], pad_id: int) -> Batch:
         tokens[i, :p] = s.prompt_ids
         tokens[i, p : p + c] = s.completion_ids
         behavior[i, p - 1 : p - 1 + c] = s.behavior_logprobs * mask[i, p - 1 : p - 1 + c]
-    return Batch(mx.array(tokens), mx.array(mask), mx.array(behavior), lengths, prompt_lengths)
+    batch = Batch(mx.array(tokens), mx.array(mask), mx.array(behavior), lengths, prompt_lengths)
+    if any(s.reference_logprobs is not None for s in samples):
+        nan = [np.full(len(s.completion_ids), np.nan) for s in samples]
+        ahead = [n if s.reference_logprobs is None else s.reference_logprobs for s, n in zip(samples, nan)]
+        batch.reference = token_rows(samples, ahead)
+    return batch
 
 
 def batch_mask(samples: list[TrainRow]) -> np.ndarray:

@@ -48,7 +48,17 @@ class Building:
         """These groups' rows into the batch: sent to the other ranks, and this rank's
         share through its old-policy and reference passes and the first step's forward and
         backward. A group's advantages are its own rewards' (Algorithm.group_local), so
-        they are the same whether it comes alone or with the whole batch."""
+        they are the same whether it comes alone or with the whole batch.
+
+        Groups whose reference logprobs were taken ahead (Learner.reference_ahead) go in a
+        take of their own: in a micro-batch with other rows they would be run again."""
+        ahead = [g for g in groups if g.reference is not None]
+        for part in (ahead, [g for g in groups if g.reference is None]):
+            if part:
+                self._take(part, cfg, pad_id)
+        self.groups += groups
+
+    def _take(self, groups: list[Group], cfg: Config, pad_id: int) -> None:
         self.started = self.started or time.time()
         with spans.span("learn groups", groups=len(groups)):
             t0 = time.perf_counter()  # inside: the span's time, not its writing
@@ -58,7 +68,6 @@ class Building:
             self.share.ranks.share_rows(batch, a.trained)
             self.share.take(batch, a.trained)
             self.busy_s += time.perf_counter() - t0
-        self.groups += groups
 
     def complete(self, cfg: Config) -> tuple[list[TrainRow], Advantages, float]:
         """The whole batch's rows, advantages (for its metrics) and loss normaliser."""

@@ -40,6 +40,9 @@ class Group:
     sessions: list[int] | None = None
     rewards: np.ndarray | None = None  # [completions] weighted sum, set when scored
     rewards_by_function: dict[str, list] = field(default_factory=dict)
+    # Each completion's reference logprobs, once the learner took them ahead (it would
+    # have waited: Learner.reference_ahead).
+    reference: list[np.ndarray] | None = None
 
     def session_rewards(self, group_size: int) -> np.ndarray:
         """[G]: each session's reward (its last completion's), what advantages compare."""
@@ -56,11 +59,11 @@ class Group:
 
     def samples(self) -> list[TrainRow]:
         """Its completions as the step trains them: tokens, behavior logprobs, loss masks."""
-        masks: list[np.ndarray | None] = [*self.loss_masks] if self.loss_masks else [None] * len(self.texts)
-        return [
-            TrainRow(self.prompt_ids, ids, lp, fr, mask)
-            for ids, lp, fr, mask in zip(self.completion_ids, self.logprobs, self.finish_reasons, masks)
-        ]
+        n = len(self.texts)
+        masks: list[np.ndarray | None] = [*self.loss_masks] if self.loss_masks else [None] * n
+        refs: list[np.ndarray | None] = [*self.reference] if self.reference else [None] * n
+        rows = zip(self.completion_ids, self.logprobs, self.finish_reasons, masks, refs)
+        return [TrainRow(self.prompt_ids, ids, lp, fr, mask, ref) for ids, lp, fr, mask, ref in rows]
 
 
 def model_turns(loss_mask: np.ndarray | None, length: int) -> list[tuple[int, int]]:

@@ -107,6 +107,15 @@ class Intake:
         self.taken += got
         return [g for _, g in got]
 
+    def next_ahead(self, oldest: int) -> Group | None:
+        """A group a later take can train (of version `oldest` or younger) whose reference
+        logprobs are not taken yet: the queued ones first, by arrival, then those whose
+        rewards are awaited (Learner.reference_ahead)."""
+        for g in [*(g for _, g in self.queue), *self.awaiting.values()]:
+            if g.reference is None and g.policy_version >= oldest:
+                return g
+        return None
+
     def settle(self) -> None:
         """The batch taken so far is trained: its groups are the ledger's now."""
         self.taken = []

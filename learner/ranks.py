@@ -197,8 +197,9 @@ class RankShare:
         self.takes += 1
         if len(rows) == 0:
             return
-        with spans.span("old and reference logprobs", rows=len(rows)):
+        with spans.span("old and reference logprobs", rows=len(rows)) as args:
             prepared = self.trainer.prepare(batch.take(rows), norm=1.0)
+            args["ahead"] = sum(m.ref_ahead for m in prepared.micro)  # micro-batches that skipped it
         self.trainer.accumulate(self.first, prepared, advantages[rows], 1.0)
         self.parts.append((prepared, advantages[rows]))
 

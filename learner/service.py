@@ -67,6 +67,11 @@ class Learner:
             trainer.stopping = lambda: signals.requested
         self.building = Building.new(trainer, ranks)
         self.streams = streams(cfg, trainer.algorithm, ranks.size)
+        # Reference logprobs taken while waiting (reference_ahead): with the KL penalty, when
+        # groups stream (whole batches stay the same to the bit), by a learner alone (rank 0
+        # would take them for rows the other ranks run; the step waits for the slowest).
+        self.ahead = trainer.beta > 0 and self.streams and ranks.size == 1
+        self.idle = False  # the last `learn` found no group it could take
         self.step = checkpoints.step or 0  # optimizer steps taken: the weights' version (policy_version)
         self.num_tokens = checkpoints.num_tokens  # prompt and completion tokens trained on (TRL's num_tokens)
 
@@ -142,6 +147,8 @@ class Learner:
                 stepped = self.learn()
                 self.rollouts.send_credits()
                 self.reports.write_phase(self.step, at_once=stepped)
+                if self.idle and self.ahead:
+                    self.reference_ahead(self.step - train.max_staleness)
             self.intake.put_back()  # a batch begun, not complete at a stop: queued again
             if self.step >= train.steps:
                 self.evaluate()  # a run resumed at its last step; otherwise done already
@@ -170,6 +177,7 @@ class Learner:
         groups = self.intake.next_groups(
             self.step, want, 1 if self.streams else want, train.max_staleness, reserve
         )
+        self.idle = not groups
         if not groups:
             return False
         # Before every take: a stop now waits for what cannot be cut short (supervisor).
@@ -184,6 +192,23 @@ class Learner:
             self.building = Building.new(self.trainer, self.ranks)
             log.info("stopped in the middle of step %d: nothing of it was applied", self.step + 1)
         return self.step > first_step
+
+    def reference_ahead(self, oldest: int) -> None:
+        """With nothing to take: the reference logprobs of a group queued for a later take
+        (of version `oldest` or younger), rather than waiting. They do not depend on the
+        adapters, so the step that takes the group skips its reference pass
+        (Trainer.prepare): under long-tailed lengths the learner waits for a batch's last,
+        long groups while the next batch's short ones queue up. One group at a time, so a
+        group that arrives is taken soon; a stop abandons it between micro-batches."""
+        if (g := self.intake.next_ahead(oldest)) is None:
+            return
+        # A stop waits for its micro-batch, as for a take's (supervisor).
+        self.write_status(Phase.STEPPING, since=self.building.started or time.time())
+        with spans.span("reference logprobs ahead", rows=len(g.texts)):
+            try:
+                g.reference = self.trainer.reference_logprobs(g.samples())
+            except StepStopped:
+                pass  # the loop sees the stop
 
     def train_batch(self) -> None:
         """The complete batch's optimizer steps, its metrics and its completions."""

@@ -25,8 +25,10 @@ from learner.batching import (
     Logits,
     Micro,
     Prepared,
+    TrainRow,
     carried_prompts,
     logits_plan,
+    make_batch,
     micro_batch_rows,
     prompt_ids,
     prompt_keys,
@@ -229,17 +231,47 @@ class Trainer:
             states = self.prompt_states(carried)
             parts = [(self._take_old(m, states), m.weight) for m in micro]
         if self.beta > 0:
-            with adapters_disabled(self.model):
-                states = self.prompt_states(carried)
-                for m in micro:
-                    self.check_stop()
-                    rows = m.rows_given(states)
-                    m.ref = _logprobs(self.model, rows, self.temperature, self.logits, self.head)[0]
+            self._take_reference(batch, micro, carried)
         real = int(batch.lengths.sum()) - len(batch.lengths)  # a row of n tokens predicts n - 1
         norm = self.algorithm.normalizer(np.array(batch.mask)) if norm is None else norm
         prepared = Prepared(micro, norm, {}, parts, real, carried)
         prepared.stats = self.prepared_stats([prepared])
         return prepared
+
+    def _take_reference(self, batch: Batch, micro: list[Micro], carried: list[mx.array]) -> None:
+        """Each micro-batch's reference logprobs: those taken ahead when all its rows have
+        them (Batch.reference), else a forward with the adapters off."""
+        pending = []
+        for m in micro:
+            if batch.reference is not None and not np.isnan(batch.reference[m.index]).any():
+                m.ref, m.ref_ahead = m.per_token(batch.reference), True
+            else:
+                pending.append(m)
+        if pending:
+            self._reference_pass(pending, carried)
+
+    def _reference_pass(self, micro: list[Micro], carried: list[mx.array]) -> None:
+        """The micro-batches' reference logprobs (`ref`): their forward with the adapters off."""
+        with adapters_disabled(self.model):
+            states = self.prompt_states(carried)
+            for m in micro:
+                self.check_stop()
+                rows = m.rows_given(states)
+                m.ref = _logprobs(self.model, rows, self.temperature, self.logits, self.head)[0]
+
+    def reference_logprobs(self, samples: list[TrainRow]) -> list[np.ndarray]:
+        """Each sample's completion's reference logprobs (the adapters off), as a step's
+        reference pass would take them: what the learner computes for a queued group while
+        it would otherwise wait (they do not depend on the adapters, so any later step can
+        use them)."""
+        batch = make_batch(samples, 0)  # causal: what follows a row's end changes nothing of it
+        micro, carried = self.micro_batches(batch)
+        self._reference_pass(micro, carried)
+        out = np.zeros(batch.mask.shape, np.float32)
+        for m in micro:
+            m.put(np.array(m.ref), out)
+        starts = batch.prompt_lengths - 1  # where make_batch lays out each completion
+        return [out[i, p : p + len(s.completion_ids)] for i, (s, p) in enumerate(zip(samples, starts))]
 
     def prepared_stats(self, parts: list[Prepared]) -> dict[str, float]:
         """The old-policy pass's diagnostics of a batch prepared in `parts` (the groups that
@@ -395,7 +427,10 @@ class Trainer:
         else:
             assert m.old is not None and m.is_weight is not None  # prepare() took them
             old, is_weight = m.old, m.is_weight
-        total, diag = self.algorithm.loss_sum(LossInputs(logp, old, m.ref, adv, mask, is_weight))
+        ref = m.ref
+        if m.ref is not None and m.ref_ahead:  # known on the trained tokens only: no KL elsewhere
+            ref = mx.where(mask > 0, m.ref, mx.stop_gradient(logp))
+        total, diag = self.algorithm.loss_sum(LossInputs(logp, old, ref, adv, mask, is_weight))
         diag["surrogate_loss"] = diag["surrogate_loss"] / norm
         return total / norm, {**diag, **extra}
 

@@ -94,9 +94,12 @@ def test_the_learner_keeps_room_for_a_group_the_actor_still_samples_in_its_last_
     it still samples one of version 0 (`in_flight`), which only the batch trained at version
     1 can take. The learner takes one young group and keeps the other place for it: the
     group of version 0 is trained, not dropped as stale, and the other young group goes into
-    the next batch. Without `in_flight` the two young groups would fill the batch."""
+    the next batch. Without `in_flight` the two young groups would fill the batch.
+
+    With beta > 0 the learner, waiting for the last group, takes the reference logprobs of
+    the young group queued for the next batch meanwhile (Learner.reference_ahead)."""
     _, tok = tiny
-    cfg = load_config(write_config(tmp_path, "[train]\nmax_staleness = 1", steps=3))
+    cfg = load_config(write_config(tmp_path, "[train]\nmax_staleness = 1\n[algorithm]\nbeta = 0.04", steps=3))
     run = prepare_run_dir(cfg)
     with peer(run, "learner") as (learner, sock):
         actor = Actor(sock, cfg, tok)
@@ -118,6 +121,11 @@ def test_the_learner_keeps_room_for_a_group_the_actor_still_samples_in_its_last_
     assert last["step"] == 3 and last["groups_trained"] == 6, last
     assert "stale" not in last.get("dropped_reasons", {}), last
     assert last["groups_queued"] == 1  # "d": the last batch was young-2 and c
+    spans = [json.loads(line) for line in (run / "timeline" / "learner.jsonl").read_text().splitlines()]
+    ahead = [e for e in spans if e["name"] == "reference logprobs ahead"]
+    assert [e["args"]["rows"] for e in ahead] == [4], ahead  # young-2, once
+    takes = [e["args"] for e in spans if e["name"] == "old and reference logprobs"]
+    assert [t["ahead"] for t in takes].count(1) == 1, takes  # young-2's take used them
 
 
 def test_actor_runs_ahead_with_max_staleness_one(tmp_path):

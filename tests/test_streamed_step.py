@@ -6,6 +6,9 @@ behavior-policy correction, with two iterations on the batch, and with per-token
 advantages. (Two learner ranks: tests/test_scale_out.py, streamed ranks against a learner
 alone that waits for the whole batch.)"""
 
+from dataclasses import replace
+
+import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from learner.batching import TrainRow, batch_mask, make_batch, token_rows
 from learner.correction import Correction
 from learner.ranks import Ranks, RankShare, rows_of_rank
 from policy.engine import sample_groups
+from policy.logprobs import output_head
 from policy.model import adapter_weights_numpy
 from runtime.config import SamplingConfig
 from tests.helpers import trainer_for
@@ -143,6 +147,78 @@ def test_the_normaliser_is_the_whole_batch_s_not_each_take_s():
     assert first < whole / 2  # so a per-take normaliser would be off by more than any tolerance
 
 
+@pytest.mark.parametrize(
+    "share_prompts, sort_by_length, chunk", [(True, True, 0), (False, True, 5), (False, False, 0)]
+)
+def test_reference_logprobs_taken_ahead_give_the_update_the_step_s_own_reference_pass_gives(
+    share_prompts, sort_by_length, chunk
+):
+    """While it would wait, the learner takes a queued group's reference logprobs ahead
+    (Learner.reference_ahead): the step then uses them, laid out as each micro-batch's
+    own, for the micro-batches whose rows all have them, and runs the reference pass for
+    the others. Group 2 has them and its rows have environment tokens (loss mask 0);
+    group 0 has them for two rows only; group 1 has none. Over two iterations (the
+    second reuses them). Each group's prompt once, whole rows by length or in order (a
+    group's rows a micro-batch), and logits by chunks of 5 positions."""
+    model, tok = model_with()
+    start = perturbed(adapter_weights_numpy(model), 5, 0.01)
+    rows = [
+        replace(r, loss_mask=(np.arange(len(r.completion_ids)) % 3 != 1).astype(np.float32))
+        if i >= 2 * G
+        else r
+        for i, r in enumerate(sampled_rows(model, tok))
+    ]
+    results, used = [], []
+    for ahead in (False, True):
+        m, _ = model_with(start)
+        trainer = trainer_for(
+            m,
+            "grpo",
+            beta=0.04,
+            fused=False,
+            temperature=0.7,
+            max_grad_norm=1e9,
+            optimizer=optim.SGD(learning_rate=1.0),
+            share_prompts=share_prompts,
+            sort_by_length=sort_by_length,
+            micro=0 if sort_by_length else G,
+            logits=batching.Logits(output_head(m), chunk) if chunk else None,
+        )
+        these = list(rows)
+        if ahead:
+            for i, ref in zip(range(2 * G, 3 * G), trainer.reference_logprobs(group_rows(rows, [2]))):
+                these[i] = replace(these[i], reference_logprobs=ref)
+            for i, ref in zip(range(2), trainer.reference_logprobs(rows[:2])):
+                these[i] = replace(these[i], reference_logprobs=ref)
+        share = RankShare(trainer, Ranks())
+        for groups in TAKES:
+            share.take(make_batch(group_rows(these, groups), 0), advantages_of(trainer, these, groups, False))
+        norm = trainer.algorithm.normalizer(batch_mask(group_rows(these, [g for t in TAKES for g in t])))
+        stats = [share.step(norm) for _ in range(2)]
+        used.append([micro.ref_ahead for prepared, _ in share.parts for micro in prepared.micro])
+        results.append((stats, adapter_weights_numpy(m)))
+    (before, w_before), (after, w_after) = results
+    assert not any(used[0]) and any(used[1]) and not all(used[1])
+    for s in before + after:
+        s.pop("learner/padding_ratio")
+    assert_same_update(before, w_before, after, w_after, start, 1e-4)
+
+
+def test_reference_logprobs_taken_ahead_give_no_kl_off_the_trained_tokens():
+    """Ahead, they are known on the trained tokens only (0 elsewhere, as on a prompt): a
+    position off them where the policy's logprob is very low must not make exp(ref - logp)
+    inf, which the mask's 0 would turn into NaN."""
+    model, _ = model_with()
+    trainer = trainer_for(model, "grpo", beta=0.04, fused=True, temperature=0.7)
+    mask = mx.array([[0.0, 1.0, 1.0]])
+    micro = batching.Micro(np.array([0]), None, mask, mx.zeros((1, 3)), 3, ref=mx.array([[0.0, -1.0, -2.0]]))
+    logp = mx.array([[-200.0, -1.1, -2.2]])
+    micro.ref_ahead = True
+    loss, diag = trainer._objective(micro, mx.array([1.0]), 1.0, logp, mx.zeros((1, 3)))
+    kl = (np.exp([0.1, 0.2]) - [0.1, 0.2] - 1).mean()  # k3 on the two trained tokens
+    assert diag["kl"].item() == pytest.approx(kl, rel=1e-5) and np.isfinite(loss.item())
+
+
 class Place:
     """A rank's place among `n` ranks, as mx.distributed.Group gives it."""
 
@@ -157,7 +233,7 @@ class Recorder:
         self.trained: list[float] = []
 
     def prepare(self, batch, norm):
-        return batch
+        return batching.Prepared([], norm, {})
 
     def accumulate(self, gradient, prepared, advantages, norm):
         self.trained += advantages.tolist()
