@@ -14,9 +14,28 @@ from learner.algorithms import Algorithm
 from learner.batching import TrainRow, batch_mask, make_batch
 from learner.groups import Group
 from learner.ranks import Ranks, RankShare
-from learner.trainer import Trainer
+from learner.trainer import StepStopped, Trainer
 from runtime import spans
 from runtime.config import Config
+
+
+def reference_ahead(trainer: Trainer, g: Group) -> None:
+    """The reference logprobs of a group queued for a later take, which the learner takes
+    rather than wait when it has no group it can take (Learner.run: with the KL penalty,
+    groups streamed, a learner alone). They do not depend on the adapters, so the step that
+    takes the group skips its reference pass (Trainer.prepare): under long-tailed lengths
+    the learner waits for a batch's last, long groups while the next batch's short ones
+    queue up. One group at a time, so that one that arrives is taken soon; a stop abandons
+    it between micro-batches.
+
+    Not with whole batches (`stream_groups = false`), so that a run stays the same to the
+    bit; nor with several ranks: rank 0 would take them for rows the other ranks run, and
+    every step waits for the slowest rank."""
+    with spans.span("reference logprobs ahead", rows=len(g.texts)):
+        try:
+            g.reference = trainer.reference_logprobs(g.samples())
+        except StepStopped:
+            pass  # the learner's loop sees the stop
 
 
 def streams(cfg: Config, algorithm: Algorithm, ranks: int) -> bool:

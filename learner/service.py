@@ -19,7 +19,7 @@ from pathlib import Path
 
 import protocol
 import transport
-from learner.building import Building, streams
+from learner.building import Building, reference_ahead, streams
 from learner.evaluator import Evaluator
 from learner.groups import group_from_message
 from learner.intake import Intake
@@ -67,11 +67,7 @@ class Learner:
             trainer.stopping = lambda: signals.requested
         self.building = Building.new(trainer, ranks)
         self.streams = streams(cfg, trainer.algorithm, ranks.size)
-        # Reference logprobs taken while waiting (reference_ahead): with the KL penalty, when
-        # groups stream (whole batches stay the same to the bit), by a learner alone (rank 0
-        # would take them for rows the other ranks run; the step waits for the slowest).
-        self.ahead = trainer.beta > 0 and self.streams and ranks.size == 1
-        self.idle = False  # the last `learn` found no group it could take
+        self.ahead = trainer.beta > 0 and self.streams and ranks.size == 1  # building.reference_ahead
         self.step = checkpoints.step or 0  # optimizer steps taken: the weights' version (policy_version)
         self.num_tokens = checkpoints.num_tokens  # prompt and completion tokens trained on (TRL's num_tokens)
 
@@ -90,9 +86,7 @@ class Learner:
         run_dir, ranks, net = Path(run_dir), ranks or Ranks(), net or transport.default()
         cfg = read_run_config(run_dir)
         endpoints = protocol.read_endpoints(run_dir)
-        # A new id per process: a reward worker that sees it change knows the learner
-        # restarted and attaches again (PROTOCOL.md, "Liveness").
-        instance = uuid.uuid4().hex[:12]
+        instance = uuid.uuid4().hex[:12]  # new each process: reward workers see a restart (PROTOCOL.md)
         # Reward functions load (and fail) before the model does.
         keys = run_key_dir(run_dir, endpoints["learner"], cfg.run.insecure)  # TCP: CURVE
         scorer = Scorer(cfg.reward, net, endpoints["reward"], instance, keys)
@@ -139,6 +133,9 @@ class Learner:
             if self.step == 0:
                 self.evaluate()  # the base of comparison; a resumed run has it already
             while self.step < train.steps and not self.signals.requested:
+                if self.ahead and (g := self.intake.next_ahead(self.step - train.max_staleness)):
+                    self.write_status(Phase.STEPPING, since=self.building.started or time.time())
+                    reference_ahead(self.trainer, g)  # rather than wait; a stop waits for a micro-batch
                 with spans.span("wait for groups", spans.WAIT):
                     arrived = self.rollouts.receive(100, self.step)
                 with spans.span("score", groups=len(arrived)):
@@ -147,8 +144,6 @@ class Learner:
                 stepped = self.learn()
                 self.rollouts.send_credits()
                 self.reports.write_phase(self.step, at_once=stepped)
-                if self.idle and self.ahead:
-                    self.reference_ahead(self.step - train.max_staleness)
             self.intake.put_back()  # a batch begun, not complete at a stop: queued again
             if self.step >= train.steps:
                 self.evaluate()  # a run resumed at its last step; otherwise done already
@@ -170,14 +165,11 @@ class Learner:
         the queue if its first step was not taken (a checkpoint counts queued groups as not
         received: a resumed actor samples their prompts again), and the step's partial
         work is thrown away."""
-        train, first_step = self.cfg.train, self.step
+        train, first_step, k = self.cfg.train, self.step, self.cfg.train.max_staleness
         want = train.batch_size - len(self.building.groups)
         # Room for the groups the actors still sample that can join no later batch.
-        reserve = self.rollouts.sampling(self.step - train.max_staleness)
-        groups = self.intake.next_groups(
-            self.step, want, 1 if self.streams else want, train.max_staleness, reserve
-        )
-        self.idle = not groups
+        reserve = self.rollouts.sampling(self.step - k)
+        groups = self.intake.next_groups(self.step, want, 1 if self.streams else want, k, reserve)
         if not groups:
             return False
         # Before every take: a stop now waits for what cannot be cut short (supervisor).
@@ -192,23 +184,6 @@ class Learner:
             self.building = Building.new(self.trainer, self.ranks)
             log.info("stopped in the middle of step %d: nothing of it was applied", self.step + 1)
         return self.step > first_step
-
-    def reference_ahead(self, oldest: int) -> None:
-        """With nothing to take: the reference logprobs of a group queued for a later take
-        (of version `oldest` or younger), rather than waiting. They do not depend on the
-        adapters, so the step that takes the group skips its reference pass
-        (Trainer.prepare): under long-tailed lengths the learner waits for a batch's last,
-        long groups while the next batch's short ones queue up. One group at a time, so a
-        group that arrives is taken soon; a stop abandons it between micro-batches."""
-        if (g := self.intake.next_ahead(oldest)) is None:
-            return
-        # A stop waits for its micro-batch, as for a take's (supervisor).
-        self.write_status(Phase.STEPPING, since=self.building.started or time.time())
-        with spans.span("reference logprobs ahead", rows=len(g.texts)):
-            try:
-                g.reference = self.trainer.reference_logprobs(g.samples())
-            except StepStopped:
-                pass  # the loop sees the stop
 
     def train_batch(self) -> None:
         """The complete batch's optimizer steps, its metrics and its completions."""
