@@ -108,9 +108,13 @@ class Intake:
         return [g for _, g in got]
 
     def next_ahead(self, oldest: int) -> Group | None:
-        """A group a later take can train (of version `oldest` or younger) whose reference
-        logprobs are not taken yet: the queued ones first, by arrival, then those whose
-        rewards are awaited (Learner.reference_ahead)."""
+        """While a batch is begun and waits for its other groups: a group a later take can
+        train (of version `oldest` or younger) whose reference logprobs are not taken yet,
+        the queued ones first, by arrival, then those whose rewards are awaited
+        (learner/building.py::reference_ahead). None between batches: then the queued
+        groups are the next batch's, taken at once."""
+        if not self.taken:
+            return None
         for g in [*(g for _, g in self.queue), *self.awaiting.values()]:
             if g.reference is None and g.policy_version >= oldest:
                 return g

@@ -134,8 +134,7 @@ class Learner:
                 self.evaluate()  # the base of comparison; a resumed run has it already
             while self.step < train.steps and not self.signals.requested:
                 if self.ahead and (g := self.intake.next_ahead(self.step - train.max_staleness)):
-                    self.write_status(Phase.STEPPING, since=self.building.started or time.time())
-                    reference_ahead(self.trainer, g)  # rather than wait; a stop waits for a micro-batch
+                    reference_ahead(self.trainer, g)  # rather than wait for the batch's other groups
                 with spans.span("wait for groups", spans.WAIT):
                     arrived = self.rollouts.receive(100, self.step)
                 with spans.span("score", groups=len(arrived)):

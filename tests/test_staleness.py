@@ -97,9 +97,10 @@ def test_the_learner_keeps_room_for_a_group_the_actor_still_samples_in_its_last_
     the next batch. Without `in_flight` the two young groups would fill the batch.
 
     With beta > 0 the learner, waiting for the last group, takes the reference logprobs of
-    the young group queued for the next batch meanwhile (Learner.reference_ahead)."""
+    the young group queued for the next batch meanwhile (learner/building.py::reference_ahead)."""
     _, tok = tiny
-    cfg = load_config(write_config(tmp_path, "[train]\nmax_staleness = 1\n[algorithm]\nbeta = 0.04", steps=3))
+    extra = "[train]\nmax_staleness = 1\n[algorithm]\nbeta = 0.04\n[log]\ncompletions_every = 1"
+    cfg = load_config(write_config(tmp_path, extra, steps=3))
     run = prepare_run_dir(cfg)
     with peer(run, "learner") as (learner, sock):
         actor = Actor(sock, cfg, tok)
@@ -120,7 +121,9 @@ def test_the_learner_keeps_room_for_a_group_the_actor_still_samples_in_its_last_
     last = read_metrics(run)[-1]
     assert last["step"] == 3 and last["groups_trained"] == 6, last
     assert "stale" not in last.get("dropped_reasons", {}), last
-    assert last["groups_queued"] == 1  # "d": the last batch was young-2 and c
+    trained = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    batches = [sorted({r["group_id"] for r in trained if r["step"] == step}) for step in (1, 2, 3)]
+    assert batches == [["a", "b"], ["last", "young-1"], ["c", "young-2"]], batches  # "d" waits
     spans = [json.loads(line) for line in (run / "timeline" / "learner.jsonl").read_text().splitlines()]
     ahead = [e for e in spans if e["name"] == "reference logprobs ahead"]
     assert [e["args"]["rows"] for e in ahead] == [4], ahead  # young-2, once
