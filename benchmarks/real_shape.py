@@ -191,6 +191,8 @@ dir = "{run_dir}"
             sum(x["completions/mean_length"] for x in m) * batch_size * a.group_size / measured
         ),
         "rollout_tok_s": statistics.median(x["rollout_tokens_per_s"] for x in m),
+        # Over every step, the warm-up's too: the uniform run of e2e_lengths takes this length.
+        "mean_length": statistics.mean(x["completions/mean_length"] for x in run.metrics),
         "learner_step_s": statistics.median(x["step_s"] for x in m),
         "learner_peak_mb": learner,
         "actor_peak_mb": actor,
