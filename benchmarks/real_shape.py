@@ -191,8 +191,9 @@ dir = "{run_dir}"
             sum(x["completions/mean_length"] for x in m) * batch_size * a.group_size / measured
         ),
         "rollout_tok_s": statistics.median(x["rollout_tokens_per_s"] for x in m),
-        # Over every step, the warm-up's too: the uniform run of e2e_lengths takes this length.
-        "mean_length": statistics.mean(x["completions/mean_length"] for x in run.metrics),
+        # Over the timed steps, as completion_tok_s: e2e_lengths' uniform run takes this
+        # length. (A long-tail run's lengths move as it learns: 38 to 140 in one run.)
+        "mean_length": statistics.mean(x["completions/mean_length"] for x in m),
         "learner_step_s": statistics.median(x["step_s"] for x in m),
         "learner_peak_mb": learner,
         "actor_peak_mb": actor,
