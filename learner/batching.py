@@ -212,6 +212,13 @@ def token_rows(samples: list[TrainRow], values: list[np.ndarray]) -> np.ndarray:
     return out
 
 
+def completion_values(samples: list[TrainRow], rows: np.ndarray) -> list[np.ndarray]:
+    """Each sample's completion's values out of `rows` laid out as token_rows lays them:
+    its inverse (e.g. reference logprobs taken for a group before its batch)."""
+    starts = [len(s.prompt_ids) - 1 for s in samples]
+    return [rows[i, p : p + len(s.completion_ids)] for i, (s, p) in enumerate(zip(samples, starts))]
+
+
 # What one more forward and backward costs beyond its positions, counted in positions (a
 # call per layer, smaller matrices). On a 2-core CPU the learner's step went with the
 # positions it computed, whatever their number of forwards (benchmarks/learner_lengths.py):

@@ -27,6 +27,7 @@ from learner.batching import (
     Prepared,
     TrainRow,
     carried_prompts,
+    completion_values,
     logits_plan,
     make_batch,
     micro_batch_rows,
@@ -270,8 +271,7 @@ class Trainer:
         out = np.zeros(batch.mask.shape, np.float32)
         for m in micro:
             m.put(np.array(m.ref), out)
-        starts = batch.prompt_lengths - 1  # where make_batch lays out each completion
-        return [out[i, p : p + len(s.completion_ids)] for i, (s, p) in enumerate(zip(samples, starts))]
+        return completion_values(samples, out)
 
     def prepared_stats(self, parts: list[Prepared]) -> dict[str, float]:
         """The old-policy pass's diagnostics of a batch prepared in `parts` (the groups that

@@ -9,7 +9,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from learner.algorithms import GRPO
-from learner.batching import TrainRow, make_batch
+from learner.batching import TrainRow, completion_values, make_batch, token_rows
 from policy.logprobs import sequence_logprobs
 from policy.model import (
     adapter_weights,
@@ -108,6 +108,15 @@ def test_make_batch_puts_completion_tokens_under_the_mask():
     np.testing.assert_array_equal(np.array(b.tokens), [[1, 2, 3, 7, 8], [4, 9, 9, 9, 0]])
     np.testing.assert_array_equal(np.array(b.mask), [[0, 0, 1, 1], [1, 1, 1, 0]])
     np.testing.assert_array_equal(np.array(b.behavior), [[0, 0, -0.5, -0.25], [-1, -2, -3, 0]])
+
+
+def test_completion_values_read_back_what_token_rows_lay_out_under_the_mask():
+    s1 = TrainRow(np.array([1, 2, 3]), np.array([7, 8]), np.array([-0.5, -0.25]), "length")
+    s2 = TrainRow(np.array([4]), np.array([9, 9, 9]), np.array([-1.0, -2.0, -3.0]), "stop")
+    laid = token_rows([s1, s2], [np.array([10.0, 11.0]), np.array([20.0, 21.0, 22.0])])
+    np.testing.assert_array_equal(laid, [[0, 0, 10, 11], [20, 21, 22, 0]])  # as make_batch's mask
+    back = completion_values([s1, s2], laid + 100 * (laid == 0))  # off the completions: not read
+    assert [v.tolist() for v in back] == [[10.0, 11.0], [20.0, 21.0, 22.0]]
 
 
 def test_an_optimizer_step_moves_only_the_adapters():
