@@ -12,9 +12,9 @@ in two copies that differ only in config.json's `eos_token_id` (every system her
 its EOS set from there, mlxrl included):
 
 - long tail: V/64 EOS ids, so completion lengths are geometric, cut at 512, as reasoning
-  traces are. Their mean comes out longer than 64 (74 here, 97 on the flat shape at
-  `--mean 59`): under these random weights, temperature and top-p, the EOS ids are drawn
-  less often than their V/64 share;
+  traces are. Their mean comes out longer than 64 (74 here; 101 on the flat shape at
+  `--mean 59`, where it grows as the run learns): under these random weights, temperature
+  and top-p, the EOS ids are drawn less often than their V/64 share;
 - uniform: one EOS (a 1/V chance a step) and `max_tokens` = the mean completion length the
   same repeat's long-tail run measured: nearly every completion at the long tail's mean, so
   that the two runs' tokens/s compare the same tokens a completion.
