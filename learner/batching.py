@@ -207,16 +207,21 @@ def token_rows(samples: list[TrainRow], values: list[np.ndarray]) -> np.ndarray:
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
     out = np.zeros((len(samples), max(lengths) - 1), dtype=np.float32)
     for i, (s, v) in enumerate(zip(samples, values)):
-        p = len(s.prompt_ids)
-        out[i, p - 1 : p - 1 + len(s.completion_ids)] = v
+        out[i, _completion_span(s)] = v
     return out
 
 
 def completion_values(samples: list[TrainRow], rows: np.ndarray) -> list[np.ndarray]:
     """Each sample's completion's values out of `rows` laid out as token_rows lays them:
     its inverse (e.g. reference logprobs taken for a group before its batch)."""
-    starts = [len(s.prompt_ids) - 1 for s in samples]
-    return [rows[i, p : p + len(s.completion_ids)] for i, (s, p) in enumerate(zip(samples, starts))]
+    return [rows[i, _completion_span(s)] for i, s in enumerate(samples)]
+
+
+def _completion_span(s: TrainRow) -> slice:
+    """Where a sample's completion sits in its row of make_batch's layout: position j
+    predicts token j + 1, so the first completion token is predicted at len(prompt) - 1."""
+    start = len(s.prompt_ids) - 1
+    return slice(start, start + len(s.completion_ids))
 
 
 # What one more forward and backward costs beyond its positions, counted in positions (a
