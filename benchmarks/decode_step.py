@@ -22,26 +22,28 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.common import harness, write_results
 from benchmarks.learner_lengths import QUICK_SHAPE, SMALL_SHAPE
 from benchmarks.real_shape import flat_model
 
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
 STEPS = 40
 PROMPT = 8  # tokens of the prompt every row continues
 
 
-def timed_parts(model_path: Path, rows: int, steps: int = STEPS, cache: int = PROMPT) -> tuple[float, float]:
+def timed_parts(model: nn.Module, rows: int, steps: int = STEPS, cache: int = PROMPT) -> tuple[float, float]:
     """Seconds a decode step spends sampling and in the forward, for `rows` rows whose
     batch cache starts `cache` positions long (an 8-token prompt, left-padded)."""
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
     from policy.sampler import noise_keys, sample_tokens
     from runtime.config import SamplingConfig
 
-    model, _ = load(str(model_path))
     params = SamplingConfig(temperature=0.7, top_p=0.95)
     pad = max(cache - PROMPT, 0)
     layers = [BatchKVCache([pad] * rows) for _ in make_prompt_cache(model)]
@@ -68,10 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         "--cache", type=int, nargs="+", default=[PROMPT], help="positions in the batch's cache at the start"
     )
     a = p.parse_args(argv)
+    from mlx_lm import load
+
     model = a.model or flat_model(a.models_dir, QUICK_SHAPE if a.quick else SMALL_SHAPE)
+    net = load(str(model))[0]  # once: every measurement decodes on the same weights
     rows = [2] if a.quick else a.rows
     steps = 5 if a.quick else STEPS
-    measured = {(n, c): timed_parts(model, n, steps, c) for n in rows for c in a.cache}
+    measured = {(n, c): timed_parts(net, n, steps, c) for n in rows for c in a.cache}
     lines = [
         f"A decode step's parts, {model.name}: temperature 0.7, top-p 0.95, {steps} steps each\n",
         "| rows | cache positions | sampling, ms | forward, ms |",
