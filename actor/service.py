@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import mlx.nn as nn
+import numpy as np
 
 import protocol
 import transport
@@ -57,6 +58,7 @@ from policy.model import (
 from policy.sampler import Completion
 from protocol import sockets
 from protocol.connection import ENDED, HEARTBEAT_S, Link, State, heartbeat
+from protocol.messages import Partial
 from protocol.worker_socket import WorkerPool
 from runtime import lifecycle, spans
 from runtime.config import Config, as_dict, ceil_div, credit_window, read_run_config
@@ -112,6 +114,8 @@ class Actor:
         self.decoding: dict[int, PlacedPrompt] = {}  # groups in the engine, by key
         self.groups_added = 0
         self.decode_s = 0.0  # decoding time since groups last went out
+        self.partial_every = 0  # the learner's hello says (PROTOCOL.md, `partial`); 0: none
+        self.steps = 0  # decode steps so far
 
     @classmethod
     def from_run_dir(
@@ -225,6 +229,8 @@ class Actor:
         elif msg.kind == protocol.HELLO and msg.header.get("attached") is not False:
             log.info("learner pid %s accepted the handshake", msg["pid"])
             self.keep_learner_staleness(msg.header.get("max_staleness"))
+            every = msg.header.get("partials")
+            self.partial_every = every if type(every) is int and every > 0 else 0
             # Where the slot's data continues (a restarted actor, a resumed run, a new
             # connection): after the groups the learner holds, skipping those it holds beyond.
             cursor, skip = msg.header.get("data_cursor"), msg.header.get("data_skip")
@@ -329,9 +335,26 @@ class Actor:
             # Each group's share of the decoding time since the last groups went out.
             fields, arrays = self.completions(drawn.prompt, completions)
             fields["in_flight"] = self.still_decoding()
-            self.send_group(drawn, fields, arrays, self.decode_s / len(done))
+            self.send_group(drawn, fields, arrays, self.decode_s / len(done), str(key))
         if done:
             self.decode_s = 0.0
+        self.steps += 1
+        if self.partial_every and self.steps % self.partial_every == 0:
+            self.send_partials()
+
+    def send_partials(self) -> None:
+        """Each decoding group's completions so far, for the learner to take their
+        reference logprobs while it would wait (PROTOCOL.md, `partial`)."""
+        for key, (prompt, rows) in self.engine.so_far().items():
+            ids = np.array([t for row in rows for t in row], np.int32)
+            lens = np.array([len(row) for row in rows], np.int32)
+            partial = Partial(
+                group_id=str(key),
+                prompt_ids=np.array(prompt, np.int32),
+                completion_ids=ids,
+                completion_lens=lens,
+            )
+            self.send_frames(partial.frames())
 
     def still_decoding(self) -> list[int]:
         """Each group still decoding, by its oldest token's version (PROTOCOL.md,
@@ -379,9 +402,8 @@ class Actor:
             )
             empty = [Completion([], [], "length")] * self.sampling.group_size
             fields, arrays = self.completions(drawn.prompt, empty)
-            self.send_group(
-                drawn, {**fields, "error": "stale", "in_flight": self.still_decoding()}, arrays, 0.0
-            )
+            fields |= {"error": "stale", "in_flight": self.still_decoding()}
+            self.send_group(drawn, fields, arrays, 0.0, str(key))
 
     def run_sessions(self) -> None:
         """Agent sessions (actor/agents.py): new groups start as the credit allows, every
@@ -419,8 +441,11 @@ class Actor:
         actor is live; the learner's window says when some are not)."""
         return ceil_div(self.window, self.max_staleness + 1)
 
-    def send_group(self, drawn: PlacedPrompt, fields: dict, arrays: dict, gen_s: float) -> None:
-        group_id = str(self.groups_sent)
+    def send_group(
+        self, drawn: PlacedPrompt, fields: dict, arrays: dict, gen_s: float, group_id: str | None = None
+    ) -> None:
+        """`group_id`: the engine's key (what its partials said), else the groups sent so far."""
+        group_id = str(self.groups_sent) if group_id is None else group_id
         rollout = rollout_message(drawn, group_id, self.policy_version, self.timings, fields, arrays, gen_s)
         with spans.span("send", group=group_id):
             self.send_frames(rollout_frames(rollout))

@@ -14,30 +14,9 @@ from learner.algorithms import Algorithm
 from learner.batching import TrainRow, batch_mask, make_batch
 from learner.groups import Group
 from learner.ranks import Ranks, RankShare
-from learner.trainer import StepStopped, Trainer
+from learner.trainer import Trainer
 from runtime import spans
 from runtime.config import Config
-
-
-def reference_ahead(trainer: Trainer, g: Group) -> None:
-    """The reference logprobs of a group queued for a later take, which the learner takes
-    while a batch it has begun waits for its other groups (Learner.run, Intake.next_ahead:
-    with the KL penalty, groups streamed, a learner alone). They do not depend on the
-    adapters, so the step that takes the group skips its reference pass (Trainer.prepare):
-    under long-tailed lengths the learner waits for a batch's last, long groups while the
-    next batch's short ones queue up. One group at a time, so that one that arrives is
-    taken soon. A stop abandons it between micro-batches; the status does not say
-    stepping, so a stop waits at most one micro-batch's reference forward for it (within
-    the supervisor's 30 s), and `orchestrator up` keeps saying what the learner waits for.
-
-    Not with whole batches (`stream_groups = false`), so that a run stays the same to the
-    bit; nor with several ranks: rank 0 would take them for rows the other ranks run, and
-    every step waits for the slowest rank."""
-    with spans.span("reference logprobs ahead", rows=len(g.texts)):
-        try:
-            g.reference = trainer.reference_logprobs(g.samples())
-        except StepStopped:
-            pass  # the learner's loop sees the stop
 
 
 def streams(cfg: Config, algorithm: Algorithm, ranks: int) -> bool:
@@ -71,7 +50,7 @@ class Building:
         backward. A group's advantages are its own rewards' (Algorithm.group_local), so
         they are the same whether it comes alone or with the whole batch.
 
-        Groups whose reference logprobs were taken ahead (reference_ahead) go in a
+        Groups whose reference logprobs were taken ahead (learner/ahead.py) go in a
         take of their own: in a micro-batch with other rows they would be run again."""
         ahead = [g for g in groups if g.reference is not None]
         for part in (ahead, [g for g in groups if g.reference is None]):

@@ -41,7 +41,7 @@ class Group:
     rewards: np.ndarray | None = None  # [completions] weighted sum, set when scored
     rewards_by_function: dict[str, list] = field(default_factory=dict)
     # Each completion's reference logprobs, once the learner took them ahead (it would
-    # have waited: learner/building.py::reference_ahead).
+    # have waited: learner/ahead.py::reference_ahead).
     reference: list[np.ndarray] | None = None
 
     def session_rewards(self, group_size: int) -> np.ndarray:

@@ -111,7 +111,7 @@ class Intake:
         """While a batch is begun and waits for its other groups: a group a later take can
         train (of version `oldest` or younger) whose reference logprobs are not taken yet,
         the queued ones first, by arrival, then those whose rewards are awaited
-        (learner/building.py::reference_ahead). None between batches: then the queued
+        (learner/ahead.py::reference_ahead). None between batches: then the queued
         groups are the next batch's, taken at once."""
         if not self.taken:
             return None

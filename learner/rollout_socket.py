@@ -27,11 +27,12 @@ from typing import Any
 import msgpack
 
 import protocol
+from learner.ahead import PARTIAL_TOKENS, ReferenceAhead
 from learner.groups import Group, data_span
 from learner.ledger import Ledger
 from protocol import sockets
 from protocol.connection import ACTOR_TIMEOUT_S, Peers, owner_hello
-from protocol.messages import HELLO_MODEL_FIELDS, Hello, Rollout
+from protocol.messages import HELLO_MODEL_FIELDS, Hello, Partial, Rollout
 from runtime.config import credit_window
 from transport import Transport
 
@@ -54,13 +55,15 @@ class RolloutSocket:
         max_frame: int = sockets.MAX_HEADER_BYTES,
         max_staleness: int = 0,
         batch_size: int = 1,
+        partials: ReferenceAhead | None = None,
     ) -> None:
         """`identity`: what this learner runs (model, tokenizer, lora, instance), sent in
         its hello and checked in actors'. `check_group` turns a rollout into a Group or
         raises ValueError with the drop reason. `weights()` gives the adapter arrays. `keys`:
         the run's CURVE key directory, for TCP (transport.keys). `actor_count`: the run's
         actor slots. `max_frame`: the largest frame a rollout of the run carries.
-        `max_staleness`, `batch_size`: k and B of the credit window (config.credit_window)."""
+        `max_staleness`, `batch_size`: k and B of the credit window (config.credit_window).
+        `partials`: where the groups' partials go, when the learner asks actors for them."""
         self.actor_count, self.max_staleness, self.batch_size = actor_count, max_staleness, batch_size
         self.sock = sockets.listen(net, endpoint, keys, "rollout", max_frame)
         self.ledger = ledger
@@ -76,6 +79,7 @@ class RolloutSocket:
         # `actor serve --run-dir`: gets every weights version, sends nothing, has no credit.
         self.observers: dict[bytes, dict] = {}
         self.weight_sync: dict[str, float] = {}  # the newest publish's size and serialize time
+        self.partials = partials or ReferenceAhead(None)
 
     def send(self, actor: bytes, kind: str, header: dict | None = None) -> None:
         self.sock.send([actor, *protocol.encode(kind, header)])
@@ -102,6 +106,10 @@ class RolloutSocket:
                 group = self.take_rollout(actor, msg)
                 if group is not None:
                     groups.append(group)
+                else:  # dropped: its partials' work is of no use
+                    self.partials.discard((actor, msg["group_id"]))
+            elif msg.kind == protocol.PARTIAL and actor in self.actors:
+                self.partials.offer(actor, Partial.read(msg))
             elif msg.kind == protocol.STOP:
                 log.info("peer asked to stop: %s", msg["reason"])
             elif msg.kind == protocol.HEARTBEAT and msg["role"] == "actor" and actor not in self.actors:
@@ -124,6 +132,7 @@ class RolloutSocket:
         for actor, _ in self.peers.silent():
             header = self.actors.pop(actor)
             self.decoding.pop(actor, None)
+            self.partials.forget(actor)
             self.peers.lose(actor)
             log.warning(
                 "actor pid %s (slot %d) sent nothing for %.0f s: taking it for gone; %d actor(s) "
@@ -159,15 +168,19 @@ class RolloutSocket:
                 # what it had not sent is sampled again from the slot's cursor.
                 log.info("slot %d was actor pid %s's; that actor is gone", slot, self.actors.pop(old)["pid"])
                 self.decoding.pop(old, None)
+                self.partials.forget(old)
                 self.peers.lose(old)
             self.actors[actor] = msg.header
             self.decoding.pop(actor, None)  # a hello forgets the groups in flight
+            self.partials.forget(actor)
             self.attached_slots.add(slot)
             self.peers.attach(actor)
             self.ledger.attach(actor, slot)
             hello["data_cursor"], hello["data_skip"] = self.ledger.cursor_for(slot)
             # An actor started by hand (`--connect`) reads its own copy of the config.
             hello["max_staleness"] = self.max_staleness
+            if self.partials.budget > 0:
+                hello["partials"] = PARTIAL_TOKENS
         log.info(
             "%s pid %s attached%s; sending weights of version %d",
             role,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import protocol
 import transport
-from learner.building import Building, reference_ahead, streams
+from learner.ahead import ReferenceAhead
+from learner.building import Building, streams
 from learner.evaluator import Evaluator
 from learner.groups import group_from_message
 from learner.intake import Intake
@@ -67,7 +68,6 @@ class Learner:
             trainer.stopping = lambda: signals.requested
         self.building = Building.new(trainer, ranks)
         self.streams = streams(cfg, trainer.algorithm, ranks.size)
-        self.ahead = trainer.beta > 0 and self.streams and ranks.size == 1  # building.reference_ahead
         self.step = checkpoints.step or 0  # optimizer steps taken: the weights' version (policy_version)
         self.num_tokens = checkpoints.num_tokens  # prompt and completion tokens trained on (TRL's num_tokens)
 
@@ -116,6 +116,7 @@ class Learner:
             sockets.frame_limit(cfg.rollout_array_bytes),
             max_staleness=cfg.train.max_staleness,
             batch_size=cfg.train.batch_size,
+            partials=ReferenceAhead.of(cfg, trainer, ranks.size),
         )
         resumed_at = (checkpoints.step or 0) if resume else None  # the metrics files drop later steps
         reports = Reports(run_dir, cfg, resumed_at, scorer, intake, rollouts)
@@ -133,10 +134,10 @@ class Learner:
             if self.step == 0:
                 self.evaluate()  # the base of comparison; a resumed run has it already
             while self.step < train.steps and not self.signals.requested:
-                if self.ahead and (g := self.intake.next_ahead(self.step - train.max_staleness)):
-                    reference_ahead(self.trainer, g)  # rather than wait for the batch's other groups
+                worked = self.rollouts.partials.work(self.intake, self.step - train.max_staleness)
                 with spans.span("wait for groups", spans.WAIT):
-                    arrived = self.rollouts.receive(100, self.step)
+                    arrived = self.rollouts.receive(0 if worked else 100, self.step)
+                self.rollouts.partials.take(arrived)
                 with spans.span("score", groups=len(arrived)):
                     self.intake.add(arrived)
                     self.intake.score()

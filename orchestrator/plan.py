@@ -210,6 +210,7 @@ class Shape:
     episodes: bool = False  # an environment: every episode of a batch keeps its KV cache while it waits
     staleness: int = 1  # train.max_staleness: above 0, groups join a running batch
     agents: bool = False  # agent sessions: every session of the credit window keeps its KV cache
+    reference_ahead_mb: float = 0.0  # train.reference_ahead_mb where the learner takes them (beta > 0)
 
     @property
     def actor_share(self) -> int:
@@ -330,6 +331,13 @@ def learner_terms(m: ModelShape, s: Shape) -> dict[str, float]:
         # time and without a graph: their peak (a forward's logits) stays below the
         # step's, so they add nothing to the total. Listed to show they were counted.
         "reference": 0.0,
+        # The keys and values of the groups still sampled whose reference logprobs it
+        # takes ahead (learner/ahead.py), held through the step: every row of the credit
+        # window at max_tokens, up to train.reference_ahead_mb.
+        "reference_ahead": min(
+            s.reference_ahead_mb * (1 << 20),
+            (s.staleness + 1) * s.batch_size * s.group_size * s.tokens * kv_values * m.act_bytes,
+        ),
     }
 
 
@@ -410,6 +418,11 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
         bool(cfg.env.environment),
         t.max_staleness,
         cfg.agent.enabled,
+        # learner/ahead.py::takes_reference_ahead, whatever the loss (a batch-scaled one
+        # never streams: counted all the same)
+        t.reference_ahead_mb
+        if cfg.algorithm.beta > 0 and t.stream_groups and cfg.learner.ranks == 1
+        else 0.0,
     )
 
 

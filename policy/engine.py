@@ -168,6 +168,12 @@ class Engine:
         streamed response sends as it goes)."""
         return {entry[0].key: entry[1].tokens for entry in self.live if entry is not None}
 
+    def so_far(self) -> dict[Hashable, tuple[list[int], list[list[int]]]]:
+        """Each decoding group's prompt and every row's tokens so far, ended rows' too, by
+        key (what a `partial` sends, PROTOCOL.md)."""
+        groups = {entry[0].key: entry[0] for entry in self.live if entry is not None}
+        return {key: (g.prompt, [r.tokens for r in g.rows]) for key, g in groups.items()}
+
     def release(self, key: Hashable) -> None:
         """Drop the KV cache kept for `key` (its episode ended)."""
         self.kept.pop(key, None)

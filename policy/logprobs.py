@@ -51,6 +51,20 @@ def run_prompt(net: nn.Module, prompt: mx.array) -> PromptState:
     return last, [c.keys for c in cache], [c.values for c in cache]
 
 
+def extend_state(net: nn.Module, state: PromptState, tokens: mx.array) -> tuple[mx.array, PromptState]:
+    """`tokens` [n, m] after `state` (n rows' states, their arrays stacked on the first
+    axis, as run_prompt gives them): `net`'s outputs at the positions that predict them
+    ([n, m, ...], the first the state's last), and the state after them. What a reference
+    pass of a completion that grows takes chunk by chunk (learner/ahead.py)."""
+    last, keys, values = state
+    cache = [_Grown() for _ in net.layers]
+    for c, k, v in zip(cache, keys, values):
+        c.keys, c.values, c.offset = k, v, k.shape[2]
+    out = net(tokens, cache=cache)
+    outputs = mx.concatenate([last, out[:, :-1]], axis=1)
+    return outputs, (out[:, -1:], [c.keys for c in cache], [c.values for c in cache])
+
+
 @dataclass
 class Rows:
     """What one forward computes logprobs for.

@@ -32,6 +32,7 @@ from protocol.wire import (
     HELLO,
     MAX_MESSAGE_BYTES,
     OBSERVATION,
+    PARTIAL,
     READY,
     RESET,
     ROLES,
@@ -270,6 +271,13 @@ class Hello(Definition):
         optional=True,
         lenient=True,
     )
+    partials: int | None = header(
+        "int",
+        "the learner's, to an actor: send a `partial` of each group it samples every this many "
+        "tokens, while the group is sampled; absent or `0`: send none",
+        optional=True,
+        lenient=True,
+    )
     beats_while_working: bool | None = header(
         "bool",
         "a worker's (reward or env): `true` promises heartbeats even while it works on a request (see "
@@ -461,6 +469,24 @@ class Rollout(Definition):
             value = getattr(self, name)
             if value is not None and len(value) != g:
                 raise ProtocolError(f"rollout: {name} must have {g} entries, one per completion")
+
+
+@message(PARTIAL, "(actor -> learner): a group's completions so far, while it is sampled")
+@dataclass(kw_only=True)
+class Partial(Definition):
+    group_id: str = header("string", "the `group_id` the group's `rollout` will carry")
+    prompt_ids: np.ndarray = array("int32", "[P]", "the prompt's token IDs, as its `rollout` will carry them")
+    completion_ids: np.ndarray = array("int32", "[T]", "each completion's IDs sampled so far, concatenated")
+    completion_lens: np.ndarray = array(
+        "int32", "[G]", "how many IDs each completion has so far; sums to `T`"
+    )
+
+    def check(self) -> None:
+        lens = self.completion_lens
+        if len(lens) == 0 or len(self.prompt_ids) == 0:
+            raise ProtocolError("partial: a group needs a prompt and at least one completion")
+        if (lens < 0).any() or int(lens.sum()) != len(self.completion_ids):
+            raise ProtocolError("partial: completion_lens must be >= 0 and sum to len(completion_ids)")
 
 
 @message(WEIGHTS, "(learner -> actor)")

@@ -32,6 +32,7 @@ FINISH_REASONS = {"stop", "length", "max_turns", "env_done", "env_error"}
 
 HELLO = "hello"
 ROLLOUT = "rollout"
+PARTIAL = "partial"
 WEIGHTS = "weights"
 HEARTBEAT = "heartbeat"
 CREDIT = "credit"

@@ -220,6 +220,14 @@ class TrainConfig:
         "0 = always whole",
         _range(0),
     )
+    reference_ahead_mb: float = key(
+        256.0,
+        "MB of keys and values the learner may hold to take the reference "
+        "logprobs (`algorithm.beta > 0`) of groups still being sampled, from "
+        "the actors' partials (PROTOCOL.md, `partial`), while it would wait; "
+        "their steps then skip most of the reference pass. 0 = none",
+        _range(0),
+    )
     max_staleness: int = key(0, "batches the actor may sample ahead of training (0 = on-policy)", _range(0))
     checkpoint_every: int = key(
         10, "write a checkpoint every N steps (and always at the end or on Ctrl-C); 0 = only then", _range(0)

@@ -355,3 +355,39 @@ def test_with_max_staleness_1_the_groups_of_the_window_decode_together(tmp_path)
     first, second = (m.header["in_flight"] for m in groups)
     longest = [int(m.arrays["completion_lens"].max()) for m in groups]
     assert first == ([0] if longest[0] != longest[1] else []) and second == [], (first, second, longest)
+
+
+def test_asked_for_partials_the_actor_sends_each_group_s_tokens_so_far_before_its_rollout(tmp_path):
+    """A learner whose hello says `partials: 2` gets, every 2 decode steps, each decoding
+    group's completions so far (PROTOCOL.md, `partial`): under the group_id its rollout
+    then carries, the same prompt, each completion a prefix of the rollout's, growing
+    from one partial to the next."""
+    cfg = load_config(write_config(tmp_path, "[sampling]\ntemperature = 0.7\nmax_tokens = 6"))
+    run = prepare_run_dir(cfg)
+    with peer(run, "actor") as (actor, sock):
+        model, _, _ = load_policy(cfg.model.path, cfg.lora)
+        send = greet(sock, cfg, model, partials=2)
+        partials: dict[str, list[protocol.Message]] = {}
+        rollouts: dict[str, protocol.Message] = {}
+        while len(rollouts) < cfg.train.batch_size:
+            msg = recv(sock)[1]
+            assert msg.kind in (protocol.PARTIAL, protocol.ROLLOUT), msg.kind
+            if msg.kind == protocol.PARTIAL:
+                assert msg["group_id"] not in rollouts  # none after its rollout
+                partials.setdefault(msg["group_id"], []).append(msg)
+            else:
+                rollouts[msg["group_id"]] = msg
+        send(protocol.STOP, {"reason": "test over"})
+        assert actor.wait(30) == 0
+    assert set(partials) == set(rollouts), (set(partials), set(rollouts))
+
+    def rows(m: protocol.Message) -> list[list[int]]:
+        ids, lens = m.arrays["completion_ids"].tolist(), m.arrays["completion_lens"].tolist()
+        return [ids[sum(lens[:i]) : sum(lens[: i + 1])] for i in range(len(lens))]
+
+    for group_id, sent in partials.items():
+        final = rows(rollouts[group_id])
+        assert [max(len(r) for r in rows(p)) for p in sent] == [2 * (i + 1) for i in range(len(sent))]
+        for p in sent:
+            assert p.arrays["prompt_ids"].tolist() == rollouts[group_id].arrays["prompt_ids"].tolist()
+            assert all(f[: len(r)] == r for r, f in zip(rows(p), final, strict=True))

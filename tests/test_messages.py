@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protocol.messages import MESSAGES, Rollout, Weights, decode, fill, header, tables
-from protocol.wire import ROLLOUT, ProtocolError, encode
+from protocol.messages import MESSAGES, Partial, Rollout, Weights, decode, fill, header, tables
+from protocol.wire import PARTIAL, ROLLOUT, ProtocolError, encode
 
 PROTOCOL_MD = Path(__file__).resolve().parent.parent / "PROTOCOL.md"
 
@@ -108,8 +108,8 @@ def test_every_kind_round_trips_through_its_definition():
         "list of [int, int]": [[0, 2]],
     }
     for kind, cls in MESSAGES.items():
-        if kind == ROLLOUT:
-            continue  # its fields depend on each other: the tests above
+        if kind in (ROLLOUT, PARTIAL):
+            continue  # their fields depend on each other: the tests above and below
         values = {n: samples[s.type] for n, s in cls.specs().items() if not s.dtype}
         if kind == "hello":
             values["role"] = "actor"
@@ -119,6 +119,27 @@ def test_every_kind_round_trips_through_its_definition():
             values["role"] = "tool"
         sent = cls(**values)
         assert cls.read(decode(sent.frames())) == sent, kind
+
+
+def test_a_partial_round_trips_and_its_lengths_must_add_up():
+    """A `partial` (actor -> learner): a group's completions so far, read back as sent;
+    lengths that do not sum to its IDs, no completion or no prompt are refused, named."""
+    ints = lambda *v: np.array(v, np.int32)  # noqa: E731
+    sent = Partial(
+        group_id="7", prompt_ids=ints(1, 2), completion_ids=ints(5, 6, 7), completion_lens=ints(2, 1, 0)
+    )
+    got = Partial.read(decode(sent.frames()))
+    assert got.group_id == "7" and got.completion_lens.tolist() == [2, 1, 0]
+    assert got.completion_ids.tolist() == [5, 6, 7] and got.prompt_ids.tolist() == [1, 2]
+    for prompt, lens, problem in (
+        (ints(1), ints(2, 2), r"sum to len\(completion_ids\)"),
+        (ints(1), ints(4, -1), r"sum to len\(completion_ids\)"),
+        (ints(1), ints(), "at least one completion"),
+        (ints(), ints(3), "needs a prompt"),
+    ):
+        frames = Partial(group_id="7", prompt_ids=prompt, completion_ids=ints(5, 6, 7), completion_lens=lens)
+        with pytest.raises(ProtocolError, match=problem):
+            decode(frames.frames())
 
 
 def test_weights_carry_any_arrays_and_their_version():

@@ -33,10 +33,19 @@ class Actor:
             "pid": os.getpid(),
         }
         sock.send_multipart(protocol.encode(protocol.HELLO, hello))
+        self.learner_hello = self.expect(protocol.HELLO).header
         self.expect(protocol.WEIGHTS, version=0)
 
-    def send_group(self, version: int, name: str, versions: list[int] | None = None, **header) -> None:
-        ids = self.rng.integers(5, 40, 4 * 3).astype(np.int32)
+    def send_group(
+        self,
+        version: int,
+        name: str,
+        versions: list[int] | None = None,
+        ids: np.ndarray | None = None,
+        **header,
+    ) -> None:
+        """`ids`: the 4 completions' 12 token IDs (default: drawn at random)."""
+        ids = self.rng.integers(5, 40, 4 * 3).astype(np.int32) if ids is None else ids
         per_token = {} if versions is None else {"policy_versions": np.array(versions, np.int32)}
         fields = {
             "group_id": name,
@@ -97,7 +106,7 @@ def test_the_learner_keeps_room_for_a_group_the_actor_still_samples_in_its_last_
     the next batch. Without `in_flight` the two young groups would fill the batch.
 
     With beta > 0 the learner, waiting for the last group, takes the reference logprobs of
-    the young group queued for the next batch meanwhile (learner/building.py::reference_ahead)."""
+    the young group queued for the next batch meanwhile (learner/ahead.py::reference_ahead)."""
     _, tok = tiny
     extra = "[train]\nmax_staleness = 1\n[algorithm]\nbeta = 0.04\n[log]\ncompletions_every = 1"
     cfg = load_config(write_config(tmp_path, extra, steps=3))

@@ -154,7 +154,7 @@ def test_reference_logprobs_taken_ahead_give_the_update_the_step_s_own_reference
     share_prompts, sort_by_length, chunk
 ):
     """While it would wait, the learner takes a queued group's reference logprobs ahead
-    (learner/building.py::reference_ahead): the step then uses them, laid out as each micro-batch's
+    (learner/ahead.py::reference_ahead): the step then uses them, laid out as each micro-batch's
     own, for the micro-batches whose rows all have them, and runs the reference pass for
     the others. Group 2 has them and its rows have environment tokens (loss mask 0);
     group 0 has them for two rows only; group 1 has none. Over two iterations (the

@@ -1,0 +1,242 @@
+"""Reference logprobs taken while the learner would wait (`algorithm.beta > 0`).
+
+The reference model (the base weights, adapters off) never changes, so a completion's
+reference logprobs can be taken any time before its step, and the step then skips its
+reference pass (Group.reference, Trainer.prepare). The learner takes them while it would
+otherwise wait, for two kinds of groups:
+
+- queued ones, while a batch begun waits for its other groups (`reference_ahead`): under
+  long-tailed lengths the learner waits for a batch's last, long groups while the next
+  batch's short ones queue up;
+- groups still being sampled (`ReferenceAhead`): the reference logprobs of a completion's
+  first n tokens are final once those n tokens are sampled. The learner's hello asks the
+  actors for a `partial` of each group every PARTIAL_TOKENS tokens (PROTOCOL.md): each
+  completion's tokens so far. The learner runs the new ones with the adapters off, on the
+  keys and values of what it ran before. When the rollout arrives, only the tokens since
+  the last partial are left: what was the step's whole reference pass, on its critical
+  path (the learner waits for the group, then runs it), is mostly done.
+
+The rollout is what is trained: where its prompt or a completion does not continue what
+the partials said, their work is thrown away and the step takes the reference pass whole.
+The keys and values held stay under `train.reference_ahead_mb`; a group that would go
+beyond is left to its step.
+
+Both only with groups streamed (with whole batches, `stream_groups = false`, a run stays
+the same to the bit) and a learner alone (with several ranks, rank 0 would take them for
+rows the other ranks run, and every step waits for the slowest rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import cast
+
+import mlx.core as mx
+import numpy as np
+
+from learner.building import streams
+from learner.groups import Group
+from learner.intake import Intake
+from learner.trainer import StepStopped, Trainer
+from policy.logprobs import PromptState, extend_state, run_prompt, token_logprobs
+from policy.model import adapters_disabled
+from protocol.messages import Partial
+from runtime import spans
+from runtime.config import Config
+
+# Tokens between two partials of a group: often enough that little is left when its
+# rollout arrives, seldom enough that each forward amortises reading the weights.
+PARTIAL_TOKENS = 16
+
+Key = tuple[bytes, str]  # (the actor's identity, the group's id)
+
+
+def takes_reference_ahead(cfg: Config, trainer: Trainer, ranks: int) -> bool:
+    """Whether the learner takes reference logprobs ahead: with the KL penalty, groups
+    streamed, a learner alone (see above)."""
+    return trainer.beta > 0 and streams(cfg, trainer.algorithm, ranks) and ranks == 1
+
+
+def reference_ahead(trainer: Trainer, g: Group) -> None:
+    """The reference logprobs of a group queued for a later take (Intake.next_ahead). One
+    group at a time, so that one that arrives is taken soon. A stop abandons it between
+    micro-batches; the status does not say stepping, so a stop waits at most one
+    micro-batch's reference forward for it (within the supervisor's 30 s), and
+    `orchestrator up` keeps saying what the learner waits for."""
+    with spans.span("reference logprobs ahead", rows=len(g.texts)):
+        try:
+            g.reference = trainer.reference_logprobs(g.samples())
+        except StepStopped:
+            pass  # the learner's loop sees the stop
+
+
+@dataclass
+class _Row:
+    state: PromptState  # the prompt and `tokens`, run with the adapters off
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # run so far
+    logprobs: list[np.ndarray] = field(default_factory=list)  # theirs, in runs
+
+    @property
+    def bytes(self) -> int:
+        _, keys, values = self.state
+        return sum(a.nbytes for a in (*keys, *values))
+
+
+@dataclass
+class _Group:
+    prompt: np.ndarray
+    newest: list[np.ndarray]  # each completion's tokens in the newest partial
+    rows: list[_Row] | None = None  # None: its prompt is not run yet
+    reserved: int = 0  # bytes its keys and values take at most (every row at max_tokens)
+
+    def behind(self) -> bool:
+        return self.rows is None or any(len(t) > len(r.tokens) for r, t in zip(self.rows, self.newest))
+
+
+class ReferenceAhead:
+    """What the learner takes ahead: queued groups' reference logprobs, and those of the
+    groups being sampled as they grow."""
+
+    def __init__(
+        self, trainer: Trainer | None, queued: bool = False, budget_mb: float = 0.0, max_tokens: int = 0
+    ) -> None:
+        """`queued`: take queued groups'; `budget_mb` 0: ask for no partials, hold none.
+        Neither: it does nothing (`trainer` may then be None). `max_tokens`: a completion's
+        most (sampling.max_tokens), what a group's keys and values are reserved for."""
+        self.trainer, self.queued, self.max_tokens = cast(Trainer, trainer), queued, max_tokens
+        self.budget = budget_mb * (1 << 20)
+        self.groups: dict[Key, _Group] = {}
+        self.refused: set[Key] = set()  # over the budget once: left to their steps
+
+    def offer(self, sender: bytes, p: Partial) -> None:
+        """A partial arrived: the group's newest tokens, to run when the learner is free."""
+        key = (sender, p.group_id)
+        if self.budget <= 0 or key in self.refused:
+            return
+        rows = np.split(np.asarray(p.completion_ids), np.cumsum(p.completion_lens)[:-1])
+        g = self.groups.get(key)
+        if g is None or not _continues(g, p.prompt_ids, rows):
+            g = self.groups[key] = _Group(np.array(p.prompt_ids), rows)
+        g.newest = rows
+
+    def forget(self, sender: bytes) -> None:
+        """An actor said hello again or is gone: the groups it was sampling never arrive."""
+        for key in [k for k in self.groups if k[0] == sender]:
+            del self.groups[key]
+        self.refused = {k for k in self.refused if k[0] != sender}
+
+    @classmethod
+    def of(cls, cfg: Config, trainer: Trainer, ranks: int) -> ReferenceAhead:
+        """The run's: both kinds when the learner takes reference logprobs ahead."""
+        on = takes_reference_ahead(cfg, trainer, ranks)
+        return cls(trainer, on, cfg.train.reference_ahead_mb if on else 0.0, cfg.sampling.max_tokens)
+
+    def discard(self, key: Key) -> None:
+        """The group's rollout arrived and was dropped."""
+        self.groups.pop(key, None)
+        self.refused.discard(key)
+
+    def work(self, intake: Intake, oldest: int) -> bool:
+        """Some of it, while the learner would wait: a queued group's reference logprobs,
+        of version `oldest` or younger (Intake.next_ahead), else one forward of a group
+        still sampled (run_one). False when there was nothing to do."""
+        if self.queued and (g := intake.next_ahead(oldest)):
+            reference_ahead(self.trainer, g)  # rather than wait for the batch's other groups
+            return True
+        return self.run_one()
+
+    def run_one(self) -> bool:
+        """One forward for the oldest group that is behind its newest partial (so that a
+        group that arrives meanwhile waits for no more); False when none is behind."""
+        key = next((k for k, g in self.groups.items() if g.behind()), None)
+        if key is None:
+            return False
+        g = self.groups[key]
+        with spans.span("reference logprobs ahead", rows=len(g.newest), partial=True):
+            try:
+                self._run(g, once=True)
+            except StepStopped:
+                pass  # the learner's loop sees the stop
+        if g.reserved and self.held() > self.budget:  # its prompt ran: it would not fit
+            del self.groups[key]
+            self.refused.add(key)
+        return True
+
+    def take(self, arrived: list[Group]) -> None:
+        """Groups whose rollouts arrived: each one's reference logprobs (Group.reference)
+        from what its partials ran and the tokens since, when they continue them."""
+        for g in arrived:
+            self._take(g)
+
+    def _take(self, g: Group) -> None:
+        key = (g.sender, g.group_id)
+        self.refused.discard(key)
+        held = self.groups.pop(key, None)
+        if held is None or g.loss_masks is not None or held.rows is None:
+            return
+        if not _continues(held, g.prompt_ids, g.completion_ids):
+            return
+        held.newest = [np.asarray(c) for c in g.completion_ids]
+        with spans.span("reference logprobs ahead", rows=len(held.newest), partial=False):
+            self._run(held)
+        assert held.rows is not None
+        g.reference = [np.concatenate([np.zeros(0, np.float32), *r.logprobs]) for r in held.rows]
+
+    def held(self) -> int:
+        """Bytes reserved for the keys and values of the groups begun."""
+        return sum(g.reserved for g in self.groups.values())
+
+    def _run(self, g: _Group, once: bool = False) -> None:
+        """Bring every row of `g` up to its newest tokens (`once`: only one forward's worth):
+        rows as far along with as many new tokens run as one forward, a chunk of positions
+        at a time (the learner's logit chunks, `train.logit_chunk_mb`)."""
+        t = self.trainer
+        net = t.model.model if t.head is not None else t.model
+        with adapters_disabled(t.model):
+            if g.rows is None:
+                state = run_prompt(net, mx.array(g.prompt))
+                mx.eval(state)
+                g.rows = [_Row(state) for _ in g.newest]
+                per_position = g.rows[0].bytes / len(g.prompt)
+                g.reserved = int(per_position * len(g.rows) * (len(g.prompt) + self.max_tokens))
+                if once:
+                    return
+            together: dict[tuple[int, int], list[int]] = {}
+            for i, (r, new) in enumerate(zip(g.rows, g.newest)):
+                if len(new) > len(r.tokens):
+                    together.setdefault((len(r.tokens), len(new)), []).append(i)
+            for (start, end), index in together.items():
+                step = max(1, t.logits.chunk // len(index)) if t.logits.chunk else end - start
+                for a in range(start, end, step):
+                    t.check_stop()
+                    b = min(a + step, end)
+                    self._extend([g.rows[i] for i in index], np.stack([g.newest[i][a:b] for i in index]))
+                    if once:
+                        return
+
+    def _extend(self, rows: list[_Row], tokens: np.ndarray) -> None:
+        """Run `tokens` [n, m] after `rows` (as far along, one batch) and keep their logprobs."""
+        t = self.trainer
+        net = t.model.model if t.head is not None else t.model
+        last = mx.concatenate([r.state[0] for r in rows])
+        layers = range(len(rows[0].state[1]))
+        keys = [mx.concatenate([r.state[1][i] for r in rows]) for i in layers]
+        values = [mx.concatenate([r.state[2][i] for r in rows]) for i in layers]
+        ids = mx.array(tokens.astype(np.int32))
+        outputs, (last, keys, values) = extend_state(net, (last, keys, values), ids)
+        logits = outputs if t.head is None else t.head(outputs)
+        logprobs = token_logprobs(logits, ids, t.temperature)
+        mx.eval(logprobs, last, keys, values)
+        for n, r in enumerate(rows):
+            r.state = (last[n : n + 1], [k[n : n + 1] for k in keys], [v[n : n + 1] for v in values])
+            r.tokens = np.concatenate([r.tokens, tokens[n]])
+            r.logprobs.append(np.array(logprobs[n], np.float32))
+
+
+def _continues(g: _Group, prompt: np.ndarray, completions: list[np.ndarray]) -> bool:
+    """Whether `prompt` and `completions` continue what `g` ran (same prompt, as many
+    completions, each starting with the tokens run)."""
+    if not np.array_equal(g.prompt, prompt) or len(completions) != len(g.newest):
+        return False
+    rows = g.rows or []
+    return all(np.array_equal(np.asarray(c)[: len(r.tokens)], r.tokens) for r, c in zip(rows, completions))
