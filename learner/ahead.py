@@ -28,6 +28,8 @@ rows the other ranks run, and every step waits for the slowest rank).
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -49,6 +51,11 @@ from runtime.config import Config
 PARTIAL_TOKENS = 16
 
 Key = tuple[bytes, str]  # (the actor's identity, the group's id)
+# Groups whose rollouts came, remembered so that a partial arriving after its rollout (a
+# peer's bug) starts nothing that no rollout would ever free.
+DONE_KEYS = 4096
+
+log = logging.getLogger("learner")
 
 
 def takes_reference_ahead(cfg: Config, trainer: Trainer, ranks: int) -> bool:
@@ -78,6 +85,7 @@ class _Row:
 
     @property
     def bytes(self) -> int:
+        """What its keys and values take (not its last output: see ReferenceAhead.reserve)."""
         _, keys, values = self.state
         return sum(a.nbytes for a in (*keys, *values))
 
@@ -98,20 +106,35 @@ class ReferenceAhead:
     groups being sampled as they grow."""
 
     def __init__(
-        self, trainer: Trainer | None, queued: bool = False, budget_mb: float = 0.0, max_tokens: int = 0
+        self,
+        trainer: Trainer | None,
+        queued: bool = False,
+        budget_mb: float = 0.0,
+        max_tokens: int = 0,
+        group_size: int = 0,
+        vocab_size: int = 0,
     ) -> None:
         """`queued`: take queued groups'; `budget_mb` 0: ask for no partials, hold none.
         Neither: it does nothing (`trainer` may then be None). `max_tokens`: a completion's
-        most (sampling.max_tokens), what a group's keys and values are reserved for."""
+        most (sampling.max_tokens), what a group's keys and values are reserved for; a
+        partial with more, or not `group_size` completions, or an ID outside the
+        vocabulary, is ignored (0: not checked)."""
         self.trainer, self.queued, self.max_tokens = cast(Trainer, trainer), queued, max_tokens
+        self.group_size, self.vocab_size = group_size, vocab_size
         self.budget = budget_mb * (1 << 20)
         self.groups: dict[Key, _Group] = {}
         self.refused: set[Key] = set()  # over the budget once: left to their steps
+        self.done: OrderedDict[Key, None] = OrderedDict()  # the last DONE_KEYS groups taken
+        self.per_position = 0.0  # bytes of keys and values a position, once a prompt ran
+        self.last_bytes = 0  # and of a row's last output (hidden states, or logits)
 
     def offer(self, sender: bytes, p: Partial) -> None:
         """A partial arrived: the group's newest tokens, to run when the learner is free."""
         key = (sender, p.group_id)
-        if self.budget <= 0 or key in self.refused:
+        if self.budget <= 0 or key in self.refused or key in self.done:
+            return
+        if problem := self.problem(p):
+            log.warning("ignored a partial of group %s: %s", p.group_id, problem)
             return
         rows = np.split(np.asarray(p.completion_ids), np.cumsum(p.completion_lens)[:-1])
         g = self.groups.get(key)
@@ -119,22 +142,38 @@ class ReferenceAhead:
             g = self.groups[key] = _Group(np.array(p.prompt_ids), rows)
         g.newest = rows
 
+    def problem(self, p: Partial) -> str | None:
+        """What makes a partial unusable, beyond what its definition checks."""
+        lens, ids = p.completion_lens, np.concatenate([p.prompt_ids, p.completion_ids])
+        if self.group_size and len(lens) != self.group_size:
+            return f"{len(lens)} completions, not group_size {self.group_size}"
+        if self.max_tokens and lens.max() > self.max_tokens:
+            return f"a completion of {lens.max()} tokens, over max_tokens {self.max_tokens}"
+        if self.vocab_size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            return f"a token ID outside the vocabulary of {self.vocab_size}"
+        return None
+
     def forget(self, sender: bytes) -> None:
         """An actor said hello again or is gone: the groups it was sampling never arrive."""
         for key in [k for k in self.groups if k[0] == sender]:
             del self.groups[key]
         self.refused = {k for k in self.refused if k[0] != sender}
+        self.done = OrderedDict((k, None) for k in self.done if k[0] != sender)
 
     @classmethod
-    def of(cls, cfg: Config, trainer: Trainer, ranks: int) -> ReferenceAhead:
+    def of(cls, cfg: Config, trainer: Trainer, ranks: int, vocab_size: int) -> ReferenceAhead:
         """The run's: both kinds when the learner takes reference logprobs ahead."""
         on = takes_reference_ahead(cfg, trainer, ranks)
-        return cls(trainer, on, cfg.train.reference_ahead_mb if on else 0.0, cfg.sampling.max_tokens)
+        mb, s = cfg.partials_mb if on else 0.0, cfg.sampling
+        return cls(trainer, on, mb, s.max_tokens, s.group_size, vocab_size)
 
     def discard(self, key: Key) -> None:
-        """The group's rollout arrived and was dropped."""
+        """The group's rollout arrived (and was dropped, or is taken): its partials are done."""
         self.groups.pop(key, None)
         self.refused.discard(key)
+        self.done[key] = None
+        while len(self.done) > DONE_KEYS:
+            self.done.popitem(last=False)
 
     def work(self, intake: Intake, oldest: int) -> bool:
         """Some of it, while the learner would wait: a queued group's reference logprobs,
@@ -152,6 +191,11 @@ class ReferenceAhead:
         if key is None:
             return False
         g = self.groups[key]
+        if g.rows is None and self.per_position:  # refused before its prompt runs
+            if self.held() + self.reserve(g) > self.budget:
+                del self.groups[key]
+                self.refused.add(key)
+                return True
         with spans.span("reference logprobs ahead", rows=len(g.newest), partial=True):
             try:
                 self._run(g, once=True)
@@ -170,21 +214,30 @@ class ReferenceAhead:
 
     def _take(self, g: Group) -> None:
         key = (g.sender, g.group_id)
-        self.refused.discard(key)
-        held = self.groups.pop(key, None)
+        held = self.groups.get(key)
+        self.discard(key)
         if held is None or g.loss_masks is not None or held.rows is None:
             return
         if not _continues(held, g.prompt_ids, g.completion_ids):
             return
         held.newest = [np.asarray(c) for c in g.completion_ids]
         with spans.span("reference logprobs ahead", rows=len(held.newest), partial=False):
-            self._run(held)
+            try:
+                self._run(held)
+            except StepStopped:
+                return  # the learner's loop sees the stop; the group keeps its reference pass
         assert held.rows is not None
         g.reference = [np.concatenate([np.zeros(0, np.float32), *r.logprobs]) for r in held.rows]
 
     def held(self) -> int:
         """Bytes reserved for the keys and values of the groups begun."""
         return sum(g.reserved for g in self.groups.values())
+
+    def reserve(self, g: _Group) -> int:
+        """What `g`'s keys and values take at most, and its rows' last outputs: every row
+        at max_tokens."""
+        positions = len(g.prompt) + self.max_tokens
+        return int(len(g.newest) * (self.per_position * positions + self.last_bytes))
 
     def _run(self, g: _Group, once: bool = False) -> None:
         """Bring every row of `g` up to its newest tokens (`once`: only one forward's worth):
@@ -197,8 +250,9 @@ class ReferenceAhead:
                 state = run_prompt(net, mx.array(g.prompt))
                 mx.eval(state)
                 g.rows = [_Row(state) for _ in g.newest]
-                per_position = g.rows[0].bytes / len(g.prompt)
-                g.reserved = int(per_position * len(g.rows) * (len(g.prompt) + self.max_tokens))
+                self.per_position = g.rows[0].bytes / len(g.prompt)
+                self.last_bytes = state[0].nbytes
+                g.reserved = self.reserve(g)
                 if once:
                     return
             together: dict[tuple[int, int], list[int]] = {}
@@ -227,10 +281,14 @@ class ReferenceAhead:
         logits = outputs if t.head is None else t.head(outputs)
         logprobs = token_logprobs(logits, ids, t.temperature)
         mx.eval(logprobs, last, keys, values)
+        # Each row's own copy: a slice would keep the whole batch's arrays alive after the
+        # other rows move on (rows that end stop here).
+        one = (lambda a, n: a[n : n + 1] * 1) if len(rows) > 1 else (lambda a, n: a)
         for n, r in enumerate(rows):
-            r.state = (last[n : n + 1], [k[n : n + 1] for k in keys], [v[n : n + 1] for v in values])
+            r.state = (one(last, n), [one(k, n) for k in keys], [one(v, n) for v in values])
             r.tokens = np.concatenate([r.tokens, tokens[n]])
             r.logprobs.append(np.array(logprobs[n], np.float32))
+        mx.eval([r.state for r in rows])
 
 
 def _continues(g: _Group, prompt: np.ndarray, completions: list[np.ndarray]) -> bool:

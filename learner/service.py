@@ -116,7 +116,7 @@ class Learner:
             sockets.frame_limit(cfg.rollout_array_bytes),
             max_staleness=cfg.train.max_staleness,
             batch_size=cfg.train.batch_size,
-            partials=ReferenceAhead.of(cfg, trainer, ranks.size),
+            partials=ReferenceAhead.of(cfg, trainer, ranks.size, vocab_size),
         )
         resumed_at = (checkpoints.step or 0) if resume else None  # the metrics files drop later steps
         reports = Reports(run_dir, cfg, resumed_at, scorer, intake, rollouts)

@@ -418,11 +418,7 @@ def shape_from_config(cfg: Config, prompt_tokens: int) -> Shape:
         bool(cfg.env.environment),
         t.max_staleness,
         cfg.agent.enabled,
-        # learner/ahead.py::takes_reference_ahead, whatever the loss (a batch-scaled one
-        # never streams: counted all the same)
-        t.reference_ahead_mb
-        if cfg.algorithm.beta > 0 and t.stream_groups and cfg.learner.ranks == 1
-        else 0.0,
+        cfg.partials_mb,
     )
 
 

@@ -295,7 +295,10 @@ class Hello(Definition):
 @message(ROLLOUT, "(actor -> learner): one group of G completions of one prompt")
 @dataclass(kw_only=True)
 class Rollout(Definition):
-    group_id: str = header("string", "unique per actor, for logs")
+    group_id: str = header(
+        "string",
+        "unique per actor connection (never reused on it), for logs; the group's `partial`s carry it too",
+    )
     policy_version: int = header(
         "int",
         "version of the weights that sampled every completion in the group; with `policy_versions`, "

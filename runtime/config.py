@@ -124,6 +124,17 @@ class Config:
         return groups * self.sampling.group_size
 
     @property
+    def partials_mb(self) -> float:
+        """What the learner may hold for the reference logprobs of groups still sampled
+        (learner/ahead.py): `train.reference_ahead_mb` with the KL penalty, groups
+        streamed and a learner alone (whatever the loss: a batch-scaled one never streams,
+        which only the learner knows); none for episodes and agent sessions, whose actors
+        send no partials."""
+        on = self.algorithm.beta > 0 and self.train.stream_groups and self.learner.ranks == 1
+        sampled = not (self.env.environment or self.agent.enabled)
+        return self.train.reference_ahead_mb if on and sampled else 0.0
+
+    @property
     def max_completion_tokens(self) -> int:
         """The longest completion: `sampling.max_tokens`, or for episodes (model and
         environment tokens together) `env.max_episode_tokens`, for agent sessions
