@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from learner.building import streams
@@ -264,14 +265,14 @@ class ReferenceAhead:
                 for a in range(start, end, step):
                     t.check_stop()
                     b = min(a + step, end)
-                    self._extend([g.rows[i] for i in index], np.stack([g.newest[i][a:b] for i in index]))
+                    self._extend(net, [g.rows[i] for i in index], np.stack([g.newest[i][a:b] for i in index]))
                     if once:
                         return
 
-    def _extend(self, rows: list[_Row], tokens: np.ndarray) -> None:
-        """Run `tokens` [n, m] after `rows` (as far along, one batch) and keep their logprobs."""
+    def _extend(self, net: nn.Module, rows: list[_Row], tokens: np.ndarray) -> None:
+        """Run `tokens` [n, m] through `net` after `rows` (as far along, one batch) and keep
+        their logprobs."""
         t = self.trainer
-        net = t.model.model if t.head is not None else t.model
         last = mx.concatenate([r.state[0] for r in rows])
         layers = range(len(rows[0].state[1]))
         keys = [mx.concatenate([r.state[1][i] for r in rows]) for i in layers]
