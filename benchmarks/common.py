@@ -85,6 +85,12 @@ def timeline_summary(run_dir: Path, steps: int) -> dict:
         if decode:
             out[process]["decode_steps"] = len(decode) / (steps - 1)
             out[process]["rows_per_decode_step"] = sum(decode) / len(decode)
+        reads = [e["args"] for e in mine if e["name"] == "decode step" and "cache" in e.get("args", {})]
+        if read := sum(r["batch"] * r["cache"] for r in reads):
+            # Of the keys and values the decode steps' attention read, the live rows' own
+            # (the rest: left padding and dead rows).
+            out[process]["cache_read_own"] = sum(r["own"] for r in reads) / read
+            out[process]["batch_per_decode_step"] = sum(r["batch"] for r in reads) / len(reads)
         if (per := ms_per_position(mine)) is not None:
             out[process]["forward_backward_ms_per_position"] = per
     return out
@@ -146,8 +152,9 @@ def work_table(runs: dict[str, list[dict]]) -> str:
 
     rows = [
         "| run | learner: forward and backward, s | learner: ms a position | learner: step, s | "
-        "actor: decode steps, s | decode steps | rows a decode step |",
-        "|---|---|---|---|---|---|---|",
+        "actor: decode steps, s | decode steps | rows a decode step | rows in its batch, dead too | "
+        "cache read that is the live rows' own |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, rs in runs.items():
         rs = [r for r in rs if r.get("timeline")]
@@ -160,6 +167,8 @@ def work_table(runs: dict[str, list[dict]]) -> str:
             value(rs, "actor", lambda t: t.get("spans", {}).get("decode step")),
             value(rs, "actor", lambda t: t.get("decode_steps")),
             value(rs, "actor", lambda t: t.get("rows_per_decode_step")),
+            value(rs, "actor", lambda t: t.get("batch_per_decode_step")),
+            value(rs, "actor", lambda t: t.get("cache_read_own"), "{:.0%}"),
         ]
         rows.append(f"| {name} | {' | '.join(cells)} |")
     return "\nSeconds a timed step, by the timeline's spans:\n\n" + "\n".join(rows) + "\n"

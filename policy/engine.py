@@ -129,6 +129,7 @@ class Engine:
         self.kept: dict[Hashable, _Kept] = {}  # the caches of finished `keep` groups, by key
         self.prefilled = 0  # tokens run through a prefill, padding not counted
         self.decoded = 0  # rows that sampled a token in the last step
+        self.read: dict[str, int] = {}  # what the last step's forward read (`_reads`)
 
     def clear(self) -> None:
         """Forget every group, waiting or decoding, and every kept cache."""
@@ -213,6 +214,7 @@ class Engine:
         with spans.span("decode step") as span:
             done = self._step(version)
             span["rows"] = len(self.live) - self.live.count(None)
+            span.update(self.read)
             return done
 
     def _step(self, version: int) -> list[tuple[Hashable, list[Completion]]]:
@@ -226,6 +228,7 @@ class Engine:
         # device never waits for Python; the rows that end now waste that one step.
         self.logits = self.model(sampled[:, None], cache=self.cache)[:, -1, :]
         mx.async_eval(self.logits)
+        self.read = self._reads()
         made_by, self.made_by = self.made_by, [version] * len(self.live)
         done = []
         tokens, logprobs = cast(list[int], sampled.tolist()), cast(list[float], picked.tolist())
@@ -257,6 +260,18 @@ class Engine:
         if dead == len(self.live) or (dead >= DEAD_SHARE * len(self.live) and self._cuttable()):
             self._drop_dead()
         return [(g.key, [self._completion(r) for r in g.rows]) for g in done]
+
+    def _reads(self) -> dict[str, int]:
+        """What a forward reads of the cache: `batch` rows (dead ones included) of `cache`
+        positions each, left-padded to the longest; `own` of them are the live rows' own.
+        The timeline keeps them: under long tails most of what attention reads is padding
+        (docs/benchmarks.md)."""
+        layer = cast(list, self.cache)[0]
+        if not isinstance(layer, BatchKVCache):
+            return {}
+        # Called once the forward is queued, before the rows take the token it ran on.
+        own = sum(len(e[0].prompt) + len(e[1].tokens) + 1 for e in self.live if e is not None)
+        return {"batch": len(self.live), "cache": int(layer._idx), "own": own}
 
     def _completion(self, row: _Row) -> Completion:
         one = self.static and len(set(row.versions)) == 1

@@ -307,3 +307,20 @@ def test_a_group_given_up_never_comes_back_and_the_others_are_as_sampled_without
     assert engine.started_before(6) == ["alone"]
     engine.cancel("alone")
     assert not engine.busy and engine.step(6) == []
+
+
+def test_a_decode_step_says_what_its_forward_read_of_the_cache(policy):  # noqa: F811
+    """A row 9 positions in (a 4-token prompt, 5 tokens) and a group of 2 rows with a
+    2-token prompt that joins it: the joining rows are left-padded to the first's length,
+    so the next forward reads 3 rows x 10 positions, of which 10 + 3 + 3 are the rows' own
+    (the timeline's decode step spans carry these; benchmarks/common.py sums them)."""
+    model, _ = policy
+    engine = Engine(model, SamplingConfig(max_tokens=20), set(), 0, max_rows=8)
+    engine.add("a", [1, 2, 3, 4], [0])
+    engine.step()
+    assert engine.read == {"batch": 1, "cache": 5, "own": 5}
+    for _ in range(4):
+        engine.step()
+    engine.add("b", [5, 6], [1, 2])
+    engine.step()
+    assert engine.read == {"batch": 3, "cache": 10, "own": 16}
