@@ -34,14 +34,13 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from learner.building import streams
 from learner.groups import Group
 from learner.intake import Intake
 from learner.trainer import StepStopped, Trainer
-from policy.logprobs import PromptState, extend_state, run_prompt, token_logprobs
+from policy.logprobs import PromptState, extend_states, run_prompt, token_logprobs
 from policy.model import adapters_disabled
 from protocol.messages import Partial
 from runtime import spans
@@ -186,23 +185,28 @@ class ReferenceAhead:
         return self.run_one()
 
     def run_one(self) -> bool:
-        """One forward for the oldest group that is behind its newest partial (so that a
-        group that arrives meanwhile waits for no more); False when none is behind."""
-        key = next((k for k, g in self.groups.items() if g.behind()), None)
-        if key is None:
+        """One forward, so that a group that arrives meanwhile waits for no more: the
+        prompt of the oldest group that has not run it, else the new tokens of every row
+        behind its group's newest partial, all in one batch (the actors send their
+        groups' partials together, so the rows are as many tokens behind). False when
+        none is behind."""
+        behind = [(k, g) for k, g in self.groups.items() if g.behind()]
+        if not behind:
             return False
-        g = self.groups[key]
-        if g.rows is None and self.per_position:  # refused before its prompt runs
-            if self.held() + self.reserve(g) > self.budget:
-                del self.groups[key]
-                self.refused.add(key)
-                return True
+        key, g = next(((k, g) for k, g in behind if g.rows is None), (None, None))
+        if key is None:
+            rows = [(r, new) for _, g in behind for r, new in zip(g.rows or [], g.newest)]
+            with spans.span("reference logprobs ahead", rows=len(rows), partial=True):
+                self._forward(rows)
+            return True
+        assert g is not None
+        if self.per_position and self.held() + self.reserve(g) > self.budget:  # before its prompt runs
+            del self.groups[key]
+            self.refused.add(key)
+            return True
         with spans.span("reference logprobs ahead", rows=len(g.newest), partial=True):
-            try:
-                self._run(g, once=True)
-            except StepStopped:
-                pass  # the learner's loop sees the stop
-        if g.reserved and self.held() > self.budget:  # its prompt ran: it would not fit
+            self._prompt(g)
+        if self.held() > self.budget:  # the first group: what it takes is known only now
             del self.groups[key]
             self.refused.add(key)
         return True
@@ -222,12 +226,12 @@ class ReferenceAhead:
         if not _continues(held, g.prompt_ids, g.completion_ids):
             return
         held.newest = [np.asarray(c) for c in g.completion_ids]
-        with spans.span("reference logprobs ahead", rows=len(held.newest), partial=False):
-            try:
-                self._run(held)
-            except StepStopped:
-                return  # the learner's loop sees the stop; the group keeps its reference pass
-        assert held.rows is not None
+        rows = list(zip(held.rows, held.newest))
+        with spans.span("reference logprobs ahead", rows=len(rows), partial=False):
+            while self._forward(rows):
+                pass
+        if any(len(new) > len(r.tokens) for r, new in rows):
+            return  # a stop: the learner's loop sees it; the group keeps its reference pass
         g.reference = [np.concatenate([np.zeros(0, np.float32), *r.logprobs]) for r in held.rows]
 
     def held(self) -> int:
@@ -240,56 +244,48 @@ class ReferenceAhead:
         positions = len(g.prompt) + self.max_tokens
         return int(len(g.newest) * (self.per_position * positions + self.last_bytes))
 
-    def _run(self, g: _Group, once: bool = False) -> None:
-        """Bring every row of `g` up to its newest tokens (`once`: only one forward's worth):
-        rows as far along with as many new tokens run as one forward, a chunk of positions
-        at a time (the learner's logit chunks, `train.logit_chunk_mb`)."""
+    def _prompt(self, g: _Group) -> None:
+        """Run `g`'s prompt with the adapters off: its rows' first state, and what a
+        position's keys and values take."""
         t = self.trainer
-        net = t.model.model if t.head is not None else t.model
         with adapters_disabled(t.model):
-            if g.rows is None:
-                state = run_prompt(net, mx.array(g.prompt))
-                mx.eval(state)
-                g.rows = [_Row(state) for _ in g.newest]
-                self.per_position = g.rows[0].bytes / len(g.prompt)
-                self.last_bytes = state[0].nbytes
-                g.reserved = self.reserve(g)
-                if once:
-                    return
-            together: dict[tuple[int, int], list[int]] = {}
-            for i, (r, new) in enumerate(zip(g.rows, g.newest)):
-                if len(new) > len(r.tokens):
-                    together.setdefault((len(r.tokens), len(new)), []).append(i)
-            for (start, end), index in together.items():
-                step = max(1, t.logits.chunk // len(index)) if t.logits.chunk else end - start
-                for a in range(start, end, step):
-                    t.check_stop()
-                    b = min(a + step, end)
-                    self._extend(net, [g.rows[i] for i in index], np.stack([g.newest[i][a:b] for i in index]))
-                    if once:
-                        return
+            state = run_prompt(t.body, mx.array(g.prompt))
+            mx.eval(state)
+        g.rows = [_Row(state) for _ in g.newest]
+        self.per_position = g.rows[0].bytes / len(g.prompt)
+        self.last_bytes = state[0].nbytes
+        g.reserved = self.reserve(g)
 
-    def _extend(self, net: nn.Module, rows: list[_Row], tokens: np.ndarray) -> None:
-        """Run `tokens` [n, m] through `net` after `rows` (as far along, one batch) and keep
-        their logprobs."""
-        t = self.trainer
-        last = mx.concatenate([r.state[0] for r in rows])
-        layers = range(len(rows[0].state[1]))
-        keys = [mx.concatenate([r.state[1][i] for r in rows]) for i in layers]
-        values = [mx.concatenate([r.state[2][i] for r in rows]) for i in layers]
-        ids = mx.array(tokens.astype(np.int32))
-        outputs, (last, keys, values) = extend_state(net, (last, keys, values), ids)
-        logits = outputs if t.head is None else t.head(outputs)
-        logprobs = token_logprobs(logits, ids, t.temperature)
-        mx.eval(logprobs, last, keys, values)
-        # Each row's own copy: a slice would keep the whole batch's arrays alive after the
-        # other rows move on (rows that end stop here).
-        one = (lambda a, n: a[n : n + 1] * 1) if len(rows) > 1 else (lambda a, n: a)
-        for n, r in enumerate(rows):
-            r.state = (one(last, n), [one(k, n) for k in keys], [one(v, n) for v in values])
-            r.tokens = np.concatenate([r.tokens, tokens[n]])
-            r.logprobs.append(np.array(logprobs[n], np.float32))
-        mx.eval([r.state for r in rows])
+    def _forward(self, rows: list[tuple[_Row, np.ndarray]]) -> bool:
+        """One forward of the rows' next tokens (each row's `newest` beyond what it ran),
+        with the adapters off, as many as the learner's logit chunks hold
+        (`train.logit_chunk_mb`), and their logprobs kept. False when no row is behind,
+        or on a stop (StepStopped: the learner's loop sees it)."""
+        t, chunk = self.trainer, self.trainer.logits.chunk
+        behind = [(r, new) for r, new in rows if len(new) > len(r.tokens)][: chunk or None]
+        if not behind:
+            return False
+        m = max(len(new) - len(r.tokens) for r, new in behind)
+        m = min(m, max(1, chunk // len(behind))) if chunk else m  # the positions a chunk holds
+        runs = [new[len(r.tokens) : len(r.tokens) + m] for r, new in behind]
+        try:
+            t.check_stop()
+        except StepStopped:
+            return False
+        ids = np.zeros((len(runs), max(map(len, runs))), np.int32)  # right-padded
+        for n, run in enumerate(runs):
+            ids[n, : len(run)] = run
+        with adapters_disabled(t.model):
+            lengths = [len(run) for run in runs]
+            outputs, after = extend_states(t.body, [r.state for r, _ in behind], mx.array(ids), lengths)
+            logits = outputs if t.head is None else t.head(outputs)
+            logprobs = token_logprobs(logits, mx.array(ids), t.temperature)
+            mx.eval(logprobs, after)
+        for n, ((r, _), run, state) in enumerate(zip(behind, runs, after)):
+            r.state = state
+            r.tokens = np.concatenate([r.tokens, run])
+            r.logprobs.append(np.array(logprobs[n, : len(run)], np.float32))
+        return True
 
 
 def _continues(g: _Group, prompt: np.ndarray, completions: list[np.ndarray]) -> bool:

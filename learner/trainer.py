@@ -315,9 +315,15 @@ class Trainer:
         head, else the model (Rows.logits, chunked_sequence_terms)."""
         return model.model if self.head is not None else model
 
+    @property
+    def body(self) -> nn.Module:
+        """What prompts and rows run through before the head (see _net): the reference
+        logprobs taken ahead run through it too (learner/ahead.py)."""
+        return self._net(self.model)
+
     def prompt_states(self, prompts: list[mx.array]) -> list[PromptState]:
         """Carried prompts run at the current weights, evaluated, without a graph."""
-        states = [run_prompt(self._net(self.model), p) for p in prompts]
+        states = [run_prompt(self.body, p) for p in prompts]
         mx.eval(states)
         return states
 

@@ -51,18 +51,33 @@ def run_prompt(net: nn.Module, prompt: mx.array) -> PromptState:
     return last, [c.keys for c in cache], [c.values for c in cache]
 
 
-def extend_state(net: nn.Module, state: PromptState, tokens: mx.array) -> tuple[mx.array, PromptState]:
-    """`tokens` [n, m] after `state` (n rows' states, their arrays stacked on the first
-    axis, as run_prompt gives them): `net`'s outputs at the positions that predict them
-    ([n, m, ...], the first the state's last), and the state after them. What a reference
-    pass of a completion that grows takes chunk by chunk (learner/ahead.py)."""
-    last, keys, values = state
-    cache = [_Grown() for _ in net.layers]
-    for c, k, v in zip(cache, keys, values):
-        c.keys, c.values, c.offset = k, v, k.shape[2]
-    out = net(tokens, cache=cache)
-    outputs = mx.concatenate([last, out[:, :-1]], axis=1)
-    return outputs, (out[:, -1:], [c.keys for c in cache], [c.values for c in cache])
+def extend_states(
+    net: nn.Module, states: list[PromptState], tokens: mx.array, lengths: list[int]
+) -> tuple[mx.array, list[PromptState]]:
+    """Row i's first lengths[i] (at least one) of `tokens` [n, m] after its state
+    (run_prompt's, or this function's), every row in one forward: what a reference pass
+    of completions that grow takes a few tokens at a time (learner/ahead.py). Rows further
+    along than others are left-padded and masked, as a batch's (_GrownBatch); a row's
+    tokens past its length are padding, which causal attention keeps its real positions
+    from reading.
+
+    Returns `net`'s outputs at the positions that predict the tokens, [n, m, ...] (row
+    i's first lengths[i]; the first is its state's last output), and each row's state
+    after its tokens, copied out of the forward's arrays: a slice would keep the whole
+    batch's alive after the other rows move on."""
+    layers = [
+        _GrownBatch.of([s[1][i] for s in states], [s[2][i] for s in states], list(range(len(states))))
+        for i in range(len(net.layers))
+    ]
+    width = layers[0]._idx
+    out = net(tokens, cache=layers)
+    outputs = mx.concatenate([mx.concatenate([s[0] for s in states]), out[:, :-1]], axis=1)
+    after = []
+    for i, (s, n) in enumerate(zip(states, lengths)):
+        lo, hi = width - s[1][0].shape[2], width + n
+        own = [(c.keys[i : i + 1, :, lo:hi] * 1, c.values[i : i + 1, :, lo:hi] * 1) for c in layers]
+        after.append((out[i : i + 1, n - 1 : n] * 1, [k for k, _ in own], [v for _, v in own]))
+    return outputs, after
 
 
 @dataclass
