@@ -267,3 +267,22 @@ def test_rows_that_end_apart_hold_no_more_than_their_group_s_reserve():
     held = mx.get_active_memory() - before
     # 1.1: the allocator rounds up each small array (slices of the forward's arrays: 1.7x)
     assert 0 < held <= 1.1 * ahead.held(), (held, ahead.held())
+
+
+def test_a_forward_s_keys_and_values_stay_within_a_quarter_of_the_budget():
+    """One forward holds its rows' keys and values twice more (left-padded, then grown):
+    under a budget that holds one group and little more, its rows run a few at a time,
+    not all four together, and give the same logprobs."""
+    trainer, ahead, rows = setup()
+    group = rows[:G]
+    ahead.offer(ACTOR, partial_of(group, "0", 2))
+    ahead.run_one()  # its prompt
+    ahead.budget = ahead.held() + 1
+    for tokens in (5, 9):  # rows behind: 4 (the first 2 tokens too), then 2 (CUTS 12, 3, 7, 1)
+        ahead.offer(ACTOR, partial_of(group, "0", tokens))
+        assert run_all(ahead) > 1
+    g = group_of(group, "0")
+    ahead.take([g])
+    assert g.reference is not None
+    for got, want in zip(g.reference, trainer.reference_logprobs(group)):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
