@@ -258,12 +258,12 @@ class ReferenceAhead:
 
     def _forward(self, rows: list[tuple[_Row, np.ndarray]]) -> bool:
         """One forward of the rows' next tokens (each row's `newest` beyond what it ran),
-        with the adapters off, as many as the learner's logit chunks hold
-        (`train.logit_chunk_mb`) of the rows that fit (`_fitting`), and their logprobs
-        kept. False when no row is behind,
-        or on a stop (StepStopped: the learner's loop sees it)."""
+        with the adapters off, and their logprobs kept: of the rows that fit (`_fitting`),
+        as many rows and tokens as the learner's logit chunks hold (`train.logit_chunk_mb`).
+        False when no row is behind, or on a stop (StepStopped: the learner's loop sees
+        it)."""
         t, chunk = self.trainer, self.trainer.logits.chunk
-        behind = self._fitting([(r, new) for r, new in rows if len(new) > len(r.tokens)][: chunk or None])
+        behind = self._fitting([(r, new) for r, new in rows if len(new) > len(r.tokens)])[: chunk or None]
         if not behind:
             return False
         m = max(len(new) - len(r.tokens) for r, new in behind)
@@ -289,9 +289,10 @@ class ReferenceAhead:
         return True
 
     def _fitting(self, rows: list[tuple[_Row, np.ndarray]]) -> list[tuple[_Row, np.ndarray]]:
-        """The first of `rows` whose keys and values, left-padded to the longest as one
+        """The shortest of `rows` whose keys and values, left-padded to the longest as one
         forward has them (twice: padded, then grown), stay within a quarter of the budget;
-        at least one row."""
+        at least one row. Shortest first: rows of like lengths waste the least padding."""
+        rows = sorted(rows, key=lambda row: row[0].state[1][0].shape[2])
         width, n = 0, 0
         for r, new in rows:
             width = max(width, r.state[1][0].shape[2] + len(new) - len(r.tokens))
