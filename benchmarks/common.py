@@ -154,7 +154,7 @@ def work_table(runs: dict[str, list[dict]]) -> str:
         "| run | learner: forward and backward, s | learner: ms a position | learner: step, s | "
         "actor: decode steps, s | decode steps | rows a decode step | rows in its batch, dead too | "
         "cache read that is the live rows' own |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rs in runs.items():
         rs = [r for r in rs if r.get("timeline")]
