@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import mlx.nn as nn
-import numpy as np
 
 import protocol
 import transport
@@ -346,15 +345,7 @@ class Actor:
         """Each decoding group's completions so far, for the learner to take their
         reference logprobs while it would wait (PROTOCOL.md, `partial`)."""
         for key, (prompt, rows) in self.engine.so_far().items():
-            ids = np.array([t for row in rows for t in row], np.int32)
-            lens = np.array([len(row) for row in rows], np.int32)
-            partial = Partial(
-                group_id=str(key),
-                prompt_ids=np.array(prompt, np.int32),
-                completion_ids=ids,
-                completion_lens=lens,
-            )
-            self.send_frames(partial.frames())
+            self.send_frames(Partial.of(str(key), prompt, rows).frames())
 
     def still_decoding(self) -> list[int]:
         """Each group still decoding, by its oldest token's version (PROTOCOL.md,

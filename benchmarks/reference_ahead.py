@@ -37,13 +37,7 @@ MODES = ("batched (now)", "a forward a group (before)", "the step's own pass")
 def partial(rows: list, name: str, tokens: int):
     from protocol.messages import Partial
 
-    so_far = [r.completion_ids[:tokens] for r in rows]
-    return Partial(
-        group_id=name,
-        prompt_ids=rows[0].prompt_ids.astype(np.int32),
-        completion_ids=np.concatenate(so_far).astype(np.int32),
-        completion_lens=np.array([len(c) for c in so_far], np.int32),
-    )
+    return Partial.of(name, rows[0].prompt_ids, [r.completion_ids[:tokens] for r in rows])
 
 
 def rollout(rows: list, name: str):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -483,6 +483,16 @@ class Partial(Definition):
     completion_lens: np.ndarray = array(
         "int32", "[G]", "how many IDs each completion has so far; sums to `T`"
     )
+
+    @classmethod
+    def of(cls, group_id: str, prompt_ids: Sequence[int], completions: Sequence[Sequence[int]]) -> Partial:
+        """The partial of a group: its prompt and each completion's tokens so far."""
+        return cls(
+            group_id=group_id,
+            prompt_ids=np.asarray(prompt_ids, np.int32),
+            completion_ids=np.array([t for c in completions for t in c], np.int32),
+            completion_lens=np.array([len(c) for c in completions], np.int32),
+        )
 
     def check(self) -> None:
         lens = self.completion_lens

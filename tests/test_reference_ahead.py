@@ -41,13 +41,7 @@ def group_of(rows, group_id: str) -> Group:
 
 def partial_of(rows, group_id: str, tokens: int) -> Partial:
     """The group's partial after `tokens` decode steps: each row's first `tokens` IDs."""
-    so_far = [r.completion_ids[:tokens] for r in rows]
-    return Partial(
-        group_id=group_id,
-        prompt_ids=rows[0].prompt_ids.astype(np.int32),
-        completion_ids=np.concatenate(so_far).astype(np.int32),
-        completion_lens=np.array([len(c) for c in so_far], np.int32),
-    )
+    return Partial.of(group_id, rows[0].prompt_ids, [r.completion_ids[:tokens] for r in rows])
 
 
 def setup(chunk: int = 0, budget_mb: float = 64.0):
