@@ -49,6 +49,10 @@ from runtime.config import Config
 # Tokens between two partials of a group: often enough that little is left when its
 # rollout arrives, seldom enough that each forward amortises reading the weights.
 PARTIAL_TOKENS = 16
+# Positions (rows x tokens) one forward of partials takes at most. The learner runs them
+# while it would wait, so what they cost is the wait of a group that arrives during one:
+# the batch's last group is on the step's critical path, and waits for the forward.
+FORWARD_POSITIONS = 128
 
 Key = tuple[bytes, str]  # (the actor's identity, the group's id)
 # Groups whose rollouts came, remembered so that a partial arriving after its rollout (a
@@ -259,15 +263,17 @@ class ReferenceAhead:
     def _forward(self, rows: list[tuple[_Row, np.ndarray]]) -> bool:
         """One forward of the rows' next tokens (each row's `newest` beyond what it ran),
         with the adapters off, and their logprobs kept: of the rows that fit (`_fitting`),
-        as many rows and tokens as the learner's logit chunks hold (`train.logit_chunk_mb`).
+        as many rows and tokens as FORWARD_POSITIONS and the learner's logit chunks
+        (`train.logit_chunk_mb`) hold.
         False when no row is behind, or on a stop (StepStopped: the learner's loop sees
         it)."""
-        t, chunk = self.trainer, self.trainer.logits.chunk
-        behind = self._fitting([(r, new) for r, new in rows if len(new) > len(r.tokens)])[: chunk or None]
+        t = self.trainer
+        most = min(t.logits.chunk or FORWARD_POSITIONS, FORWARD_POSITIONS)
+        behind = self._fitting([(r, new) for r, new in rows if len(new) > len(r.tokens)])[:most]
         if not behind:
             return False
         m = max(len(new) - len(r.tokens) for r, new in behind)
-        m = min(m, max(1, chunk // len(behind))) if chunk else m  # the positions a chunk holds
+        m = min(m, max(1, most // len(behind)))
         runs = [new[len(r.tokens) : len(r.tokens) + m] for r, new in behind]
         try:
             t.check_stop()
