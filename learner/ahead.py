@@ -88,6 +88,11 @@ class _Row:
     logprobs: list[np.ndarray] = field(default_factory=list)  # theirs, in runs
 
     @property
+    def width(self) -> int:
+        """Positions its keys and values hold: the prompt and `tokens`."""
+        return self.state[1][0].shape[2]
+
+    @property
     def bytes(self) -> int:
         """What its keys and values take (not its last output: see ReferenceAhead.reserve)."""
         _, keys, values = self.state
@@ -279,14 +284,15 @@ class ReferenceAhead:
             t.check_stop()
         except StepStopped:
             return False
-        ids = np.zeros((len(runs), max(map(len, runs))), np.int32)  # right-padded
+        lengths = [len(run) for run in runs]
+        padded = np.zeros((len(runs), max(lengths)), np.int32)  # right-padded
         for n, run in enumerate(runs):
-            ids[n, : len(run)] = run
+            padded[n, : len(run)] = run
+        ids = mx.array(padded)
         with adapters_disabled(t.model):
-            lengths = [len(run) for run in runs]
-            outputs, after = extend_states(t.body, [r.state for r, _ in behind], mx.array(ids), lengths)
+            outputs, after = extend_states(t.body, [r.state for r, _ in behind], ids, lengths)
             logits = outputs if t.head is None else t.head(outputs)
-            logprobs = token_logprobs(logits, mx.array(ids), t.temperature)
+            logprobs = token_logprobs(logits, ids, t.temperature)
             mx.eval(logprobs, after)
         for n, ((r, _), run, state) in enumerate(zip(behind, runs, after)):
             r.state = state
@@ -298,10 +304,10 @@ class ReferenceAhead:
         """The shortest of `rows` whose keys and values, left-padded to the longest as one
         forward has them (twice: padded, then grown), stay within a quarter of the budget;
         at least one row. Shortest first: rows of like lengths waste the least padding."""
-        rows = sorted(rows, key=lambda row: row[0].state[1][0].shape[2])
+        rows = sorted(rows, key=lambda row: row[0].width)
         width, n = 0, 0
         for r, new in rows:
-            width = max(width, r.state[1][0].shape[2] + len(new) - len(r.tokens))
+            width = max(width, r.width + len(new) - len(r.tokens))
             if n and (n + 1) * width * self.per_position > self.budget / 4:
                 break
             n += 1
