@@ -40,21 +40,12 @@ def partial(rows: list, name: str, tokens: int):
     return Partial.of(name, rows[0].prompt_ids, [r.completion_ids[:tokens] for r in rows])
 
 
-def rollout(rows: list, name: str):
-    from learner.groups import Group
-
-    ids = [r.completion_ids for r in rows]
-    return Group(
-        ACTOR, name, 0, "", {}, rows[0].prompt_ids, ids, [r.behavior_logprobs for r in rows],
-        [""] * len(rows), ["stop"] * len(rows), 0.0, None,
-    )  # fmt: skip
-
-
 def ahead(trainer, groups: list[list], batched: bool) -> tuple[float, list]:
     """Seconds of the learner's work for the batch's reference logprobs from partials,
     and each group's. Not batched: a ReferenceAhead a group, so a forward takes one
     group's rows."""
     from learner.ahead import ReferenceAhead
+    from learner.groups import Group
 
     def one() -> ReferenceAhead:
         return ReferenceAhead(trainer, budget_mb=256, max_tokens=MAX_TOKENS)
@@ -73,7 +64,7 @@ def ahead(trainer, groups: list[list], batched: bool) -> tuple[float, list]:
                 pass
         for i, g in enumerate(groups):  # rollouts whose longest row ended by now
             if arrived[i] is None and ends[i] <= step:
-                arrived[i] = rollout(g, str(i))
+                arrived[i] = Group.of_rows(ACTOR, str(i), g)
                 holders[i].take([arrived[i]])
         seconds += time.perf_counter() - t0
     return seconds, [g.reference for g in arrived]

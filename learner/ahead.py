@@ -98,6 +98,10 @@ class _Row:
         _, keys, values = self.state
         return sum(a.nbytes for a in (*keys, *values))
 
+    def behind(self, newest: np.ndarray) -> bool:
+        """Whether `newest` (its completion's tokens so far) holds tokens it has not run."""
+        return len(newest) > len(self.tokens)
+
 
 @dataclass
 class _Group:
@@ -107,7 +111,7 @@ class _Group:
     reserved: int = 0  # bytes its keys and values take at most (every row at max_tokens)
 
     def behind(self) -> bool:
-        return self.rows is None or any(len(t) > len(r.tokens) for r, t in zip(self.rows, self.newest))
+        return self.rows is None or any(r.behind(t) for r, t in zip(self.rows, self.newest))
 
 
 class ReferenceAhead:
@@ -239,7 +243,7 @@ class ReferenceAhead:
         with spans.span("reference logprobs ahead", rows=len(rows), partial=False):
             while self._forward(rows):
                 pass
-        if any(len(new) > len(r.tokens) for r, new in rows):
+        if any(r.behind(new) for r, new in rows):
             return  # a stop: the learner's loop sees it; the group keeps its reference pass
         g.reference = [np.concatenate([np.zeros(0, np.float32), *r.logprobs]) for r in held.rows]
 
@@ -274,7 +278,7 @@ class ReferenceAhead:
         it)."""
         t = self.trainer
         most = min(t.logits.chunk or FORWARD_POSITIONS, FORWARD_POSITIONS)
-        behind = self._fitting([(r, new) for r, new in rows if len(new) > len(r.tokens)])[:most]
+        behind = self._fitting([(r, new) for r, new in rows if r.behind(new)])[:most]
         if not behind:
             return False
         m = max(len(new) - len(r.tokens) for r, new in behind)

@@ -57,6 +57,16 @@ class Group:
         """Each completion's advantage: its session's, of the group's [G] `advantages`."""
         return advantages if self.sessions is None else advantages[self.sessions]
 
+    @classmethod
+    def of_rows(cls, sender: bytes, group_id: str, rows: list[TrainRow]) -> Group:
+        """A group of these rows (one prompt, policy version 0), as `samples` gives them
+        back: one built without a rollout message (tests, benchmarks)."""
+        return cls(
+            sender, group_id, 0, "", {}, rows[0].prompt_ids,
+            [r.completion_ids for r in rows], [r.behavior_logprobs for r in rows],
+            [""] * len(rows), [r.finish_reason for r in rows], 0.0, None,
+        )  # fmt: skip
+
     def samples(self) -> list[TrainRow]:
         """Its completions as the step trains them: tokens, behavior logprobs, loss masks."""
         n = len(self.texts)

@@ -21,24 +21,6 @@ from tests.test_streamed_step import G, sampled_rows
 ACTOR = b"actor-1"
 
 
-def group_of(rows, group_id: str) -> Group:
-    """A group of these rows (one prompt) as the learner holds a rollout's."""
-    return Group(
-        ACTOR,
-        group_id,
-        0,
-        "prompt",
-        {},
-        rows[0].prompt_ids,
-        [r.completion_ids for r in rows],
-        [r.behavior_logprobs for r in rows],
-        [""] * len(rows),
-        [r.finish_reason for r in rows],
-        0.0,
-        None,
-    )
-
-
 def partial_of(rows, group_id: str, tokens: int) -> Partial:
     """The group's partial after `tokens` decode steps: each row's first `tokens` IDs."""
     return Partial.of(group_id, rows[0].prompt_ids, [r.completion_ids[:tokens] for r in rows])
@@ -82,7 +64,7 @@ def test_partials_give_the_reference_logprobs_the_step_s_own_pass_gives(chunk):
         assert forwards == (3 if tokens == 2 else 1) if chunk == 0 else forwards > 3
     ahead.offer(ACTOR, partial_of(groups[0], "0", 9))
     run_all(ahead)
-    arrived = [group_of(rows, str(i)) for i, rows in enumerate(groups)]
+    arrived = [Group.of_rows(ACTOR, str(i), rows) for i, rows in enumerate(groups)]
     ahead.take(arrived)
     assert arrived[1].reference is None  # no partials: its step takes the reference pass
     assert ahead.groups == {} and ahead.held() == 0
@@ -105,7 +87,7 @@ def test_a_rollout_that_does_not_continue_its_partials_gets_its_reference_pass_w
     group = rows[:G]
     ahead.offer(ACTOR, partial_of(group, "7", 3))
     run_all(ahead)
-    g = group_of(group, "7")
+    g = Group.of_rows(ACTOR, "7", group)
     g.completion_ids = [c.copy() for c in g.completion_ids]
     g.completion_ids[0][1] = (g.completion_ids[0][1] + 1) % 50
     ahead.take([g])
@@ -113,7 +95,7 @@ def test_a_rollout_that_does_not_continue_its_partials_gets_its_reference_pass_w
 
     ahead.offer(ACTOR, partial_of(group, "8", 3))
     run_all(ahead)
-    other = group_of(rows[G : 2 * G], "8")  # the same id, another prompt
+    other = Group.of_rows(ACTOR, "8", rows[G : 2 * G])  # the same id, another prompt
     ahead.take([other])
     assert other.reference is None
 
@@ -136,7 +118,7 @@ def test_groups_over_the_budget_are_left_to_their_steps_and_a_forgotten_actor_s_
     assert list(ahead.groups) == [(ACTOR, "0")] and ahead.refused == {(ACTOR, "1")}
     ahead.offer(ACTOR, partial_of(rows[G : 2 * G], "1", 4))
     assert (ACTOR, "1") not in ahead.groups
-    g = group_of(rows[G : 2 * G], "1")
+    g = Group.of_rows(ACTOR, "1", rows[G : 2 * G])
     ahead.take([g])
     assert g.reference is None and not ahead.refused
 
@@ -216,7 +198,7 @@ def test_a_stop_while_a_rollout_s_tail_runs_leaves_the_group_to_its_step():
     ahead.offer(ACTOR, partial_of(rows[:G], "0", 2))
     run_all(ahead)
     trainer.stopping = lambda: True
-    g = group_of(rows[:G], "0")
+    g = Group.of_rows(ACTOR, "0", rows[:G])
     ahead.take([g])
     assert g.reference is None and ahead.groups == {}
 
@@ -235,7 +217,7 @@ def test_partials_that_cannot_be_of_the_run_s_groups_are_ignored():
     long.completion_lens[0], long.completion_lens[1] = 13, -9  # sums as before
     ahead.offer(ACTOR, long)
     assert ahead.groups == {}
-    ahead.take([group_of(rows[G : 2 * G], "3")])
+    ahead.take([Group.of_rows(ACTOR, "3", rows[G : 2 * G])])
     ahead.offer(ACTOR, partial_of(rows[G : 2 * G], "3", 2))
     assert ahead.groups == {}
     ahead.offer(ACTOR, partial_of(rows[:G], "4", 2))
@@ -275,7 +257,7 @@ def test_a_forward_s_keys_and_values_stay_within_a_quarter_of_the_budget():
     for tokens in (5, 9):  # rows behind: 4 (the first 2 tokens too), then 2 (CUTS 12, 3, 7, 1)
         ahead.offer(ACTOR, partial_of(group, "0", tokens))
         assert run_all(ahead) > 1
-    g = group_of(group, "0")
+    g = Group.of_rows(ACTOR, "0", group)
     ahead.take([g])
     assert g.reference is not None
     for got, want in zip(g.reference, trainer.reference_logprobs(group)):
