@@ -110,7 +110,8 @@ class Actor:
         self.lock = threading.RLock()
         self.beating = threading.Event()
         self.last_beat = float("inf")  # the last heartbeat (monotonic); none before the first hello
-        self.decoding: dict[int, PlacedPrompt] = {}  # groups in the engine, by key
+        # Groups in the engine, by key, and when each went in (perf_counter).
+        self.decoding: dict[int, tuple[PlacedPrompt, float]] = {}
         self.groups_added = 0
         self.decode_s = 0.0  # decoding time since groups last went out
         self.partial_every = 0  # the learner's hello says (PROTOCOL.md, `partial`); 0: none
@@ -323,18 +324,20 @@ class Actor:
         if self.pending is None or in_flight:
             for _ in range(room):
                 self.groups_added += 1
-                drawn = self.decoding[self.groups_added] = self.next_prompt()
+                drawn = self.next_prompt()
+                self.decoding[self.groups_added] = drawn, time.perf_counter()
                 noise = list(range(drawn.first_noise, drawn.first_noise + self.sampling.group_size))
                 engine.add(self.groups_added, drawn.prompt.prompt_ids, noise)
         t0 = time.perf_counter()
         done = engine.step(self.policy_version)
         self.decode_s += time.perf_counter() - t0
         for key, completions in done:
-            drawn = self.decoding.pop(cast(int, key))
+            drawn, since = self.decoding.pop(cast(int, key))
             # Each group's share of the decoding time since the last groups went out.
             fields, arrays = self.completions(drawn.prompt, completions)
             fields["in_flight"] = self.still_decoding()
-            self.send_group(drawn, fields, arrays, self.decode_s / len(done), str(key))
+            took = time.perf_counter() - since
+            self.send_group(drawn, fields, arrays, self.decode_s / len(done), str(key), took)
         if done:
             self.decode_s = 0.0
         self.steps += 1
@@ -384,7 +387,7 @@ class Actor:
             return
         for key in self.engine.started_before(self.policy_version - self.max_staleness):
             self.engine.cancel(key)
-            drawn = self.decoding.pop(cast(int, key))
+            drawn, _ = self.decoding.pop(cast(int, key))
             log.info(
                 "data row %s: stopped sampling its group, stale under weights version %d (max_staleness %d)",
                 drawn.prompt.index,
@@ -433,12 +436,22 @@ class Actor:
         return ceil_div(self.window, self.max_staleness + 1)
 
     def send_group(
-        self, drawn: PlacedPrompt, fields: dict, arrays: dict, gen_s: float, group_id: str | None = None
+        self,
+        drawn: PlacedPrompt,
+        fields: dict,
+        arrays: dict,
+        gen_s: float,
+        group_id: str | None = None,
+        decoding_s: float | None = None,
     ) -> None:
-        """`group_id`: the engine's key (what its partials said), else the groups sent so far."""
+        """`group_id`: the engine's key (what its partials said), else the groups sent so far.
+        `decoding_s`: the seconds since it went into the engine, for the timeline (under
+        max_staleness k, k + 1 steps take at least the longest group's: docs/timeline.md)."""
         group_id = str(self.groups_sent) if group_id is None else group_id
         rollout = rollout_message(drawn, group_id, self.policy_version, self.timings, fields, arrays, gen_s)
-        with spans.span("send", group=group_id):
+        with spans.span("send", group=group_id) as span:
+            if decoding_s is not None:
+                span["decoding_s"] = round(decoding_s, 3)
             self.send_frames(rollout_frames(rollout))
         self.groups_sent += 1
 

@@ -282,6 +282,12 @@ def test_a_real_run_s_timeline_has_every_process_and_its_steps_hold_their_parts(
     learned = {"step", "wait for groups", "learn groups", *TAKE_PARTS, *STEP_PARTS, *OPTIMIZER_PARTS}
     assert learned <= {e["name"] for e in spans["learner"]}
     assert {"decode step", "prefill", "send", "apply weights"} <= {e["name"] for e in spans["actor"]}
+    # Each group sent says how long it decoded: decode steps ran in that time, none later.
+    sends = [e for e in spans["actor"] if e["name"] == "send"]
+    decodes = [e["ts"] for e in spans["actor"] if e["name"] == "decode step"]
+    for e in sends:
+        began = e["ts"] - e["args"]["decoding_s"] * 1e6
+        assert any(began <= ts <= e["ts"] for ts in decodes), e
     marks = sorted(e["args"]["step"] for e in spans["learner"] if e["ph"] == "i")
     assert marks == [2, 3, 4]  # step 1's end opens the window
     events = read_events(run)
@@ -338,3 +344,22 @@ def test_the_benchmarks_cost_of_a_position_is_the_forwards_time_over_their_posit
     )
     learner = timeline_summary(tmp_path, 3)["learner"]
     assert learner["forward_backward_ms_per_position"] == pytest.approx(1.5)
+
+
+def test_the_benchmarks_longest_decoding_is_each_step_s_longest_group_averaged(tmp_path):
+    """benchmarks' summary over steps 2..3 (step ends at 1, 2 and 4 s): groups sent in
+    step 2 after 1 and 3 s of decoding, in step 3 after 2 s: (3 + 2) / 2 = 2.5 s; one sent
+    before the window, and one without `decoding_s`, are not counted. A step: 3 s / 2."""
+    from benchmarks.common import timeline_summary
+
+    s = 1_000_000
+    write(tmp_path, "learner", [mark(1, s), mark(2, 2 * s), mark(3, 4 * s)])
+    sends = [(s // 2, 9.0), (s + 100, 1.0), (s + 200, 3.0), (3 * s, 2.0), (3 * s + 100, None)]
+    write(
+        tmp_path,
+        "actor-0",
+        [span("send", ts, 10, group=str(ts), **({} if d is None else {"decoding_s": d})) for ts, d in sends],
+    )
+    summary = timeline_summary(tmp_path, 3)
+    assert summary["actor-0"]["longest_group_s"] == pytest.approx(2.5)
+    assert summary["learner"]["step_s"] == pytest.approx(1.5)
