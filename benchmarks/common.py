@@ -67,7 +67,7 @@ def tiny_config() -> Config:
 def timeline_summary(run_dir: Path, steps: int) -> dict:
     """Each process's busy share and waits (shares of the window) over steps 2..steps,
     from the run's timeline (orchestrator timeline)."""
-    from orchestrator.timeline import clipped, read_events, step_ends, summarize, window
+    from orchestrator.timeline import clipped, longest_decoding, read_events, summarize, window
 
     events = read_events(run_dir)
     t0, t1 = window(events, (2, steps))
@@ -75,9 +75,8 @@ def timeline_summary(run_dir: Path, steps: int) -> dict:
         s.process: {"busy": s.busy_s / s.wall_s, "waits": {k: v / s.wall_s for k, v in s.waits.items()}}
         for s in summarize(events, t0, t1)
     }
-    if "learner" in out:  # a step's wall time, beside the longest group's decoding (the actor's)
-        out["learner"]["step_s"] = (t1 - t0) / 1e6 / (steps - 1)
-    ends = step_ends(events)
+    if "learner" in out and (chain := longest_decoding(events, t0, t1)) is not None:
+        out["learner"]["step_s"], out["learner"]["longest_group_s"] = chain
     for process, rows in events.items():
         mine = [e for e in clipped(rows, t0, t1) if e["tid"] == 0 and e.get("ph") == "X"]
         spans: dict[str, float] = {}
@@ -96,28 +95,7 @@ def timeline_summary(run_dir: Path, steps: int) -> dict:
             out[process]["batch_per_decode_step"] = sum(r["batch"] for r in reads) / len(reads)
         if (per := ms_per_position(mine)) is not None:
             out[process]["forward_backward_ms_per_position"] = per
-        if (
-            longest := longest_decoding(mine, [ends[k] for k in range(1, steps + 1) if k in ends])
-        ) is not None:
-            out[process]["longest_group_s"] = longest
     return out
-
-
-def longest_decoding(events: list[dict], ends: list[int]) -> float | None:
-    """The longest decoding (`send` spans' `decoding_s`: from going into the engine to
-    being sent) among the groups sent in each step (between two of `ends`, µs), averaged
-    over the steps that sent any. Under max_staleness k a group must be trained within
-    k + 1 steps of the weights it started under, so k + 1 steps take at least this."""
-    longest = []
-    for a, b in zip(ends, ends[1:]):
-        sent = [
-            e["args"]["decoding_s"]
-            for e in events
-            if e["name"] == "send" and a <= e["ts"] < b and "decoding_s" in e.get("args", {})
-        ]
-        if sent:
-            longest.append(max(sent))
-    return sum(longest) / len(longest) if longest else None
 
 
 def ms_per_position(events: list[dict]) -> float | None:
@@ -168,8 +146,9 @@ def work_table(runs: dict[str, list[dict]]) -> str:
     """What each timed step cost the learner and the actor, by the timeline's spans
     (medians over repeats): the learner's forwards and backwards (and what they took a
     position), the actor's decode steps, and how many rows a decode step held on average;
-    a step's wall time, and the longest decoding of a group sent in it (`longest_decoding`:
-    under max_staleness k, k + 1 steps take at least that)."""
+    a step's wall time, and the longest decoding of a group sent in it
+    (orchestrator/timeline.py::longest_decoding: under max_staleness k, k + 1 steps take
+    at least that)."""
 
     def value(rs: list[dict], process: str, get, form: str = "{:.1f}") -> str:
         found = [get(of_process(r["timeline"], process)) for r in rs]
@@ -196,7 +175,7 @@ def work_table(runs: dict[str, list[dict]]) -> str:
             value(rs, "actor", lambda t: t.get("batch_per_decode_step")),
             value(rs, "actor", lambda t: t.get("cache_read_own"), "{:.0%}"),
             value(rs, "learner", lambda t: t.get("step_s")),
-            value(rs, "actor", lambda t: t.get("longest_group_s")),
+            value(rs, "learner", lambda t: t.get("longest_group_s")),
         ]
         rows.append(f"| {name} | {' | '.join(cells)} |")
     return "\nSeconds a timed step, by the timeline's spans:\n\n" + "\n".join(rows) + "\n"

@@ -131,6 +131,27 @@ def render(shares: list[Share]) -> str:
     return "\n".join(lines)
 
 
+def longest_decoding(events: dict[str, list[dict]], t0: int, t1: int) -> tuple[float, float] | None:
+    """Over the learner's steps that end in [t0, t1] after the first of them: a step's
+    seconds, and the longest decoding of a group any actor sent in the step (its `send`
+    span's `decoding_s`), averaged over the steps that sent one. A group is trained within
+    max_staleness + 1 steps of the weights it started under, so that many steps take at
+    least that: when they take little more, the longest completions bound the run. None
+    without two steps, or without `decoding_s` (a static engine, episodes, agents)."""
+    marks = sorted(ts for ts in step_ends(events).values() if t0 <= ts <= t1)
+    sent = [
+        (e["ts"], e["args"]["decoding_s"])
+        for rows in events.values()
+        for e in rows
+        if e["name"] == "send" and "decoding_s" in e.get("args", {})
+    ]
+    longest = [max((d for ts, d in sent if a <= ts < b), default=None) for a, b in zip(marks, marks[1:])]
+    found = [d for d in longest if d is not None]
+    if not found:
+        return None
+    return (marks[-1] - marks[0]) / 1e6 / (len(marks) - 1), sum(found) / len(found)
+
+
 def trace(events: dict[str, list[dict]], t0: int, t1: int) -> dict:
     """The Chrome trace of [t0, t1]: a pid per process, named; times from t0."""
     out: list[dict] = []
@@ -207,4 +228,7 @@ def write_timeline(
     text = f"trace: {path} (open it in ui.perfetto.dev or chrome://tracing)\n"
     if png:
         text += f"picture: {draw(events, t0, t1, Path(png))}\n"
-    return text + f"{(t1 - t0) / 1e6:.1f} s\n" + render(summarize(events, t0, t1))
+    text += f"{(t1 - t0) / 1e6:.1f} s\n" + render(summarize(events, t0, t1))
+    if (chain := longest_decoding(events, t0, t1)) is not None:
+        text += f"\na step: {chain[0]:.2f} s; its longest group decoded for {chain[1]:.2f} s (on average)"
+    return text

@@ -302,6 +302,7 @@ def test_a_real_run_s_timeline_has_every_process_and_its_steps_hold_their_parts(
     # busy: the steps, and the scoring between them (top-level too); waits: the rest
     assert step_s <= learner.busy_s + 1e-5, (learner, step_s)
     assert learner.busy_s + sum(learner.waits.values()) <= learner.wall_s + 1e-5, learner
+    assert "its longest group decoded for" in done.stdout, done.stdout
     shown = {line.split()[0] for line in done.stdout.splitlines() if line.strip()}
     assert {"learner", "actor", track} <= shown, done.stdout
 
@@ -346,20 +347,29 @@ def test_the_benchmarks_cost_of_a_position_is_the_forwards_time_over_their_posit
     assert learner["forward_backward_ms_per_position"] == pytest.approx(1.5)
 
 
-def test_the_benchmarks_longest_decoding_is_each_step_s_longest_group_averaged(tmp_path):
-    """benchmarks' summary over steps 2..3 (step ends at 1, 2 and 4 s): groups sent in
-    step 2 after 1 and 3 s of decoding, in step 3 after 2 s: (3 + 2) / 2 = 2.5 s; one sent
-    before the window, and one without `decoding_s`, are not counted. A step: 3 s / 2."""
+def test_the_summary_gives_a_step_and_each_step_s_longest_decoding_averaged(tmp_path):
+    """Steps 2..3 (step ends at 1, 2 and 4 s): groups sent in step 2 after 1 and 3 s of
+    decoding, in step 3 after 2 s, by two actors: (3 + 2) / 2 = 2.5 s; one sent before
+    the window, and one without `decoding_s`, are not counted. A step: 3 s / 2. The
+    benchmarks' summary reads the same."""
     from benchmarks.common import timeline_summary
 
     s = 1_000_000
     write(tmp_path, "learner", [mark(1, s), mark(2, 2 * s), mark(3, 4 * s)])
     sends = [(s // 2, 9.0), (s + 100, 1.0), (s + 200, 3.0), (3 * s, 2.0), (3 * s + 100, None)]
-    write(
-        tmp_path,
-        "actor-0",
-        [span("send", ts, 10, group=str(ts), **({} if d is None else {"decoding_s": d})) for ts, d in sends],
-    )
-    summary = timeline_summary(tmp_path, 3)
-    assert summary["actor-0"]["longest_group_s"] == pytest.approx(2.5)
-    assert summary["learner"]["step_s"] == pytest.approx(1.5)
+    for actor, mine in (("actor-0", sends[:2] + sends[3:]), ("actor-1", sends[2:3])):
+        write(
+            tmp_path,
+            actor,
+            [
+                span("send", ts, 10, group=str(ts), **({} if d is None else {"decoding_s": d}))
+                for ts, d in mine
+            ],
+        )
+    text = write_timeline(tmp_path, steps="2:3")
+    assert "a step: 1.50 s; its longest group decoded for 2.50 s (on average)" in text, text
+    learner = timeline_summary(tmp_path, 3)["learner"]
+    assert (learner["step_s"], learner["longest_group_s"]) == (pytest.approx(1.5), pytest.approx(2.5))
+    write(tmp_path, "actor-0", [span("send", s + 100, 10, group="0")])  # a static engine's: none
+    write(tmp_path, "actor-1", [])
+    assert "longest group" not in write_timeline(tmp_path, steps="2:3")
