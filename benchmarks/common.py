@@ -76,7 +76,7 @@ def timeline_summary(run_dir: Path, steps: int) -> dict:
         for s in summarize(events, t0, t1)
     }
     if "learner" in out and (chain := longest_decoding(events, t0, t1)) is not None:
-        out["learner"]["step_s"], out["learner"]["longest_group_s"] = chain
+        out["learner"]["wall_step_s"], out["learner"]["longest_group_s"] = chain
     for process, rows in events.items():
         mine = [e for e in clipped(rows, t0, t1) if e["tid"] == 0 and e.get("ph") == "X"]
         spans: dict[str, float] = {}
@@ -174,7 +174,7 @@ def work_table(runs: dict[str, list[dict]]) -> str:
             value(rs, "actor", lambda t: t.get("rows_per_decode_step")),
             value(rs, "actor", lambda t: t.get("batch_per_decode_step")),
             value(rs, "actor", lambda t: t.get("cache_read_own"), "{:.0%}"),
-            value(rs, "learner", lambda t: t.get("step_s")),
+            value(rs, "learner", lambda t: t.get("wall_step_s")),
             value(rs, "learner", lambda t: t.get("longest_group_s")),
         ]
         rows.append(f"| {name} | {' | '.join(cells)} |")

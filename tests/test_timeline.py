@@ -369,7 +369,7 @@ def test_the_summary_gives_a_step_and_each_step_s_longest_decoding_averaged(tmp_
     text = write_timeline(tmp_path, steps="2:3")
     assert "a step: 1.50 s; its longest group decoded for 2.50 s (on average)" in text, text
     learner = timeline_summary(tmp_path, 3)["learner"]
-    assert (learner["step_s"], learner["longest_group_s"]) == (pytest.approx(1.5), pytest.approx(2.5))
+    assert (learner["wall_step_s"], learner["longest_group_s"]) == (pytest.approx(1.5), pytest.approx(2.5))
     write(tmp_path, "actor-0", [span("send", s + 100, 10, group="0")])  # a static engine's: none
     write(tmp_path, "actor-1", [])
     assert "longest group" not in write_timeline(tmp_path, steps="2:3")
