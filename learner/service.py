@@ -103,13 +103,12 @@ class Learner:
         intake = Intake(scorer, trainer.algorithm.keep_group, ledger)
         lora, fingerprint = as_dict(cfg.lora), tokenizer_fingerprint(tokenizer)
         identity = dict(model=cfg.model.path, tokenizer=fingerprint, lora=lora, instance=instance)
-        group_size = cfg.sampling.group_size
         rollouts = RolloutSocket(
             net,
             endpoints["learner"],
             ledger,
             identity,
-            lambda actor, msg: group_from_message(actor, msg, vocab_size, group_size),
+            lambda actor, msg: group_from_message(actor, msg, vocab_size, cfg.sampling.group_size),
             lambda: adapter_weights_numpy(model),
             keys,
             cfg.actor.count,
@@ -133,17 +132,18 @@ class Learner:
         try:
             if self.step == 0:
                 self.evaluate()  # the base of comparison; a resumed run has it already
+            took = True  # so that groups at hand are learned before any work ahead (the batch's last too)
             while self.step < train.steps and not self.signals.requested:
-                worked = self.rollouts.partials.work(self.intake, self.step - train.max_staleness)
+                ahead = not took and self.rollouts.partials.work(self.intake, self.step - train.max_staleness)
                 with spans.span("wait for groups", spans.WAIT):
-                    arrived = self.rollouts.receive(0 if worked else 100, self.step)
+                    arrived = self.rollouts.receive(0 if ahead or took else 100, self.step)
                 self.rollouts.partials.take(arrived)
                 with spans.span("score", groups=len(arrived)):
                     self.intake.add(arrived)
                     self.intake.score()
-                stepped = self.learn()
+                step, took = self.step, self.learn()
                 self.rollouts.send_credits()
-                self.reports.write_phase(self.step, at_once=stepped)
+                self.reports.write_phase(self.step, at_once=self.step > step)
             self.intake.put_back()  # a batch begun, not complete at a stop: queued again
             if self.step >= train.steps:
                 self.evaluate()  # a run resumed at its last step; otherwise done already
@@ -159,7 +159,7 @@ class Learner:
         """Take the groups at hand into the batch being built, through forward and backward
         at once (all at once when its advantages need the whole batch, or with
         `train.stream_groups = false`), and train the batch once it is complete:
-        `num_iterations` optimizer steps, each published at once. True when a step was taken.
+        `num_iterations` optimizer steps, each published at once. True when it took groups.
 
         A stop between two micro-batches ends the batch unfinished: its groups go back to
         the queue if its first step was not taken (a checkpoint counts queued groups as not
@@ -183,7 +183,7 @@ class Learner:
                 self.intake.put_back()
             self.building = Building.new(self.trainer, self.ranks)
             log.info("stopped in the middle of step %d: nothing of it was applied", self.step + 1)
-        return self.step > first_step
+        return True
 
     def train_batch(self) -> None:
         """The complete batch's optimizer steps, its metrics and its completions."""

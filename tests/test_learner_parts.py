@@ -650,8 +650,57 @@ def test_the_learner_says_it_is_stepping_before_every_take_of_a_batch():
     learner.write_status = lambda phase, **extra: said.append(phase)  # type: ignore[method-assign]
     for arrived in ("a", "b"):  # one group, then another: two takes
         learner.intake.queue.append((len(said), SimpleNamespace(policy_version=0, name=arrived)))
-        assert learner.learn() is False
+        assert learner.learn() is True  # it took a group
     assert said == [Phase.STEPPING, "take 1", Phase.STEPPING, "take 1"]
+    assert learner.learn() is False  # none at hand
+
+
+def test_groups_at_hand_are_learned_before_any_work_ahead():
+    """Two groups queued, and reference logprobs to take ahead (learner/ahead.py): the
+    learner's loop learns both before it works ahead. Work ahead first would keep a batch's
+    last group, which ends the step, waiting for what only a later step needs."""
+    from types import SimpleNamespace
+
+    from learner.intake import Intake
+    from learner.ledger import Ledger
+    from learner.service import Learner
+    from runtime.config import TrainConfig
+
+    done: list[str] = []
+
+    class Building:
+        groups: list = []
+        started = None
+
+        def take(self, groups, cfg, pad_id):
+            done.extend(f"learn {g.name}" for g in groups)
+            self.groups = [*self.groups, *groups]
+
+    def work(intake, oldest):
+        done.append("work ahead")
+        return True
+
+    def receive(timeout_ms, version):
+        signals.requested = done.count("work ahead") == 2  # then the loop ends
+        return []
+
+    signals = SimpleNamespace(requested=False)
+    learner = Learner.__new__(Learner)
+    learner.cfg = SimpleNamespace(train=TrainConfig(batch_size=3, steps=5))  # type: ignore[assignment]
+    learner.step, learner.streams, learner.pad_id, learner.building = 0, True, 0, Building()  # type: ignore[assignment]
+    learner.num_tokens, learner.evaluator, learner.signals = 0, None, signals  # type: ignore[assignment]
+    scorer = SimpleNamespace(poll=lambda timeout: ([], [], []))
+    learner.intake = Intake(scorer, lambda rewards: True, Ledger())  # type: ignore[arg-type]
+    learner.intake.queue = [(i, SimpleNamespace(policy_version=0, name=n)) for i, n in enumerate("ab")]  # type: ignore[misc]
+    partials = SimpleNamespace(work=work, take=lambda arrived: None)
+    learner.rollouts = SimpleNamespace(  # type: ignore[assignment]
+        partials=partials, receive=receive, send_credits=lambda: None, sampling=lambda version: 0
+    )
+    learner.reports = SimpleNamespace(write_phase=lambda step, at_once: None)  # type: ignore[assignment]
+    learner.checkpoints = SimpleNamespace(write=lambda step, tokens: None)  # type: ignore[assignment]
+    learner.write_status = lambda phase, **extra: None  # type: ignore[method-assign]
+    learner.run()
+    assert done == ["learn a", "learn b", "work ahead", "work ahead"]
 
 
 def test_a_batch_put_back_is_queued_again_in_its_order_of_arrival():
