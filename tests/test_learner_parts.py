@@ -620,38 +620,58 @@ def test_the_plot_s_reward_band_stays_inside_the_range_the_rewards_took():
     assert low == pytest.approx([0.6, 0.0, 0.25]) and high == pytest.approx([1.0, 0.3, 0.75])
 
 
-def test_the_learner_says_it_is_stepping_before_every_take_of_a_batch():
-    """status.json says "stepping" before each take of groups, not only the first: `up`
-    gives a step under way its time before it kills the learner (Supervisor.step_under_way),
-    and between takes the phase the sockets say has replaced it."""
+def learner_of_fakes(took: list[str], say, batch_size: int = 3, **parts):
+    """A Learner with no process behind it, streaming: its batch notes each group it takes
+    (`learn NAME`) in `took`, its status goes to `say`, and its rollout socket, scorer and
+    other parts are `parts` (SimpleNamespace fakes)."""
     from types import SimpleNamespace
 
     from learner.intake import Intake
     from learner.ledger import Ledger
     from learner.service import Learner
     from runtime.config import TrainConfig
-    from runtime.rundir import Phase
-
-    said: list[str] = []
 
     class Building:
         groups: list = []
         started = None
 
         def take(self, groups, cfg, pad_id):
-            said.append(f"take {len(groups)}")
+            took.extend(f"learn {g.name}" for g in groups)
             self.groups = [*self.groups, *groups]
 
     learner = Learner.__new__(Learner)
-    learner.cfg = SimpleNamespace(train=TrainConfig(batch_size=3))  # type: ignore[assignment]
+    learner.cfg = SimpleNamespace(train=TrainConfig(batch_size=batch_size, steps=5))  # type: ignore[assignment]
     learner.step, learner.streams, learner.pad_id, learner.building = 0, True, 0, Building()  # type: ignore[assignment]
-    learner.intake = Intake(None, lambda rewards: True, Ledger())  # type: ignore[arg-type]
-    learner.rollouts = SimpleNamespace(sampling=lambda version: 0)  # type: ignore[assignment]
-    learner.write_status = lambda phase, **extra: said.append(phase)  # type: ignore[method-assign]
+    scorer = SimpleNamespace(poll=lambda timeout: ([], [], []))
+    learner.intake = Intake(scorer, lambda rewards: True, Ledger())  # type: ignore[arg-type]
+    learner.write_status = lambda phase, **extra: say(phase)  # type: ignore[method-assign]
+    for name, part in parts.items():
+        setattr(learner, name, part)
+    return learner
+
+
+def queued(learner, *names: str) -> None:
+    """Groups of version 0 queued at the learner's intake, in this order of arrival."""
+    from types import SimpleNamespace
+
+    for name in names:
+        learner.intake.queue.append((len(learner.intake.queue), SimpleNamespace(policy_version=0, name=name)))
+
+
+def test_the_learner_says_it_is_stepping_before_every_take_of_a_batch():
+    """status.json says "stepping" before each take of groups, not only the first: `up`
+    gives a step under way its time before it kills the learner (Supervisor.step_under_way),
+    and between takes the phase the sockets say has replaced it."""
+    from types import SimpleNamespace
+
+    from runtime.rundir import Phase
+
+    said: list[str] = []
+    learner = learner_of_fakes(said, said.append, rollouts=SimpleNamespace(sampling=lambda version: 0))
     for arrived in ("a", "b"):  # one group, then another: two takes
-        learner.intake.queue.append((len(said), SimpleNamespace(policy_version=0, name=arrived)))
+        queued(learner, arrived)
         assert learner.learn() is True  # it took a group
-    assert said == [Phase.STEPPING, "take 1", Phase.STEPPING, "take 1"]
+    assert said == [Phase.STEPPING, "learn a", Phase.STEPPING, "learn b"]
     assert learner.learn() is False  # none at hand
 
 
@@ -661,20 +681,7 @@ def test_groups_at_hand_are_learned_before_any_work_ahead():
     last group, which ends the step, waiting for what only a later step needs."""
     from types import SimpleNamespace
 
-    from learner.intake import Intake
-    from learner.ledger import Ledger
-    from learner.service import Learner
-    from runtime.config import TrainConfig
-
     done: list[str] = []
-
-    class Building:
-        groups: list = []
-        started = None
-
-        def take(self, groups, cfg, pad_id):
-            done.extend(f"learn {g.name}" for g in groups)
-            self.groups = [*self.groups, *groups]
 
     def work(intake, oldest):
         done.append("work ahead")
@@ -685,20 +692,20 @@ def test_groups_at_hand_are_learned_before_any_work_ahead():
         return []
 
     signals = SimpleNamespace(requested=False)
-    learner = Learner.__new__(Learner)
-    learner.cfg = SimpleNamespace(train=TrainConfig(batch_size=3, steps=5))  # type: ignore[assignment]
-    learner.step, learner.streams, learner.pad_id, learner.building = 0, True, 0, Building()  # type: ignore[assignment]
-    learner.num_tokens, learner.evaluator, learner.signals = 0, None, signals  # type: ignore[assignment]
-    scorer = SimpleNamespace(poll=lambda timeout: ([], [], []))
-    learner.intake = Intake(scorer, lambda rewards: True, Ledger())  # type: ignore[arg-type]
-    learner.intake.queue = [(i, SimpleNamespace(policy_version=0, name=n)) for i, n in enumerate("ab")]  # type: ignore[misc]
     partials = SimpleNamespace(work=work, take=lambda arrived: None)
-    learner.rollouts = SimpleNamespace(  # type: ignore[assignment]
-        partials=partials, receive=receive, send_credits=lambda: None, sampling=lambda version: 0
+    learner = learner_of_fakes(
+        done,
+        lambda phase: None,
+        num_tokens=0,
+        evaluator=None,
+        signals=signals,
+        rollouts=SimpleNamespace(
+            partials=partials, receive=receive, send_credits=lambda: None, sampling=lambda version: 0
+        ),
+        reports=SimpleNamespace(write_phase=lambda step, at_once: None),
+        checkpoints=SimpleNamespace(write=lambda step, tokens: None),
     )
-    learner.reports = SimpleNamespace(write_phase=lambda step, at_once: None)  # type: ignore[assignment]
-    learner.checkpoints = SimpleNamespace(write=lambda step, tokens: None)  # type: ignore[assignment]
-    learner.write_status = lambda phase, **extra: None  # type: ignore[method-assign]
+    queued(learner, "a", "b")
     learner.run()
     assert done == ["learn a", "learn b", "work ahead", "work ahead"]
 
