@@ -217,9 +217,12 @@ def run_agent_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.s
         progress.close()
         gateway.stop()
         runner.close()
-    rewards = [results[p.index] for p in prompts]
-    unscored = sum(all(r is None for r in row) for row in rewards)
-    return eval_summary(cfg, rewards, lengths, unscored, time.perf_counter() - t0)
+    # A row none of whose sessions reported is unscored and left out of pass@k, as a
+    # prompt whose rewards failed is in the other evaluations; a failed session among
+    # reported ones fails.
+    rows = [results[p.index] for p in prompts]
+    rewards = [row for row in rows if any(r is not None for r in row)]
+    return eval_summary(cfg, rewards, lengths, len(rows) - len(rewards), time.perf_counter() - t0)
 
 
 def run_env_eval(cfg: Config, adapter: str | None = None, err: IO[str] = sys.stderr) -> dict:

@@ -417,7 +417,7 @@ class EvalConfig:
         _range(0),
     )
     num_samples: int = key(
-        4, "completions per prompt (n): pass@1 and pass@k for k = 2, 4, ... up to n", _range(1)
+        4, "completions per prompt (n): pass@1 and pass@k for k = 2, 4, ... below n, and k = n", _range(1)
     )
     temperature: float | None = key(
         None, "sampling temperature", _range(0, lo_open=True), shown="`sampling.temperature`"

@@ -675,7 +675,10 @@ from openai import OpenAI
 
 
 def run(row, base_url, api_key):
-    """Two tries; the reward is 1 when the digit is in either answer. Saved for the test."""
+    """Two tries; the reward is 1 when the digit is in either answer. Saved for the test.
+    A row whose answer is "fail" fails every session."""
+    if row["answer"] == "fail":
+        raise RuntimeError("this agent cannot answer this row")
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages, texts = list(row["prompt"]), []
     for _ in range(2):
@@ -693,9 +696,11 @@ def run(row, base_url, api_key):
 @pytest.mark.slow
 def test_actor_eval_runs_the_agent_on_held_out_rows_and_reports_pass_at_k(tmp_path):
     """Each held-out row as 4 sessions of the agent, which records its rewards: pass@k and
-    the mean reward are theirs."""
+    the mean reward are theirs. A row none of whose sessions reports is unscored and left
+    out of them, as a prompt whose rewards failed is in the other evaluations."""
     every = [json.loads(line) for line in (EXAMPLES / "tiny_chat_prompts.jsonl").read_text().splitlines()]
     rows = list({r["answer"]: r for r in every}.values())[:6]  # one row per answer
+    rows.append({**rows[0], "answer": "fail"})  # the agent fails every session of this one
     (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "eval_agent.py").write_text(EVAL_AGENT)
     extra = '[agent]\nfunction = "eval_agent:run"\n[eval]\nprompts = "held_out.jsonl"\nnum_samples = 4'
@@ -710,7 +715,7 @@ def test_actor_eval_runs_the_agent_on_held_out_rows_and_reports_pass_at_k(tmp_pa
         return by_row
 
     shown = actor_eval_matches(cfg, tmp_path, recorded, threshold=1.0)
-    assert shown["eval/prompts"] == "6" and shown["eval/unscored_prompts"] == "0"
+    assert shown["eval/prompts"] == "6" and shown["eval/unscored_prompts"] == "1"
 
 
 @pytest.mark.slow
