@@ -204,8 +204,8 @@ def play_scenario(
     if steps_per_kill is not None:
         scenario = dataclasses.replace(scenario, steps_per_kill=steps_per_kill)
     work.mkdir(parents=True, exist_ok=True)
-    steps = scenario.steps_per_kill * (len(scenario.kinds) * kills + 2)  # every kill lands mid-run
     chaos = Chaos(scenario, work, kills, seed)
+    steps = chaos.steps
     log(f"chaos, {name}, in {work}: {steps} steps, {kills} kills of each of {', '.join(scenario.kinds)}")
     t0 = time.monotonic()
     try:

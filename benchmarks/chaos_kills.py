@@ -12,6 +12,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -122,12 +123,14 @@ class External:
 class Chaos:
     def __init__(self, scenario: Scenario, work: Path, kills: int, seed: int) -> None:
         self.scenario, self.work, self.kills = scenario, work, kills
+        self.steps = scenario.steps_per_kill * (len(scenario.kinds) * kills + 2)  # every kill lands mid-run
         self.run = work / "run"
         self.rng = random.Random(seed)
         self.orchestrator: subprocess.Popen | None = None
         self.pids: set[int] = set()  # every process of the run we ever saw
         self.recovery: dict[str, list[float]] = {k: [] for k in scenario.kinds}
         self.resumes = 0
+        self.step_seen: list[tuple[int, float]] = []  # (last step, when we first saw it)
         self.left_early: list[str] = []  # externals that exited while the run went on
         self.actor = "actor-0" if scenario.remote_actor else "actor"  # the local one's name
         self.externals = externals(scenario, self.run)
@@ -185,6 +188,8 @@ class Chaos:
             self.keep_externals(holding)
             self.note_children()
             done = steps_done(self.run)
+            if done and (not self.step_seen or self.step_seen[-1][0] != done[-1]):
+                self.step_seen.append((done[-1], time.monotonic()))
             if done and done[-1] > after:
                 return time.monotonic() - t0
             if self.orchestrator.poll() is not None:
@@ -195,6 +200,13 @@ class Chaos:
             if time.monotonic() - t0 > timeout:
                 raise RuntimeError(f"no progress past step {after} within {timeout:.0f} s")
             time.sleep(0.05)
+
+    def step_cycle(self) -> float:
+        """Seconds between two steps lately, as seen here: the median of the last few
+        gaps between new steps, per step; 1 s until there are any (at most 1 s)."""
+        recent = self.step_seen[-6:]
+        gaps = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(recent, recent[1:]) if s1 > s0]
+        return min(1.0, statistics.median(gaps)) if gaps else 1.0
 
     def wait_until_dead(self, pids: list[int], timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -232,8 +244,15 @@ class Chaos:
         self.rng.shuffle(plan)
         for i, kind in enumerate(plan, 1):
             # Kill i comes after step i * steps_per_kill, at a random moment within a step's cycle.
+            # A fixed pause would outlast a fast run's steps (0.1 s each for the tiny model
+            # on a fast CPU): the kill would come after the run's end.
             self.wait_for_progress(i * self.scenario.steps_per_kill - 1)
-            time.sleep(self.rng.uniform(0.0, 1.0))
+            time.sleep(self.rng.uniform(0.0, self.step_cycle()))
+            if self.orchestrator.poll() is not None or self.steps in steps_done(self.run):
+                raise RuntimeError(
+                    f"the run reached its last step before kill {i}: the chaos fell behind; "
+                    f"see {self.work / 'orchestrator.log'}"
+                )
             old = [p for p in (heartbeat_pid(self.run, r) for r in ("learner", self.actor)) if p]
             while not self.kill(kind):  # e.g. the actor is being restarted right now
                 if self.orchestrator.poll() is not None:
