@@ -73,19 +73,34 @@ def loss_fn(model, inputs, targets, mask):
     return (ce * mask).sum() / mask.sum()
 
 
+def greedy(model, prompts: mx.array, width: int) -> mx.array:
+    """`width` greedy tokens after each of `prompts` (rows of one length), through a KV
+    cache: one forward of the prompts, then one of a token a row per step. (Without the
+    cache, 21 forwards over the whole rows took 10 s of each validation on a 2-core CPU.)"""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(prompts, cache=cache)
+    out = []
+    for _ in range(width):
+        token = mx.argmax(logits[:, -1], axis=-1, keepdims=True)
+        out.append(token)
+        logits = model(token, cache=cache)
+        mx.eval(logits)
+    return mx.concatenate(out, axis=1)
+
+
 def greedy_accuracy(model, rows: list[dict]) -> float:
     """Fraction of `rows` whose greedy completion is exactly right. Prompts of one length
-    decode as a batch, without a cache (the answers are a few tokens)."""
+    decode as a batch (no padding)."""
     by_length: dict[int, list[dict]] = {}
     for row in rows:
         by_length.setdefault(len(row["prompt"]), []).append(row)
     right = 0
     for same in by_length.values():
-        ids = mx.array([encode(row["prompt"]) for row in same])
+        prompts = mx.array([encode(row["prompt"]) for row in same])
         width = max(len(completion(row)) for row in same) + 1
-        for _ in range(width):
-            ids = mx.concatenate([ids, mx.argmax(model(ids)[:, -1], axis=-1, keepdims=True)], axis=1)
-        for row, out in zip(same, ids[:, len(same[0]["prompt"]) :].tolist()):
+        for row, out in zip(same, greedy(model, prompts, width).tolist()):
             want = encode(completion(row)) + [EOS_ID]
             right += out[: len(want)] == want
     return right / len(rows)

@@ -54,6 +54,27 @@ def test_the_model_is_small_enough_to_commit_and_its_build_runs(tmp_path):
     assert tok.decode(tok.encode("what is 3 + 4?<answer>7</answer>")) == "what is 3 + 4?<answer>7</answer>"
 
 
+def test_the_build_s_greedy_decode_through_a_cache_is_the_one_of_whole_forwards():
+    """The build's validation decodes through a KV cache: its tokens are those of a
+    forward over the whole row at every step (the committed model, real problems)."""
+    import build_arithmetic_model as build
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, _ = load(str(EXAMPLES / "arithmetic-model"))
+    problems = [r for r in rows(arithmetic_task.HELDOUT) if len(r["prompt"]) == 16][:12]
+    prompts = mx.array([build.encode(r["prompt"]) for r in problems])
+    width = max(len(build.completion(r)) for r in problems) + 1  # the answer and its EOS
+    whole = prompts
+    for _ in range(width):
+        whole = mx.concatenate([whole, mx.argmax(model(whole)[:, -1], axis=-1, keepdims=True)], axis=1)
+    decoded = build.greedy(model, prompts, width).tolist()
+    assert decoded == whole[:, 16:].tolist()
+    assert any(
+        build.encode(build.completion(r)) == d[: len(build.completion(r))] for r, d in zip(problems, decoded)
+    )
+
+
 def test_a_short_run_raises_held_out_pass_at_1(tmp_path):
     """30 steps of the README's run at half its batch: pass@1 on 100 held-out problems rises
     (+9.4 points here), and the answer format is kept all along."""
