@@ -88,7 +88,7 @@ def _save(
     os.replace(tmp, final)
     for old in sorted(root.glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    # RUN/adapters always holds the newest adapters, for mlx_lm.generate --adapter-path.
+    # RUN/adapters holds the newest checkpoint's adapters, for mlx_lm.generate --adapter-path.
     save_adapters(model, Path(run_dir) / "adapters", adapter_config)
     return final
 
