@@ -80,13 +80,10 @@ def greedy(model, prompts: mx.array, width: int) -> mx.array:
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    logits = model(prompts, cache=cache)
-    out = []
-    for _ in range(width):
-        token = mx.argmax(logits[:, -1], axis=-1, keepdims=True)
-        out.append(token)
-        logits = model(token, cache=cache)
-        mx.eval(logits)
+    out = [mx.argmax(model(prompts, cache=cache)[:, -1], axis=-1, keepdims=True)]
+    for _ in range(width - 1):
+        out.append(mx.argmax(model(out[-1], cache=cache)[:, -1], axis=-1, keepdims=True))
+        mx.eval(out[-1])
     return mx.concatenate(out, axis=1)
 
 
