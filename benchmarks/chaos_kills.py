@@ -208,6 +208,15 @@ class Chaos:
         gaps = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(recent, recent[1:]) if s1 > s0]
         return min(1.0, statistics.median(gaps)) if gaps else 1.0
 
+    def check_not_over(self, i: int) -> None:
+        """Raise if the run ended, or reached its last step, before kill `i` (the chaos
+        fell behind a fast run)."""
+        if self.orchestrator.poll() is not None or self.steps in steps_done(self.run):
+            raise RuntimeError(
+                f"the run ended or reached its last step before kill {i}; "
+                f"see {self.work / 'orchestrator.log'}"
+            )
+
     def wait_until_dead(self, pids: list[int], timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while any(alive(p) for p in pids):
@@ -248,15 +257,10 @@ class Chaos:
             # on a fast CPU): the kill would come after the run's end.
             self.wait_for_progress(i * self.scenario.steps_per_kill - 1)
             time.sleep(self.rng.uniform(0.0, self.step_cycle()))
-            if self.orchestrator.poll() is not None or self.steps in steps_done(self.run):
-                raise RuntimeError(
-                    f"the run reached its last step before kill {i}: the chaos fell behind; "
-                    f"see {self.work / 'orchestrator.log'}"
-                )
+            self.check_not_over(i)
             old = [p for p in (heartbeat_pid(self.run, r) for r in ("learner", self.actor)) if p]
             while not self.kill(kind):  # e.g. the actor is being restarted right now
-                if self.orchestrator.poll() is not None:
-                    raise RuntimeError(f"the run ended before kill {i}; see {self.work / 'orchestrator.log'}")
+                self.check_not_over(i)
                 time.sleep(0.1)
             killed_at = time.monotonic()
             if kind == "orchestrator":
